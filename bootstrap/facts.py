@@ -1,0 +1,81 @@
+"""The facts every rendered file is made from.
+
+One `ClusterFacts` describes a cluster whether it comes from the Pulumi program
+(AWS instance facts) or from the local cluster (this machine). Templates see
+nothing else, so the AWS and the local cluster share the same rendered files.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+
+# Host addresses inside the subnet: AWS reserves the first four and the last
+# one, so the controller sits at .10 and GPU node i (1-based) at .10 + i.
+CONTROLLER_OFFSET = 10
+RESERVED_AT_END = 1
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str
+    ip: str
+
+
+@dataclass(frozen=True)
+class NodeShape:
+    """What Slurm must be told about a GPU node (from the instance type)."""
+
+    cpus: int
+    real_memory_mib: int
+    gpu_count: int
+    gpu_type: str  # lower-case GRES type, e.g. "l4", "h100"
+
+
+@dataclass(frozen=True)
+class ClusterFacts:
+    cluster_name: str
+    controller: Host
+    gpu_nodes: tuple[Host, ...]
+    shape: NodeShape
+    subnet_cidr: str
+    ssh_user: str = "ubuntu"
+    scratch: str = "/scratch"
+    # gres.conf File= prefix: /dev/nvidia on AWS; plain stand-in files locally.
+    gpu_device_prefix: str = "/dev/nvidia"
+    efa: bool = True
+    nvlink: bool = False
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def hosts(self) -> tuple[Host, ...]:
+        return (self.controller, *self.gpu_nodes)
+
+
+def gpu_node_name(index: int) -> str:
+    """gpu-node-01, gpu-node-02, ... (1-based, as in the seed)."""
+    return f"gpu-node-{index:02d}"
+
+
+def max_gpu_nodes(subnet_cidr: str) -> int:
+    net = ipaddress.ip_network(subnet_cidr, strict=True)
+    return net.num_addresses - CONTROLLER_OFFSET - 1 - RESERVED_AT_END
+
+
+def host_ip(subnet_cidr: str, index: int) -> str:
+    """Fixed private IP: index 0 is the controller, i >= 1 is GPU node i."""
+    net = ipaddress.ip_network(subnet_cidr, strict=True)
+    if index < 0 or index > max_gpu_nodes(subnet_cidr):
+        raise ValueError(
+            f"subnet {subnet_cidr} holds at most {max_gpu_nodes(subnet_cidr)} GPU nodes"
+        )
+    return str(net.network_address + CONTROLLER_OFFSET + index)
+
+
+def plan_hosts(subnet_cidr: str, gpu_node_count: int) -> tuple[Host, tuple[Host, ...]]:
+    """The controller and the GPU nodes with their fixed IPs."""
+    controller = Host("controller", host_ip(subnet_cidr, 0))
+    nodes = tuple(
+        Host(gpu_node_name(i), host_ip(subnet_cidr, i)) for i in range(1, gpu_node_count + 1)
+    )
+    return controller, nodes
