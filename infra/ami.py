@@ -1,0 +1,65 @@
+"""Which AMI the cluster boots.
+
+By default the newest AWS Deep Learning Base GPU AMI for Ubuntu 22.04 in the
+region (the seed's image): NVIDIA driver, CUDA, and the EFA stack with the
+aws-ofi-nccl plugin under /opt/amazon. In the EC2 image catalogue its name is
+"Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04) <YYYYMMDD>"; the
+ARM64 build carries "ARM64" in its name and is excluded by the architecture
+filter. The controller boots the same image: one OS for every host keeps the
+bootstrap single.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pulumi_aws as aws
+
+from infra.config import ConfigError, StackConfig
+
+DLAMI_NAME = "Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04) *"
+AMAZON = "amazon"
+
+
+@dataclass(frozen=True)
+class Ami:
+    id: str
+    name: str
+    root_device_name: str
+    root_snapshot_gib: int | None
+
+
+def resolve_ami(cfg: StackConfig) -> Ami:
+    if cfg.ami_id:
+        filters = [{"name": "image-id", "values": [cfg.ami_id]}]
+        owners = None
+        what = f"slurm-gpu:amiId {cfg.ami_id}"
+    else:
+        filters = [
+            {"name": "name", "values": [DLAMI_NAME]},
+            {"name": "architecture", "values": ["x86_64"]},
+            {"name": "state", "values": ["available"]},
+        ]
+        owners = [AMAZON]
+        what = f"the newest '{DLAMI_NAME}' image"
+    try:
+        res = aws.ec2.get_ami(most_recent=True, owners=owners, filters=filters)
+    except Exception as exc:
+        raise ConfigError(
+            f"could not find {what} in this region ({exc}); set an AMI with "
+            f"`pulumi config set slurm-gpu:amiId ami-...`"
+        ) from exc
+    if res.architecture and res.architecture != "x86_64":
+        raise ConfigError(f"slurm-gpu:amiId {res.id} is {res.architecture}; the cluster needs x86_64")
+    root = next((m for m in res.block_device_mappings or []
+                 if m.device_name == res.root_device_name), None)
+    size = None
+    if root is not None and root.ebs and root.ebs.get("volume_size"):
+        size = int(root.ebs["volume_size"])
+    if size is not None and cfg.root_volume_gib < size:
+        raise ConfigError(
+            f"slurm-gpu:rootVolumeGiB is {cfg.root_volume_gib} but the AMI {res.id} needs at least "
+            f"{size} GiB; set it with `pulumi config set slurm-gpu:rootVolumeGiB {max(size, 200)}`"
+        )
+    return Ami(id=res.id, name=res.name, root_device_name=res.root_device_name,
+               root_snapshot_gib=size)

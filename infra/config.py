@@ -1,0 +1,280 @@
+"""The stack's configuration: every `slurm-gpu:` setting, parsed once and validated.
+
+`StackConfig.from_mapping` is a pure function over the raw key/value pairs, so the
+rules are unit-tested without Pulumi; `load()` feeds it from `pulumi.Config`.
+Every error names the setting and the command that fixes it, and is raised
+before the program declares any resource.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import pulumi
+
+from bootstrap.facts import max_gpu_nodes
+
+NAMESPACE = "slurm-gpu"
+
+# Below this the root volume cannot hold the AMI plus the training stack and
+# the model cache; the AMI's own snapshot size is checked later (infra/ami.py).
+MIN_ROOT_VOLUME_GIB = 50
+# gp3 volumes stop at 16 TiB.
+MAX_ROOT_VOLUME_GIB = 16384
+
+# A Slurm ClusterName that is also safe in hostnames, AWS tags and key-pair
+# names: lower case (slurmdbd lower-cases it anyway), starts with a letter.
+CLUSTER_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,30}[a-z0-9]$|^[a-z]$")
+INSTANCE_TYPE_RE = re.compile(r"^[a-z][a-z0-9-]*\.[a-z0-9-]+$")
+AMI_ID_RE = re.compile(r"^ami-[0-9a-f]{8,17}$")
+AZ_RE = re.compile(r"^[a-z]{2}(-[a-z]+)+-\d[a-z]$")
+SSH_KEY_TYPES = (
+    "ssh-ed25519",
+    "ssh-rsa",
+    "ecdsa-sha2-nistp256",
+    "ecdsa-sha2-nistp384",
+    "ecdsa-sha2-nistp521",
+)
+
+
+class ConfigError(pulumi.RunError):
+    """A bad setting. RunError makes Pulumi print the message without a traceback."""
+
+
+def _set_cmd(key: str, example: str) -> str:
+    return f"set it with `pulumi config set {NAMESPACE}:{key} {example}`"
+
+
+def _fail(key: str, problem: str, example: str) -> ConfigError:
+    return ConfigError(f"{NAMESPACE}:{key} {problem}; {_set_cmd(key, example)}")
+
+
+# key -> (default, example used in error messages). A default of None means optional;
+# REQUIRED means the user must set it.
+REQUIRED = object()
+SETTINGS: dict[str, tuple[Any, str]] = {
+    "adminCidr": (REQUIRED, "203.0.113.7/32"),
+    "sshPublicKey": (REQUIRED, '"$(cat ~/.ssh/id_ed25519.pub)"'),
+    "gpuNodeCount": (2, "2"),
+    "gpuInstanceType": ("g6.12xlarge", "g6.12xlarge"),
+    "controllerInstanceType": ("c6i.xlarge", "c6i.xlarge"),
+    "amiId": (None, "ami-0123456789abcdef0"),
+    "rootVolumeGiB": (200, "200"),
+    "vpcCidr": ("10.0.0.0/16", "10.0.0.0/16"),
+    "subnetCidr": ("10.0.1.0/24", "10.0.1.0/24"),
+    "availabilityZone": (None, "ap-northeast-2a"),
+    "clusterName": ("mini", "mini"),
+    "efa": (True, "true"),
+}
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    admin_cidr: str
+    ssh_public_key: str
+    gpu_node_count: int
+    gpu_instance_type: str
+    controller_instance_type: str
+    ami_id: str | None
+    root_volume_gib: int
+    vpc_cidr: str
+    subnet_cidr: str
+    availability_zone: str | None
+    cluster_name: str
+    efa: bool
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any]) -> "StackConfig":
+        """Parse and validate settings given without the namespace (`adminCidr`, ...).
+
+        Values may be strings (as `pulumi config set` stores them) or YAML scalars.
+        """
+        unknown = sorted(set(raw) - set(SETTINGS))
+        if unknown:
+            known = ", ".join(SETTINGS)
+            raise ConfigError(
+                f"unknown setting {NAMESPACE}:{unknown[0]} (known: {known}); remove it with "
+                f"`pulumi config rm {NAMESPACE}:{unknown[0]}`"
+            )
+
+        def value(key: str) -> Any:
+            default, example = SETTINGS[key]
+            v = raw.get(key)
+            if isinstance(v, str):
+                v = v.strip()
+                if v == "":
+                    v = None
+            if v is None:
+                if default is REQUIRED:
+                    raise _fail(key, "is required and has no default", example)
+                return default
+            return v
+
+        vpc = _network("vpcCidr", value("vpcCidr"), min_prefix=16, max_prefix=28)
+        subnet = _network("subnetCidr", value("subnetCidr"), min_prefix=16, max_prefix=28)
+        if not subnet.subnet_of(vpc):
+            raise _fail(
+                "subnetCidr",
+                f"({subnet}) is not inside {NAMESPACE}:vpcCidr ({vpc})",
+                str(next(vpc.subnets(new_prefix=max(vpc.prefixlen, 24)))),
+            )
+
+        count = _int("gpuNodeCount", value("gpuNodeCount"))
+        room = max_gpu_nodes(str(subnet))
+        if count < 1:
+            raise _fail("gpuNodeCount", f"must be at least 1, not {count}", "2")
+        if count > room:
+            raise _fail(
+                "gpuNodeCount",
+                f"is {count} but {NAMESPACE}:subnetCidr {subnet} holds at most {room} GPU nodes "
+                f"(fixed IPs start at .10); lower the count or use a larger subnet",
+                str(room),
+            )
+
+        root = _int("rootVolumeGiB", value("rootVolumeGiB"))
+        if not MIN_ROOT_VOLUME_GIB <= root <= MAX_ROOT_VOLUME_GIB:
+            raise _fail(
+                "rootVolumeGiB",
+                f"is {root} GiB; it must be between {MIN_ROOT_VOLUME_GIB} and "
+                f"{MAX_ROOT_VOLUME_GIB} (the AMI, CUDA, the training stack and model cache live there)",
+                "200",
+            )
+
+        ami = value("amiId")
+        if ami is not None and not AMI_ID_RE.match(str(ami)):
+            raise _fail("amiId", f"({ami!r}) is not an AMI id like ami-0123456789abcdef0",
+                        SETTINGS["amiId"][1])
+
+        az = value("availabilityZone")
+        if az is not None and not AZ_RE.match(str(az)):
+            raise _fail("availabilityZone", f"({az!r}) is not an availability zone name",
+                        SETTINGS["availabilityZone"][1])
+
+        name = str(value("clusterName"))
+        if not CLUSTER_NAME_RE.match(name):
+            raise _fail(
+                "clusterName",
+                f"({name!r}) must be 1-32 characters of lower-case letters, digits and '-', "
+                "starting with a letter and not ending with '-' (it is the Slurm ClusterName "
+                "and part of AWS names)",
+                "mini",
+            )
+
+        return cls(
+            admin_cidr=_admin_cidr(value("adminCidr")),
+            ssh_public_key=_ssh_key(value("sshPublicKey")),
+            gpu_node_count=count,
+            gpu_instance_type=_instance_type("gpuInstanceType", value("gpuInstanceType")),
+            controller_instance_type=_instance_type(
+                "controllerInstanceType", value("controllerInstanceType")
+            ),
+            ami_id=ami,
+            root_volume_gib=root,
+            vpc_cidr=str(vpc),
+            subnet_cidr=str(subnet),
+            availability_zone=az,
+            cluster_name=name,
+            efa=_bool("efa", value("efa")),
+        )
+
+
+def load(config: pulumi.Config | None = None) -> StackConfig:
+    """Read every `slurm-gpu:` setting of the current stack and validate it."""
+    config = config or pulumi.Config(NAMESPACE)
+    raw = {key: config.get(key) for key in SETTINGS}
+    raw = {k: v for k, v in raw.items() if v is not None}
+    raw.update({k: True for k in _unknown_keys()})
+    return StackConfig.from_mapping(raw)
+
+
+def _unknown_keys() -> list[str]:
+    """`slurm-gpu:` keys set on the stack that the program does not know (typos)."""
+    from pulumi.runtime import config as runtime_config
+
+    keys = set(runtime_config.CONFIG.get()) | set(runtime_config.get_config_env())
+    prefix = NAMESPACE + ":"
+    return [k[len(prefix):] for k in keys if k.startswith(prefix) and k[len(prefix):] not in SETTINGS]
+
+
+def _int(key: str, v: Any) -> int:
+    if isinstance(v, bool):
+        raise _fail(key, f"must be a whole number, not {v!r}", SETTINGS[key][1])
+    if isinstance(v, int):
+        return v
+    if isinstance(v, str) and re.fullmatch(r"[+-]?\d+", v):
+        return int(v)
+    raise _fail(key, f"must be a whole number, not {v!r}", SETTINGS[key][1])
+
+
+def _bool(key: str, v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, str) and v.lower() in ("true", "false"):
+        return v.lower() == "true"
+    raise _fail(key, f"must be true or false, not {v!r}", SETTINGS[key][1])
+
+
+def _network(key: str, v: Any, *, min_prefix: int, max_prefix: int):
+    example = SETTINGS[key][1]
+    try:
+        net = ipaddress.ip_network(str(v), strict=True)
+    except ValueError as exc:
+        raise _fail(key, f"({v!r}) is not a valid network in CIDR form ({exc})", example) from None
+    if net.version != 4:
+        raise _fail(key, f"({net}) must be an IPv4 network", example)
+    if not net.is_private:
+        raise _fail(key, f"({net}) must be a private (RFC 1918) range", example)
+    if not min_prefix <= net.prefixlen <= max_prefix:
+        raise _fail(key, f"({net}) must have a prefix between /{min_prefix} and /{max_prefix} "
+                         "(the AWS limits)", example)
+    return net
+
+
+def _admin_cidr(v: Any) -> str:
+    key, example = "adminCidr", SETTINGS["adminCidr"][1]
+    text = str(v)
+    if "/" not in text:
+        raise _fail(key, f"({text!r}) needs a prefix length, e.g. {text}/32 for one address", example)
+    try:
+        net = ipaddress.ip_network(text, strict=False)
+    except ValueError:
+        raise _fail(key, f"({text!r}) is not a network in CIDR form", example) from None
+    if net.prefixlen == 0:
+        raise _fail(
+            key,
+            f"({text}) would open SSH to the whole internet; give your own public address "
+            "with /32 (e.g. from `curl -s https://checkip.amazonaws.com`)",
+            example,
+        )
+    if net.version != 4:
+        raise _fail(key, f"({text}) is IPv6 but the cluster's VPC is IPv4-only", example)
+    if str(net) != text:
+        raise _fail(key, f"({text}) has host bits set; did you mean {net}?", str(net))
+    return text
+
+
+def _ssh_key(v: Any) -> str:
+    key, example = "sshPublicKey", SETTINGS["sshPublicKey"][1]
+    text = str(v).strip()
+    parts = text.split()
+    if "PRIVATE KEY" in text:
+        raise _fail(key, "holds a PRIVATE key; give the public one (the .pub file)", example)
+    if len(parts) < 2 or parts[0] not in SSH_KEY_TYPES or \
+            not re.fullmatch(r"[A-Za-z0-9+/]+={0,3}", parts[1]) or len(parts[1]) < 60:
+        raise _fail(
+            key,
+            f"is not an OpenSSH public key (expected '<type> <base64> [comment]' with type one of "
+            f"{', '.join(SSH_KEY_TYPES)})",
+            example,
+        )
+    return text
+
+
+def _instance_type(key: str, v: Any) -> str:
+    text = str(v)
+    if not INSTANCE_TYPE_RE.match(text):
+        raise _fail(key, f"({text!r}) is not an EC2 instance type like g6.12xlarge", SETTINGS[key][1])
+    return text

@@ -1,0 +1,72 @@
+"""The Pulumi program: config -> plan-time facts -> components -> outputs.
+
+Everything that can refuse the stack (config, instance-type facts, AZ, AMI) runs
+before the first resource is declared, so a bad setting creates nothing.
+"""
+
+from __future__ import annotations
+
+import pulumi
+
+from bootstrap.facts import ClusterFacts, plan_hosts
+from infra import config as stack_config
+from infra.ami import resolve_ami
+from infra.cluster import ClusterComponent
+from infra.facts import check_controller_type, choose_availability_zone, lookup_gpu_node_facts
+
+SSH_USER = "ubuntu"  # the Ubuntu AMI's login user
+
+
+def plan(cfg: stack_config.StackConfig) -> tuple[ClusterFacts, str, str]:
+    """Look up instance facts, AZ and AMI; refuse bad combinations. Declares nothing."""
+    gpu = lookup_gpu_node_facts(cfg)
+    check_controller_type(cfg)
+    az = choose_availability_zone(cfg)
+    ami = resolve_ami(cfg)
+    controller, gpu_nodes = plan_hosts(cfg.subnet_cidr, cfg.gpu_node_count)
+    facts = ClusterFacts(
+        cluster_name=cfg.cluster_name,
+        controller=controller,
+        gpu_nodes=gpu_nodes,
+        shape=gpu.shape,
+        subnet_cidr=cfg.subnet_cidr,
+        ssh_user=SSH_USER,
+        efa=cfg.efa,
+        nvlink=gpu.nvlink,
+    )
+    return facts, az, ami.id
+
+
+def render_user_data(facts: ClusterFacts) -> dict[str, str]:
+    """Each role's cloud-config from bootstrap/ (which owns the content)."""
+    from bootstrap.render import user_data
+
+    try:
+        return {role: user_data(facts, role) for role in ("controller", "gpu")}
+    except ValueError as exc:  # e.g. over EC2's 16 KiB user-data limit
+        raise stack_config.ConfigError(
+            f"slurm-gpu:gpuNodeCount is {len(facts.gpu_nodes)}: the cluster's user-data cannot be "
+            f"built ({exc}); lower it with `pulumi config set slurm-gpu:gpuNodeCount N`"
+        ) from exc
+
+
+def main() -> dict[str, pulumi.Output]:
+    cfg = stack_config.load()
+    facts, az, ami_id = plan(cfg)
+    user_data = render_user_data(facts)
+    region = pulumi.Config("aws").get("region")
+
+    cluster = ClusterComponent(
+        cfg.cluster_name, cfg=cfg, facts=facts, ami_id=ami_id, availability_zone=az,
+        user_data=user_data, region=region,
+    )
+    outputs = {
+        "controllerPublicIp": cluster.controller_public_ip,
+        "nodes": cluster.node_list,
+        "sshUser": facts.ssh_user,
+        "clusterName": facts.cluster_name,
+        "inventory": cluster.inventory,
+    }
+    for key, value in outputs.items():
+        pulumi.export(key, value)
+    return outputs

@@ -1,0 +1,70 @@
+"""The cluster's one security group and its exact rules.
+
+Inbound: SSH from the admin CIDR only, and everything from the group itself
+(Slurm, NFS, NCCL, EFA). Outbound: everything to the group itself - EFA's
+transport needs the self-referencing egress rule, an egress to 0.0.0.0/0 does
+not cover it - and everything to the internet for package installs (apt, pip,
+model downloads). The group declares no inline rules and every rule is its own
+resource, so a rule added by hand in the console shows up as drift.
+"""
+
+from __future__ import annotations
+
+import pulumi
+import pulumi_aws as aws
+
+
+class SecurityComponent(pulumi.ComponentResource):
+    def __init__(self, name: str, *, cluster_name: str, vpc_id: pulumi.Input[str], admin_cidr: str,
+                 opts: pulumi.ResourceOptions | None = None):
+        super().__init__("slurm-gpu:infra:Security", name, None, opts)
+        child = pulumi.ResourceOptions(parent=self)
+        tags = {"Cluster": cluster_name, "Name": f"{cluster_name}-nodes"}
+
+        self.group = aws.ec2.SecurityGroup(
+            f"{name}-sg",
+            vpc_id=vpc_id,
+            description=f"slurm-gpu cluster {cluster_name}: SSH from the admin CIDR, all within the group",
+            tags=tags,
+            opts=child,
+        )
+        sg = self.group.id
+        self.ssh_from_admin = aws.vpc.SecurityGroupIngressRule(
+            f"{name}-ssh-from-admin",
+            security_group_id=sg,
+            ip_protocol="tcp",
+            from_port=22,
+            to_port=22,
+            cidr_ipv4=admin_cidr,
+            description="SSH from the admin CIDR only",
+            tags=tags,
+            opts=child,
+        )
+        self.all_from_self = aws.vpc.SecurityGroupIngressRule(
+            f"{name}-all-from-self",
+            security_group_id=sg,
+            ip_protocol="-1",
+            referenced_security_group_id=sg,
+            description="all traffic between cluster nodes (Slurm, NFS, NCCL, EFA)",
+            tags=tags,
+            opts=child,
+        )
+        self.all_to_self = aws.vpc.SecurityGroupEgressRule(
+            f"{name}-all-to-self",
+            security_group_id=sg,
+            ip_protocol="-1",
+            referenced_security_group_id=sg,
+            description="all traffic to cluster nodes; EFA needs this self-referencing egress",
+            tags=tags,
+            opts=child,
+        )
+        self.all_to_internet = aws.vpc.SecurityGroupEgressRule(
+            f"{name}-all-to-internet",
+            security_group_id=sg,
+            ip_protocol="-1",
+            cidr_ipv4="0.0.0.0/0",
+            description="outbound internet for package installs and model downloads",
+            tags=tags,
+            opts=child,
+        )
+        self.register_outputs({"securityGroupId": self.group.id})

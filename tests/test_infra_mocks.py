@@ -1,0 +1,256 @@
+"""The harness for the Pulumi program tests: AWS facts as the provider returns them,
+a mock monitor that records every resource, and `run_program(config)`.
+
+The instance-type figures are AWS's published ones (DescribeInstanceTypes).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import pulumi
+import pytest
+from pulumi.runtime.mocks import MockMonitor
+
+REGION = "ap-northeast-2"
+ZONES = [f"{REGION}{z}" for z in "abcd"]
+DLAMI_ID = "ami-0fd3bc7a446d73ca2"  # the seed's image in ap-northeast-2
+DLAMI_ROOT_GIB = 75
+
+# A real-looking key (random bytes, base64) and the admin address from TEST-NET-3.
+SSH_KEY = (
+    "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIG3p3cFq1yJ0o6b8x3m0tq0kqf1Xb8c2s6yQmXyW8mQd admin@laptop"
+)
+ADMIN_CIDR = "203.0.113.7/32"
+
+
+def _gpu(count, name, mem, manufacturer="NVIDIA"):
+    return [{"count": count, "manufacturer": manufacturer, "name": name, "memorySize": mem}]
+
+
+# instance type -> (vCPUs, memory MiB, GPUs, EFA, architectures, zones offered)
+INSTANCE_TYPES = {
+    "g6.12xlarge": (48, 196608, _gpu(4, "L4", 22888), True, ["x86_64"], ZONES[:3]),
+    "g6.48xlarge": (192, 786432, _gpu(8, "L4", 22888), True, ["x86_64"], ["ap-northeast-2b", "ap-northeast-2d"]),
+    "p5.48xlarge": (192, 2097152, _gpu(8, "H100", 81559), True, ["x86_64"], ["ap-northeast-2c"]),
+    "p4d.24xlarge": (96, 1179648, _gpu(8, "A100", 40960), True, ["x86_64"], ZONES[:2]),
+    "g4dn.xlarge": (4, 16384, _gpu(1, "T4", 15360), False, ["x86_64"], ZONES),
+    "g5g.xlarge": (4, 8192, _gpu(1, "T4g", 15360), False, ["arm64"], ZONES[:2]),
+    "g4ad.16xlarge": (64, 262144, _gpu(4, "Radeon Pro V520", 8192, "AMD"), True, ["x86_64"], ZONES[:2]),
+    "c6i.xlarge": (4, 8192, [], False, ["x86_64"], ZONES),
+    "c7i.48xlarge": (192, 393216, [], True, ["x86_64"], ZONES),
+    "t3.large": (2, 8192, [], False, ["x86_64", "i386"], ZONES),
+    "m7g.large": (2, 8192, [], False, ["arm64"], ZONES),
+}
+
+
+def instance_type_result(itype: str) -> dict:
+    vcpus, mem, gpus, efa, archs, _ = INSTANCE_TYPES[itype]
+    return {
+        "id": itype,
+        "instanceType": itype,
+        "defaultVcpus": vcpus,
+        "memorySize": mem,
+        "gpuses": gpus,
+        "efaSupported": efa,
+        "efaMaximumInterfaces": 1 if efa else 0,
+        "supportedArchitectures": archs,
+        "currentGeneration": True,
+    }
+
+
+def ami_result(image_id: str = DLAMI_ID, root_gib: int = DLAMI_ROOT_GIB, arch: str = "x86_64") -> dict:
+    return {
+        "id": image_id,
+        "imageId": image_id,
+        "name": "Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04) 20261006",
+        "architecture": arch,
+        "rootDeviceName": "/dev/sda1",
+        "blockDeviceMappings": [
+            {"deviceName": "/dev/sda1", "ebs": {"volume_size": str(root_gib), "volume_type": "gp3"},
+             "noDevice": "", "virtualName": ""},
+        ],
+        "state": "available",
+    }
+
+
+@dataclass
+class Registered:
+    typ: str
+    name: str
+    inputs: dict
+    urn: str = ""
+    parent: str = ""  # the parent's URN ("" for none)
+    dependencies: tuple[str, ...] = ()  # URNs of explicit depends_on
+
+
+class RecordingMonitor(MockMonitor):
+    """The SDK's mock monitor, also recording each resource's parent, dependencies and
+    which components called register_outputs (MockResourceArgs carries neither)."""
+
+    def __init__(self, mocks: "ClusterMocks"):
+        super().__init__(mocks)
+        self.cluster_mocks = mocks
+        self.outputs_registered: set[str] = set()
+
+    def RegisterResource(self, request):
+        response = super().RegisterResource(request)
+        if request.type != "pulumi:pulumi:Stack":
+            rec = Registered(request.type, request.name, {}, response.urn, request.parent,
+                             tuple(request.dependencies))
+            self.cluster_mocks.components.append(rec)
+            for r in self.cluster_mocks.resources:
+                if r.typ == request.type and r.name == request.name and not r.urn:
+                    r.urn, r.parent, r.dependencies = rec.urn, rec.parent, rec.dependencies
+        return response
+
+    def RegisterResourceOutputs(self, request):
+        self.outputs_registered.add(request.urn)
+        return super().RegisterResourceOutputs(request)
+
+
+class ClusterMocks(pulumi.runtime.Mocks):
+    """Answers the provider calls the program makes and records every resource."""
+
+    def __init__(self, ami_root_gib: int = DLAMI_ROOT_GIB, ami_arch: str = "x86_64"):
+        self.resources: list[Registered] = []  # custom resources, with their inputs
+        self.components: list[Registered] = []  # everything registered, components included
+        self.calls: list[tuple[str, dict]] = []
+        self.ami_root_gib = ami_root_gib
+        self.ami_arch = ami_arch
+        self._public = 0
+
+    def call(self, args: pulumi.runtime.MockCallArgs):
+        self.calls.append((args.token, dict(args.args)))
+        if args.token == "aws:ec2/getInstanceType:getInstanceType":
+            itype = args.args["instanceType"]
+            if itype not in INSTANCE_TYPES:
+                raise Exception(f"InvalidInstanceType: The following supplied instance types do not exist: [{itype}]")
+            return instance_type_result(itype)
+        if args.token == "aws:ec2/getInstanceTypes:getInstanceTypes":
+            (flt,) = args.args["filters"]
+            assert flt["name"] == "instance-type"
+            return {"id": REGION, "instanceTypes": [t for t in flt["values"] if t in INSTANCE_TYPES]}
+        if args.token == "aws:ec2/getInstanceTypeOfferings:getInstanceTypeOfferings":
+            (flt,) = args.args["filters"]
+            assert flt["name"] == "instance-type"
+            zones = sorted({z for t in flt["values"] for z in INSTANCE_TYPES.get(t, (0,) * 6)[5]})
+            return {"id": REGION, "locations": zones, "locationTypes": ["availability-zone"] * len(zones),
+                    "instanceTypes": list(flt["values"]) * len(zones)}
+        if args.token == "aws:ec2/getAmi:getAmi":
+            filters = {f["name"]: f["values"] for f in args.args.get("filters", [])}
+            image = filters.get("image-id", [DLAMI_ID])[0]
+            return ami_result(image, self.ami_root_gib, self.ami_arch)
+        raise Exception(f"unexpected call {args.token}")
+
+    def new_resource(self, args: pulumi.runtime.MockResourceArgs):
+        inputs = dict(args.inputs)
+        if not args.custom:  # component resources have no inputs to check
+            return f"{args.name}-id", inputs
+        self.resources.append(Registered(args.typ, args.name, inputs))
+        state = dict(inputs)
+        if args.typ == "aws:ec2/instance:Instance":
+            if inputs.get("associatePublicIpAddress"):
+                self._public += 1
+                state["publicIp"] = f"198.51.100.{self._public}"
+            else:
+                state["publicIp"] = ""
+        if args.typ == "aws:ec2/eip:Eip":
+            self._public += 1
+            state["publicIp"] = f"198.51.100.{100 + self._public}"
+        if args.typ == "aws:ec2/keyPair:KeyPair":
+            state["keyName"] = f"{args.name}-1a2b3c"
+        if args.typ == "aws:ec2/placementGroup:PlacementGroup":
+            state["name"] = f"{args.name}-4d5e6f"
+        return f"{args.name}-id", state
+
+    def of_type(self, typ: str) -> list[Registered]:
+        return [r for r in self.resources if r.typ == typ]
+
+
+@dataclass
+class Run:
+    mocks: ClusterMocks
+    monitor: RecordingMonitor
+    outputs: dict = field(default_factory=dict)
+
+    @property
+    def resources(self) -> list[Registered]:
+        return self.mocks.resources
+
+    def of_type(self, short: str) -> list[Registered]:
+        return self.mocks.of_type(TYPES[short])
+
+    def one(self, short: str) -> Registered:
+        found = self.of_type(short)
+        assert len(found) == 1, f"expected one {short}, found {len(found)}"
+        return found[0]
+
+
+TYPES = {
+    "vpc": "aws:ec2/vpc:Vpc",
+    "igw": "aws:ec2/internetGateway:InternetGateway",
+    "subnet": "aws:ec2/subnet:Subnet",
+    "rt": "aws:ec2/routeTable:RouteTable",
+    "route": "aws:ec2/route:Route",
+    "rta": "aws:ec2/routeTableAssociation:RouteTableAssociation",
+    "sg": "aws:ec2/securityGroup:SecurityGroup",
+    "ingress": "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule",
+    "egress": "aws:vpc/securityGroupEgressRule:SecurityGroupEgressRule",
+    "key": "aws:ec2/keyPair:KeyPair",
+    "pg": "aws:ec2/placementGroup:PlacementGroup",
+    "instance": "aws:ec2/instance:Instance",
+    "eni": "aws:ec2/networkInterface:NetworkInterface",
+    "eip": "aws:ec2/eip:Eip",
+}
+
+BASE_CONFIG = {"adminCidr": ADMIN_CIDR, "sshPublicKey": SSH_KEY}
+
+
+def stack_config(**overrides) -> dict[str, str]:
+    """`slurm-gpu:` settings as `pulumi config set` stores them (strings); None removes a key."""
+    raw = {**BASE_CONFIG, **overrides}
+    out = {}
+    for key, value in raw.items():
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            value = "true" if value else "false"
+        out[f"slurm-gpu:{key}"] = str(value)
+    return out
+
+
+def run_program(config: dict[str, str], mocks: ClusterMocks | None = None) -> Run:
+    """Run infra.program.main() under mocks with this stack config; collect what it declared."""
+    from infra import program
+
+    mocks = mocks or ClusterMocks()
+    monitor = RecordingMonitor(mocks)
+    pulumi.runtime.set_mocks(mocks, project="slurm-gpu", stack="test", preview=False, monitor=monitor)
+    pulumi.runtime.set_all_config({"aws:region": REGION, **config})
+    run = Run(mocks, monitor)
+
+    @pulumi.runtime.test
+    def program_test():
+        outs = program.main()
+        return pulumi.Output.all(**outs).apply(run.outputs.update)
+
+    program_test()
+    return run
+
+
+def test_mocks_answer_like_the_provider():
+    """The harness itself: the SDK parses the mock answers into typed results."""
+    import pulumi_aws as aws
+
+    mocks = ClusterMocks()
+    pulumi.runtime.set_mocks(mocks, project="slurm-gpu", stack="test", preview=False)
+    info = aws.ec2.get_instance_type(instance_type="p5.48xlarge")
+    assert info.default_vcpus == 192 and info.memory_size == 2097152
+    assert info.gpuses[0].name == "H100" and info.gpuses[0].count == 8 and info.efa_supported
+    ami = aws.ec2.get_ami(most_recent=True, owners=["amazon"], filters=[{"name": "name", "values": ["x"]}])
+    assert ami.block_device_mappings[0].ebs["volume_size"] == str(DLAMI_ROOT_GIB)
+    with pytest.raises(Exception, match="InvalidInstanceType"):
+        aws.ec2.get_instance_type(instance_type="z9.huge")
+    assert json.dumps(mocks.calls)  # calls were recorded as plain data
