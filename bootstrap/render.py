@@ -1,0 +1,298 @@
+"""Render every file a cluster node needs from one `ClusterFacts`.
+
+The AWS nodes get these files through cloud-init user-data (`user_data`); the
+local cluster writes the same `render_files` output and runs the same
+`bootstrap_script`, so what the tests exercise is what AWS boots.
+
+Layout:
+  bootstrap/templates/   config files (slurm.conf, gres.conf, hosts, exports,
+                         cloud-config) - Jinja2, StrictUndefined
+  bootstrap/scripts/     shell scripts (bootstrap per role, health check) -
+                         Jinja2 templates of bash, shellchecked in tests
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import re
+from pathlib import Path
+
+import jinja2
+
+from bootstrap.facts import ClusterFacts
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+REQUIREMENTS = REPO / "requirements.txt"
+
+ROLES = ("controller", "gpu")
+
+# Where things live on a node; other parts (inventory, local cluster, fab) import these.
+SLURM_CONF = "/etc/slurm/slurm.conf"
+GRES_CONF = "/etc/slurm/gres.conf"
+EXPORTS_FILE = "/etc/exports.d/slurm-gpu.exports"
+HOSTS_BLOCK_FILE = "/etc/slurm-gpu/hosts.block"
+HEALTHCHECK_PATH = "/usr/local/sbin/slurm-gpu-healthcheck"
+BOOTSTRAP_PATH = "/usr/local/sbin/slurm-gpu-bootstrap"
+ENV_PROFILE = "/etc/profile.d/slurm-gpu.sh"
+TRAINING_VENV = "/opt/slurm-gpu/venv"
+TRAINING_PYTHON = f"{TRAINING_VENV}/bin/python"
+# Per-host state (under /var/lib/slurm, which the local cluster gives each host).
+STATE_DIR = "/var/lib/slurm/slurm-gpu"
+MARKER_PATH = f"{STATE_DIR}/bootstrap.done"
+HOSTS_BEGIN = "# BEGIN slurm-gpu hosts"
+HOSTS_END = "# END slurm-gpu hosts"
+
+# EC2 refuses user-data over 16 KiB (raw, before base64).
+MAX_USER_DATA_BYTES = 16384
+
+# Mode of each rendered file (default 0644).
+FILE_MODES = {HEALTHCHECK_PATH: 0o755, BOOTSTRAP_PATH: 0o755}
+
+# The training stack on GPU nodes: pinned to the same versions as the repo's
+# requirements.txt (the one place versions live). torch from the default index
+# is a CUDA build on Linux x86_64, which is what GPU nodes need.
+TRAINING_PACKAGES = ("torch", "transformers", "trl", "peft", "datasets", "accelerate")
+
+# Debian/Ubuntu packages per role (cloud-init installs them; the `packages` step checks).
+PACKAGES = {
+    "controller": ("slurm-wlm", "munge", "nfs-common", "nfs-kernel-server"),
+    "gpu": ("slurm-wlm", "munge", "nfs-common", "python3-venv", "python3-pip"),
+}
+
+# Steps of each role's bootstrap script, in order (SLURM_GPU_SKIP_STEPS picks from these).
+STEPS = {
+    "controller": ("hostname", "hosts", "packages", "dirs", "munge", "nfs", "scratch", "services"),
+    "gpu": (
+        "hostname", "hosts", "packages", "dirs", "munge", "healthcheck", "nfs", "scratch",
+        "training", "services",
+    ),
+}
+# What the local cluster skips (SLURM_GPU_SKIP_STEPS) when it runs these scripts in a
+# network-namespace host: no apt, kernel NFS server or systemd there, and the training
+# stack is the repo's .venv. (hostname and hosts run: each host has its own UTS
+# namespace and bind-mounted /etc/hostname and /etc/hosts.)
+LOCAL_SKIP_STEPS = {
+    "controller": ("packages", "nfs", "services"),
+    "gpu": ("packages", "nfs", "training", "services"),
+}
+
+
+def _env(subdir: str, **syntax) -> jinja2.Environment:
+    env = jinja2.Environment(
+        **syntax,
+        loader=jinja2.FileSystemLoader(str(HERE / subdir)),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        autoescape=False,
+    )
+    env.filters["shquote"] = _shquote
+    return env
+
+
+def _shquote(value) -> str:
+    """Single-quote for bash (values come from validated facts; quote anyway)."""
+    return "'" + str(value).replace("'", "'\"'\"'") + "'"
+
+
+_TEMPLATES = _env("templates")
+# bash's ${#array[@]} would open a Jinja comment: scripts use {## ... ##} instead.
+_SCRIPTS = _env("scripts", comment_start_string="{##", comment_end_string="##}")
+
+
+def _context(facts: ClusterFacts) -> dict:
+    shape = facts.shape
+    if shape.gpu_count < 1:
+        raise ValueError(f"gpu_count must be >= 1 (got {shape.gpu_count})")
+    if shape.cpus < 1 or shape.real_memory_mib < 1:
+        raise ValueError("NodeShape cpus and real_memory_mib must be positive")
+    last = shape.gpu_count - 1
+    prefix = facts.gpu_device_prefix
+    gpu_files = f"{prefix}0" if last == 0 else f"{prefix}[0-{last}]"
+    return {
+        "facts": facts,
+        "cluster_name": facts.cluster_name,
+        "controller": facts.controller,
+        "gpu_nodes": facts.gpu_nodes,
+        "shape": shape,
+        "gres": f"gpu:{shape.gpu_type}:{shape.gpu_count}",
+        "gpu_files": gpu_files,
+        "gpu_devices": [f"{prefix}{i}" for i in range(shape.gpu_count)],
+        # Memory per CPU for jobs that do not ask (keeps small jobs sharing a node).
+        "def_mem_per_cpu": max(1, shape.real_memory_mib // shape.cpus),
+        "scratch": facts.scratch.rstrip("/") or "/",
+        "subnet_cidr": facts.subnet_cidr,
+        "paths": {
+            "slurm_conf": SLURM_CONF,
+            "gres_conf": GRES_CONF,
+            "exports": EXPORTS_FILE,
+            "hosts_block": HOSTS_BLOCK_FILE,
+            "healthcheck": HEALTHCHECK_PATH,
+            "bootstrap": BOOTSTRAP_PATH,
+            "env_profile": ENV_PROFILE,
+            "venv": TRAINING_VENV,
+            "state_dir": STATE_DIR,
+            "marker": MARKER_PATH,
+        },
+        "hosts_begin": HOSTS_BEGIN,
+        "hosts_end": HOSTS_END,
+    }
+
+
+def render_slurm_conf(facts: ClusterFacts) -> str:
+    return _TEMPLATES.get_template("slurm.conf.j2").render(**_context(facts))
+
+
+def render_gres_conf(facts: ClusterFacts) -> str:
+    return _TEMPLATES.get_template("gres.conf.j2").render(**_context(facts))
+
+
+def render_hosts(facts: ClusterFacts) -> str:
+    """The cluster's "IP name" lines between begin/end markers (see `merge_hosts`)."""
+    return _TEMPLATES.get_template("hosts.j2").render(**_context(facts))
+
+
+def merge_hosts(existing: str, block: str) -> str:
+    """/etc/hosts text with `block` replacing any earlier slurm-gpu block (idempotent)."""
+    pattern = re.compile(
+        rf"^{re.escape(HOSTS_BEGIN)}.*?^{re.escape(HOSTS_END)}[^\n]*\n?", re.S | re.M
+    )
+    kept = pattern.sub("", existing)
+    if kept and not kept.endswith("\n"):
+        kept += "\n"
+    return kept + block
+
+
+def render_exports(facts: ClusterFacts) -> str:
+    return _TEMPLATES.get_template("exports.j2").render(**_context(facts))
+
+
+def render_healthcheck(facts: ClusterFacts) -> str:
+    return _SCRIPTS.get_template("healthcheck.sh.j2").render(**_context(facts))
+
+
+def render_files(facts: ClusterFacts) -> dict[str, str]:
+    """Absolute path on a node -> file text, for every file bootstrap installs.
+
+    Modes: FILE_MODES (executables), everything else 0644, owned by root.
+    """
+    return {
+        SLURM_CONF: render_slurm_conf(facts),
+        GRES_CONF: render_gres_conf(facts),
+        EXPORTS_FILE: render_exports(facts),
+        HOSTS_BLOCK_FILE: render_hosts(facts),
+        HEALTHCHECK_PATH: render_healthcheck(facts),
+    }
+
+
+def role_files(facts: ClusterFacts, role: str) -> dict[str, str]:
+    """The subset of `render_files` a role needs (the NFS export only on the controller,
+    the GPU health check only where slurmd runs)."""
+    _check_role(role)
+    files = render_files(facts)
+    drop = HEALTHCHECK_PATH if role == "controller" else EXPORTS_FILE
+    files.pop(drop)
+    return files
+
+
+def training_pins(requirements: Path = REQUIREMENTS) -> dict[str, str]:
+    """name -> version of the training stack, read from requirements.txt."""
+    pins = {}
+    for line in requirements.read_text().splitlines():
+        m = re.match(r"^\s*([A-Za-z0-9_.\-]+)\s*==\s*([^\s#;]+)", line)
+        if m and m.group(1).lower() in TRAINING_PACKAGES:
+            pins[m.group(1).lower()] = m.group(2)
+    missing = [p for p in TRAINING_PACKAGES if p not in pins]
+    if missing:
+        raise ValueError(
+            f"{requirements}: no '==' pin for {', '.join(missing)}; pin them there "
+            "(the GPU nodes install the same versions)"
+        )
+    return pins
+
+
+def bootstrap_script(facts: ClusterFacts, role: str, hostname: str | None = None) -> str:
+    """The role's bootstrap script (bash). `hostname`: the name to take; None: the
+    cluster host whose IP this machine has (see the script's `hostname` step)."""
+    _check_role(role)
+    ctx = _context(facts)
+    ctx["role"] = role
+    ctx["hostname"] = hostname or ""
+    ctx["steps"] = STEPS[role]
+    pins = training_pins()
+    ctx["pinned_requirements"] = [f"{name}=={pins[name]}" for name in TRAINING_PACKAGES]
+    ctx["training_packages"] = TRAINING_PACKAGES
+    ctx["packages"] = PACKAGES[role]
+    ctx["local_skip"] = LOCAL_SKIP_STEPS[role]
+    return _SCRIPTS.get_template(f"bootstrap-{role}.sh.j2").render(**ctx)
+
+
+def user_data(facts: ClusterFacts, role: str, hostname: str | None = None) -> str:
+    """The #cloud-config for a node of `role` ("controller" or "gpu").
+
+    The node names itself in the bootstrap script's `hostname` step: `hostname` if
+    given (must be a host of that role), else the cluster host whose fixed IP this
+    machine has. One user-data then serves every GPU node. cloud-init is told
+    `preserve_hostname: true` so it never renames the node on later boots (with
+    it, cloud-init ignores `hostname:`/`fqdn:` keys, so the script sets the name).
+    The text always fits EC2's 16 KiB: big clusters get their biggest files
+    gzip+base64 encoded inside write_files.
+    """
+    _check_role(role)
+    names = [facts.controller.name] if role == "controller" else [h.name for h in facts.gpu_nodes]
+    if not names:
+        raise ValueError("the cluster has no GPU nodes (gpu_nodes is empty)")
+    if role == "controller":
+        hostname = facts.controller.name
+    if hostname is not None and hostname not in names:
+        raise ValueError(f"{hostname!r} is not a {role} host of cluster {facts.cluster_name!r}")
+    contents = dict(role_files(facts, role))
+    contents[BOOTSTRAP_PATH] = bootstrap_script(facts, role, hostname)
+    ctx = _context(facts)
+    ctx.update(role=role, packages=PACKAGES[role])
+    template = _TEMPLATES.get_template("cloud-config.yaml.j2")
+    # EC2 takes at most 16 KiB. Files stay readable while they fit; beyond that the
+    # biggest ones go gzip+base64 encoded (cloud-init's write_files decodes them).
+    by_size = sorted(contents, key=lambda p: len(contents[p]), reverse=True)
+    for n_compressed in range(len(by_size) + 1):
+        text = template.render(files=_write_files(contents, set(by_size[:n_compressed])), **ctx)
+        if len(text.encode()) <= MAX_USER_DATA_BYTES:
+            return text
+    raise ValueError(
+        f"{role} user-data is {len(text.encode())} bytes even compressed, over EC2's "
+        f"{MAX_USER_DATA_BYTES}; use fewer GPU nodes"
+    )
+
+
+def _write_files(contents: dict[str, str], compress: set[str]) -> list[dict]:
+    files = []
+    for path, text in contents.items():
+        entry = {"path": path, "permissions": f"0{FILE_MODES.get(path, 0o644):o}"}
+        if path in compress:
+            raw = gzip.compress(text.encode(), mtime=0)
+            entry.update(encoding="gz+b64", content=base64.b64encode(raw).decode())
+        else:
+            entry.update(encoding=None, content=text)
+        files.append(entry)
+    return files
+
+
+def user_data_base64(facts: ClusterFacts, role: str, hostname: str | None = None) -> str:
+    """`user_data` gzip-compressed and base64-encoded, for EC2's `user_data_base64`
+    (cloud-init unpacks gzip user-data itself). Optional: `user_data` already fits
+    EC2's 16 KiB limit by encoding its biggest files when it must."""
+    raw = gzip.compress(user_data(facts, role, hostname).encode(), mtime=0)
+    if len(raw) > MAX_USER_DATA_BYTES:
+        raise ValueError(
+            f"{role} user-data is {len(raw)} bytes gzip-compressed, over EC2's "
+            f"{MAX_USER_DATA_BYTES}; use fewer GPU nodes"
+        )
+    return base64.b64encode(raw).decode()
+
+
+def _check_role(role: str) -> None:
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {', '.join(ROLES)} (got {role!r})")

@@ -1,0 +1,302 @@
+"""Rendered files follow from the facts: slurm.conf, gres.conf, hosts, exports, user-data."""
+
+import base64
+import gzip
+import re
+
+import jinja2
+import pytest
+import yaml
+
+from bootstrap import render
+from bootstrap.facts import ClusterFacts, NodeShape, plan_hosts
+
+
+def make_facts(name, subnet, nodes, shape, **kw) -> ClusterFacts:
+    controller, gpu_nodes = plan_hosts(subnet, nodes)
+    return ClusterFacts(name, controller, gpu_nodes, shape, subnet, **kw)
+
+
+# The shapes the project targets: the seed's 2x g6.12xlarge (4x L4), a 3-node
+# 8x H100 cluster, and the smallest possible one (1 node, 1 GPU, no EFA).
+FACTS = {
+    "l4x2": make_facts("mini", "10.0.1.0/24", 2, NodeShape(48, 185000, 4, "l4")),
+    "h100x3": make_facts(
+        "big", "10.20.0.0/24", 3, NodeShape(192, 2000000, 8, "h100"), nvlink=True
+    ),
+    "single": make_facts(
+        "solo", "172.31.16.0/20", 1, NodeShape(8, 30000, 1, "a10g"), efa=False,
+        ssh_user="admin", scratch="/shared",
+    ),
+}
+CASES = list(FACTS)
+
+
+def conf_lines(text):
+    return [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+
+
+def kv(line):
+    return dict(part.split("=", 1) for part in line.split())
+
+
+def settings(slurm_conf):
+    """Top-level Key=Value settings (node and partition lines excluded)."""
+    out = {}
+    for ln in conf_lines(slurm_conf):
+        if ln.startswith(("NodeName=", "PartitionName=")):
+            continue
+        key, value = ln.split("=", 1)
+        assert key not in out, f"{key} set twice"
+        out[key] = value
+    return out
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_slurm_conf_node_lines_match_facts(case):
+    facts = FACTS[case]
+    nodes = [kv(ln) for ln in conf_lines(render.render_slurm_conf(facts)) if ln.startswith("NodeName=")]
+    assert len(nodes) == len(facts.gpu_nodes)
+    for node, host in zip(nodes, facts.gpu_nodes):
+        assert node == {
+            "NodeName": host.name,
+            "NodeAddr": host.ip,
+            "CPUs": str(facts.shape.cpus),
+            "RealMemory": str(facts.shape.real_memory_mib),
+            "Gres": f"gpu:{facts.shape.gpu_type}:{facts.shape.gpu_count}",
+            "State": "UNKNOWN",
+        }
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_slurm_conf_settings(case):
+    facts = FACTS[case]
+    text = render.render_slurm_conf(facts)
+    s = settings(text)
+    assert s["ClusterName"] == facts.cluster_name
+    assert s["SlurmctldHost"] == f"{facts.controller.name}({facts.controller.ip})"
+    assert s["AuthType"] == "auth/munge"
+    assert s["GresTypes"] == "gpu"
+    assert s["SelectType"] == "select/cons_tres"
+    assert s["SelectTypeParameters"] in ("CR_Core", "CR_Core_Memory")
+    # With memory as a resource, a job that asks for nothing must fit on a node.
+    assert int(s["DefMemPerCPU"]) * facts.shape.cpus <= facts.shape.real_memory_mib
+    assert s["SchedulerType"] == "sched/backfill"
+    assert s["ProctrackType"] == "proctrack/linuxproc"
+    assert s["TaskPlugin"] == "task/none"
+    assert s["ReturnToService"] == "1"
+    assert s["SlurmdTimeout"] == "180"
+    assert s["JobRequeue"] == "1"
+    assert s["StateSaveLocation"] == "/var/lib/slurm/slurmctld"
+    assert s["SlurmdSpoolDir"] == "/var/lib/slurm/slurmd"
+    assert s["SlurmctldLogFile"].startswith("/var/log/slurm/")
+    assert s["SlurmdLogFile"].startswith("/var/log/slurm/")
+    assert s["SlurmctldPidFile"] == "/run/slurmctld.pid"
+    assert s["SlurmdPidFile"] == "/run/slurmd.pid"
+    assert s["HealthCheckProgram"] == render.HEALTHCHECK_PATH
+    assert s["HealthCheckNodeState"] == "ANY"
+    assert int(s["HealthCheckInterval"]) > 0
+    parts = [kv(ln) for ln in conf_lines(text) if ln.startswith("PartitionName=")]
+    assert parts == [
+        {"PartitionName": "gpu", "Nodes": "ALL", "Default": "YES", "MaxTime": "24:00:00", "State": "UP"}
+    ]
+    # Commented sections, node lines in their own block.
+    assert "# GPU nodes" in text and "# Partitions" in text
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_gres_conf_binds_device_files(case):
+    facts = FACTS[case]
+    lines = [kv(ln) for ln in conf_lines(render.render_gres_conf(facts))]
+    last = facts.shape.gpu_count - 1
+    want_file = "/dev/nvidia0" if last == 0 else f"/dev/nvidia[0-{last}]"
+    assert lines == [
+        {"NodeName": h.name, "Name": "gpu", "Type": facts.shape.gpu_type, "File": want_file}
+        for h in facts.gpu_nodes
+    ]
+
+
+def test_gres_conf_uses_the_device_prefix():
+    base = FACTS["l4x2"]
+    facts = ClusterFacts(**{**base.__dict__, "gpu_device_prefix": "/var/lib/slurm/gpu-standin/nvidia"})
+    assert "File=/var/lib/slurm/gpu-standin/nvidia[0-3]" in render.render_gres_conf(facts)
+    assert "/var/lib/slurm/gpu-standin/nvidia3" in render.render_healthcheck(facts)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_hosts_block(case):
+    facts = FACTS[case]
+    block = render.render_hosts(facts)
+    lines = block.splitlines()
+    assert lines[0].startswith(render.HOSTS_BEGIN) and lines[-1] == render.HOSTS_END
+    assert [ln.split() for ln in lines[1:-1]] == [[h.ip, h.name] for h in facts.hosts]
+
+
+def test_merge_hosts_is_idempotent_and_replaces_an_old_block():
+    base = "127.0.0.1 localhost\n::1 localhost ip6-localhost\n"
+    old = render.render_hosts(FACTS["l4x2"])
+    new = render.render_hosts(FACTS["h100x3"])
+    once = render.merge_hosts(base, old)
+    assert render.merge_hosts(once, old) == once
+    replaced = render.merge_hosts(once + "10.9.9.9 other\n", new)
+    assert replaced.count(render.HOSTS_BEGIN) == 1
+    assert "10.0.1.11 gpu-node-01" not in replaced
+    assert "10.20.0.13 gpu-node-03" in replaced
+    assert replaced.startswith(base) and "10.9.9.9 other\n" in replaced
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_exports_subnet_only_with_root_squash(case):
+    facts = FACTS[case]
+    lines = conf_lines(render.render_exports(facts))
+    assert len(lines) == 1
+    path, client = lines[0].split()
+    assert path == facts.scratch
+    assert client == f"{facts.subnet_cidr}(rw,sync,no_subtree_check,root_squash)"
+    assert "*" not in render.render_exports(facts)
+    assert "no_root_squash" not in render.render_exports(facts)
+
+
+def test_render_files_paths():
+    files = render.render_files(FACTS["l4x2"])
+    assert set(files) == {
+        "/etc/slurm/slurm.conf", "/etc/slurm/gres.conf", "/etc/exports.d/slurm-gpu.exports",
+        render.HOSTS_BLOCK_FILE, render.HEALTHCHECK_PATH,
+    }
+    assert all(p.startswith("/") and text.endswith("\n") for p, text in files.items())
+
+
+def test_missing_variable_raises(monkeypatch):
+    real = render._context
+
+    def without_gres(facts):
+        ctx = real(facts)
+        del ctx["gres"]
+        return ctx
+
+    monkeypatch.setattr(render, "_context", without_gres)
+    with pytest.raises(jinja2.UndefinedError, match="gres"):
+        render.render_slurm_conf(FACTS["l4x2"])
+
+
+def test_bad_role_and_hostname_raise():
+    facts = FACTS["l4x2"]
+    for call in (render.user_data, render.bootstrap_script, render.role_files):
+        with pytest.raises(ValueError, match="role must be one of controller, gpu"):
+            call(facts, "worker")
+    with pytest.raises(ValueError, match="not a gpu host"):
+        render.user_data(facts, "gpu", "controller")
+    with pytest.raises(ValueError, match="gpu_count must be >= 1"):
+        render.render_gres_conf(ClusterFacts(**{**facts.__dict__, "shape": NodeShape(4, 100, 0, "l4")}))
+
+
+def parse_user_data(text):
+    assert text.startswith("#cloud-config\n")
+    return yaml.safe_load(text)
+
+
+def file_text(entry):
+    """A write_files entry's content, decoded as cloud-init does."""
+    if entry.get("encoding") == "gz+b64":
+        return gzip.decompress(base64.b64decode(entry["content"])).decode()
+    assert "encoding" not in entry
+    return entry["content"]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("role", render.ROLES)
+def test_user_data_content(case, role):
+    facts = FACTS[case]
+    cfg = parse_user_data(render.user_data(facts, role))
+    assert cfg["preserve_hostname"] is True
+    assert cfg["manage_etc_hosts"] is False
+    assert cfg["package_update"] is True
+    assert {"slurm-wlm", "munge", "nfs-common"} <= set(cfg["packages"])
+    assert ("nfs-kernel-server" in cfg["packages"]) == (role == "controller")
+    written = {f["path"]: f for f in cfg["write_files"]}
+    expected = render.role_files(facts, role)
+    expected[render.BOOTSTRAP_PATH] = render.bootstrap_script(
+        facts, role, facts.controller.name if role == "controller" else None
+    )
+    # Every file arrives byte for byte (YAML block scalars keep the text).
+    assert {p: file_text(f) for p, f in written.items()} == expected
+    assert (render.EXPORTS_FILE in written) == (role == "controller")
+    assert (render.HEALTHCHECK_PATH in written) == (role == "gpu")
+    assert written[render.BOOTSTRAP_PATH]["permissions"] == "0755"
+    assert written[render.SLURM_CONF]["permissions"] == "0644"
+    assert cfg["runcmd"] == [[render.BOOTSTRAP_PATH]]
+    # No munge key: nothing is written under /etc/munge, no key-like blob.
+    assert not any(p.startswith("/etc/munge") for p in written)
+    plain = [f["content"] for f in written.values() if "encoding" not in f]
+    assert not any(re.search(r"[A-Za-z0-9+/=]{200,}", t) for t in plain)
+
+
+def test_user_data_names_the_host():
+    facts = FACTS["h100x3"]
+    script = render.bootstrap_script(facts, "gpu", "gpu-node-02")
+    assert "local want='gpu-node-02'" in script
+    # Without a name, the GPU script finds its name from its IP in the hosts block.
+    assert "local want=''" in render.bootstrap_script(facts, "gpu")
+    assert "local want='controller'" in render.user_data(facts, "controller")
+
+
+# A full /24: 244 GPU nodes, the most plan_hosts allows.
+FULL = make_facts("max", "10.0.0.0/24", 244, NodeShape(192, 2000000, 8, "h100"))
+
+
+@pytest.mark.parametrize("role", render.ROLES)
+def test_user_data_fits_ec2_even_for_a_full_subnet(role):
+    small = render.user_data(FACTS["h100x3"], role)
+    assert len(small.encode()) <= render.MAX_USER_DATA_BYTES
+    assert "encoding: gz+b64" not in parse_user_data(small)["write_files"][0]  # slurm.conf readable
+    text = render.user_data(FULL, role)
+    assert len(text.encode()) <= render.MAX_USER_DATA_BYTES
+    written = {f["path"]: file_text(f) for f in parse_user_data(text)["write_files"]}
+    assert written[render.SLURM_CONF] == render.render_slurm_conf(FULL)
+    assert written[render.SLURM_CONF].count("\nNodeName=") == 244
+    raw = base64.b64decode(render.user_data_base64(FULL, role))
+    assert gzip.decompress(raw).decode() == text
+
+
+@pytest.mark.parametrize("role", render.ROLES)
+def test_bootstrap_script_structure(role):
+    script = render.bootstrap_script(FACTS["l4x2"], role)
+    assert script.startswith("#!/bin/bash\n")
+    assert "set -euo pipefail" in script and "trap '" in script and " ERR" in script
+    assert not re.search(r"^\s*set -[a-z]*x", script, re.M)
+    for step in render.STEPS[role]:
+        assert re.search(rf"^step_{step}\(\) {{", script, re.M), step
+        assert re.search(rf"^#   {step} ", script, re.M), f"step {step} not documented"
+    assert f"ALL_STEPS=({' '.join(render.STEPS[role])})" in script
+
+
+def test_controller_makes_the_key_gpu_nodes_never_copy_one():
+    ctrl = render.bootstrap_script(FACTS["l4x2"], "controller")
+    gpu = render.bootstrap_script(FACTS["l4x2"], "gpu")
+    assert "munge-key.created" in ctrl and "munge-key.created" not in gpu
+    for script in (ctrl, gpu):
+        assert "chmod 0400 /etc/munge/munge.key" in script and "chmod 0700 /etc/munge" in script
+        assert "scp" not in script and "cat /etc/munge/munge.key" not in script
+
+
+def test_gpu_script_mounts_scratch_with_netdev_nofail():
+    facts = FACTS["single"]
+    gpu = render.bootstrap_script(facts, "gpu")
+    line = f"{facts.controller.ip}:{facts.scratch} {facts.scratch} nfs defaults,_netdev,nofail 0 0"
+    assert f"echo '{line}' >> /etc/fstab" in gpu
+    assert f"HF_HOME={facts.scratch}/hf-cache" in gpu
+
+
+def test_training_stack_pinned_like_requirements(tmp_path):
+    pins = render.training_pins()
+    gpu = render.bootstrap_script(FACTS["l4x2"], "gpu")
+    want = " ".join(f"{p}=={pins[p]}" for p in render.TRAINING_PACKAGES)
+    assert f"want='{want}'" in gpu
+    assert render.TRAINING_VENV in gpu
+    req = (render.REQUIREMENTS).read_text()
+    for p in render.TRAINING_PACKAGES:
+        assert f"{p}=={pins[p]}" in req
+    bad = tmp_path / "requirements.txt"
+    bad.write_text("transformers==1.0\n")
+    with pytest.raises(ValueError, match="no '==' pin for torch"):
+        render.training_pins(bad)

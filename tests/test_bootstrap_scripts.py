@@ -1,0 +1,191 @@
+"""The rendered scripts do what they say when run.
+
+The health check runs for real against stand-in device files, with `scontrol` and
+`nvidia-smi` replaced by recording stubs on PATH (the real drain on a real slurmctld
+is the local cluster's test). The bootstrap scripts run for real, as root, inside
+throw-away mount/UTS/network namespaces with /etc, /var and /usr behind tmpfs
+overlays, so the machine itself is not changed.
+"""
+
+import os
+import stat
+import subprocess
+from dataclasses import replace
+
+import pytest
+
+from bootstrap import render
+from tests.test_bootstrap_render import FACTS, make_facts
+from bootstrap.facts import NodeShape
+
+
+def write_exe(path, text):
+    path.write_text(text)
+    path.chmod(0o755)
+
+
+@pytest.fixture
+def hc(tmp_path):
+    """A rendered health check for 4 stand-in GPUs, stubs on PATH."""
+    devdir = tmp_path / "dev"
+    devdir.mkdir()
+    for i in range(4):
+        (devdir / f"nvidia{i}").touch()
+    facts = replace(FACTS["l4x2"], gpu_device_prefix=str(devdir / "nvidia"))
+    script = tmp_path / "healthcheck"
+    write_exe(script, render.render_healthcheck(facts))
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    calls = tmp_path / "scontrol.calls"
+    write_exe(bindir / "scontrol", f'#!/bin/bash\nprintf "%s\\n" "$@" > {calls}\n')
+
+    def run(nvidia_smi=None):
+        if nvidia_smi is not None:
+            write_exe(bindir / "nvidia-smi", nvidia_smi)
+        env = {"PATH": f"{bindir}:/usr/sbin:/usr/bin:/sbin:/bin", "SLURMD_NODENAME": "gpu-node-02"}
+        res = subprocess.run([str(script)], env=env, capture_output=True, text=True, timeout=60)
+        drained = calls.read_text().splitlines() if calls.exists() else None
+        return res, drained
+
+    return devdir, run
+
+
+def test_healthcheck_passes_with_all_devices(hc):
+    _, run = hc
+    res, drained = run()
+    assert res.returncode == 0, res.stderr
+    assert drained is None
+
+
+def test_healthcheck_drains_on_a_missing_device(hc):
+    devdir, run = hc
+    (devdir / "nvidia2").unlink()
+    res, drained = run()
+    assert res.returncode != 0
+    assert drained[:3] == ["update", "nodename=gpu-node-02", "state=drain"]
+    assert drained[3] == f"reason=slurm-gpu-healthcheck: missing {devdir}/nvidia2"
+
+
+def test_healthcheck_drains_when_nvidia_smi_sees_fewer_gpus(hc):
+    _, run = hc
+    res, drained = run("#!/bin/bash\nprintf '0\\n1\\n2\\n'\n")
+    assert res.returncode != 0
+    assert drained[3] == "reason=slurm-gpu-healthcheck: nvidia-smi sees 3 of 4 GPUs"
+    res, drained = run("#!/bin/bash\nprintf '0\\n1\\n2\\n3\\n'\n")
+    assert res.returncode == 0
+
+
+def test_healthcheck_drains_when_nvidia_smi_fails(hc):
+    _, run = hc
+    res, drained = run("#!/bin/bash\necho 'NVIDIA-SMI has failed because it could not communicate'\nexit 9\n")
+    assert res.returncode != 0
+    assert drained[3].startswith("reason=slurm-gpu-healthcheck: nvidia-smi failed: NVIDIA-SMI has failed")
+
+
+@pytest.mark.parametrize("role", render.ROLES)
+def test_unknown_skip_step_is_refused_before_any_change(tmp_path, role):
+    script = tmp_path / "bootstrap.sh"
+    write_exe(script, render.bootstrap_script(FACTS["l4x2"], role))
+    env = {**os.environ, "SLURM_GPU_SKIP_STEPS": "packages nfs-server"}
+    res = subprocess.run([str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2
+    assert "SLURM_GPU_SKIP_STEPS: unknown step 'nfs-server'" in res.stderr
+    assert " ".join(render.STEPS[role]) in res.stderr
+    assert "step hostname" not in res.stdout  # nothing ran
+
+
+# --- the bootstrap scripts, run for real in a sandbox (root) -----------------
+
+SANDBOX = r"""
+set -euo pipefail
+mount -t tmpfs tmpfs "$T"
+for d in etc var usr; do
+  mkdir -p "$T/u/$d" "$T/w/$d"
+  mount -t overlay overlay -o "lowerdir=/$d,upperdir=$T/u/$d,workdir=$T/w/$d" "/$d"
+done
+rm -rf /etc/munge /var/lib/slurm
+ip link set lo up
+ip addr add "$IP/32" dev lo
+hostname sandbox
+cp -r "$FILES"/. /
+for i in 1 2; do SLURM_GPU_SKIP_STEPS="$SKIP" "$SCRIPT" > "$LOGDIR/run$i.log" 2>&1; done
+{
+  echo "hostname=$(hostname) etc_hostname=$(cat /etc/hostname)"
+  echo "begin_blocks=$(grep -c '^# BEGIN slurm-gpu hosts' /etc/hosts)"
+  grep -E '^[0-9]' /etc/hosts | grep -v '^127\.' || true
+  stat -c 'stat %n %U:%G %a' /etc/munge /etc/munge/munge.key /var/log/slurm /var/lib/slurm/* \
+    "$STATE"/* 2>&1
+  [ -e "$HC" ] && stat -c 'stat %n %U:%G %a' "$HC"
+  [ -d "$SCRATCH/logs" ] && stat -c 'stat %n %U:%G %a' "$SCRATCH/logs" "$SCRATCH/hf-cache"
+  echo "marker_role=$(grep role= "$MARKER")"
+} > "$LOGDIR/report"
+"""
+
+
+def run_in_sandbox(tmp_path, facts, role, host, skip):
+    files = tmp_path / "files"
+    for path, text in render.render_files(facts).items():
+        dest = files / path.lstrip("/")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_text(text)
+        dest.chmod(render.FILE_MODES.get(path, 0o644))
+    script = tmp_path / "bootstrap.sh"
+    write_exe(script, render.bootstrap_script(facts, role))
+    (tmp_path / "mnt").mkdir()
+    logdir = tmp_path / "out"
+    logdir.mkdir()
+    env = {
+        "PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "T": str(tmp_path / "mnt"), "FILES": str(files),
+        "IP": host.ip, "SKIP": skip, "SCRIPT": str(script), "LOGDIR": str(logdir),
+        "STATE": render.STATE_DIR, "MARKER": render.MARKER_PATH, "HC": render.HEALTHCHECK_PATH,
+        "SCRATCH": facts.scratch,
+    }
+    res = subprocess.run(
+        ["unshare", "--mount", "--uts", "--net", "--propagation", "private", "bash", "-c", SANDBOX],
+        env=env, capture_output=True, text=True, timeout=120,
+    )
+    logs = "".join((logdir / f).read_text() for f in ("run1.log", "run2.log") if (logdir / f).exists())
+    assert res.returncode == 0, res.stdout + res.stderr + logs
+    return (logdir / "report").read_text(), logs
+
+
+def stats(report):
+    return {ln.split()[1]: tuple(ln.split()[2:]) for ln in report.splitlines() if ln.startswith("stat ")}
+
+
+# The project's own bridge range: these tests put addresses only on a private loopback.
+LOCAL = make_facts("sandbox", "10.213.0.0/24", 2, NodeShape(2, 1000, 2, "l4"), ssh_user="root",
+                   scratch="/var/tmp/slurm-gpu-scratch")
+
+
+@pytest.mark.cluster
+def test_gpu_bootstrap_runs_and_is_idempotent(tmp_path):
+    host = LOCAL.gpu_nodes[1]
+    report, logs = run_in_sandbox(tmp_path, LOCAL, "gpu", host, "packages nfs scratch training services")
+    assert f"hostname={host.name} etc_hostname={host.name}" in report  # named from its IP
+    assert "begin_blocks=1" in report  # merged twice, present once
+    for h in LOCAL.hosts:
+        assert f"{h.ip} {h.name}" in report
+    st = stats(report)
+    assert st["/etc/munge"] == ("munge:munge", "700")
+    assert st["/etc/munge/munge.key"] == ("munge:munge", "400")
+    assert st["/var/lib/slurm/slurmd"][0] == "slurm:slurm"
+    assert st["/var/log/slurm"][0] == "slurm:slurm"
+    assert st[render.HEALTHCHECK_PATH] == ("root:root", "755")
+    assert "marker_role=role=gpu" in report
+    assert "step munge" in logs and "skip training" in logs
+    assert "made a node-local one" in logs
+
+
+@pytest.mark.cluster
+def test_controller_bootstrap_makes_the_key_once(tmp_path):
+    report, logs = run_in_sandbox(tmp_path, LOCAL, "controller", LOCAL.controller, "packages nfs services")
+    assert "hostname=controller etc_hostname=controller" in report
+    st = stats(report)
+    assert st["/etc/munge/munge.key"] == ("munge:munge", "400")
+    assert st["/var/lib/slurm/slurmctld"] == ("slurm:slurm", "700")
+    assert st[f"{LOCAL.scratch}/logs"] == ("root:root", "2775")
+    assert st[f"{LOCAL.scratch}/hf-cache"] == ("root:root", "2775")
+    # Two runs, one key: the second run keeps it (GPU nodes may already hold it).
+    assert logs.count("created the cluster's munge key") == 1
+    assert "marker_role=role=controller" in report

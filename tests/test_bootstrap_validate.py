@@ -1,0 +1,145 @@
+"""Real validators on the rendered output: cloud-init's schema, shellcheck, and
+Slurm 22.05's own parser (`slurmd -G` reads slurm.conf and gres.conf, prints the
+node's GRES and exits; it starts no daemon)."""
+
+import json
+import shutil
+import subprocess
+from dataclasses import replace
+
+import pytest
+
+from bootstrap import render
+from tests.test_bootstrap_render import CASES, FACTS, FULL
+
+
+def run(cmd, **kw):
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, **kw)
+
+
+def need(tool):
+    # These tools are installed by scripts/setup.sh; missing means a broken setup.
+    assert shutil.which(tool), f"{tool} not found: run scripts/setup.sh"
+
+
+def schema(path):
+    need("cloud-init")
+    return run(["cloud-init", "schema", "--config-file", str(path)])
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("role", render.ROLES)
+def test_user_data_passes_cloud_init_schema(tmp_path, case, role):
+    path = tmp_path / f"{case}-{role}.yaml"
+    path.write_text(render.user_data(FACTS[case], role))
+    res = schema(path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "Valid cloud-config" in res.stdout
+
+
+@pytest.mark.parametrize("role", render.ROLES)
+def test_encoded_user_data_of_a_full_subnet_passes_schema(tmp_path, role):
+    path = tmp_path / f"full-{role}.yaml"
+    text = render.user_data(FULL, role)
+    assert "encoding: gz+b64" in text
+    path.write_text(text)
+    res = schema(path)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_cloud_init_schema_rejects_a_broken_user_data(tmp_path):
+    # Proves the validator really checks: one wrong type in our own output fails.
+    text = render.user_data(FACTS["l4x2"], "gpu")
+    assert "\npreserve_hostname: true\n" in text
+    path = tmp_path / "broken.yaml"
+    path.write_text(text.replace("\npreserve_hostname: true\n", "\npreserve_hostname: [1]\n"))
+    res = schema(path)
+    assert res.returncode != 0
+    assert "preserve_hostname" in res.stdout + res.stderr
+
+
+def scripts_of(facts):
+    yield "healthcheck", render.render_healthcheck(facts)
+    yield "controller", render.bootstrap_script(facts, "controller", facts.controller.name)
+    yield "gpu", render.bootstrap_script(facts, "gpu")
+    yield "gpu-named", render.bootstrap_script(facts, "gpu", facts.gpu_nodes[-1].name)
+
+
+def test_scripts_pass_shellcheck(tmp_path):
+    need("shellcheck")
+    paths = []
+    # One shellcheck run; h100x3 renders the same code as l4x2 with other numbers.
+    for case in ("l4x2", "single"):
+        for name, text in scripts_of(FACTS[case]):
+            p = tmp_path / f"{case}-{name}.sh"
+            p.write_text(text)
+            paths.append(str(p))
+    res = run(["shellcheck", "--shell=bash", "--severity=style", *paths])
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_shellcheck_rejects_a_broken_script(tmp_path):
+    need("shellcheck")
+    p = tmp_path / "broken.sh"
+    p.write_text(render.render_healthcheck(FACTS["l4x2"]).replace('[ -e "$dev" ]', "[ -e $dev ]"))
+    res = run(["shellcheck", "--shell=bash", str(p)])
+    assert res.returncode != 0 and "SC2086" in res.stdout
+
+
+def write_slurm_files(tmp_path, facts):
+    """Render with stand-in device files (slurmd insists the files exist)."""
+    prefix = tmp_path / "dev" / "nvidia"
+    prefix.parent.mkdir()
+    for i in range(facts.shape.gpu_count):
+        (prefix.parent / f"nvidia{i}").touch()
+    facts = replace(facts, gpu_device_prefix=str(prefix))
+    (tmp_path / "slurm.conf").write_text(render.render_slurm_conf(facts))
+    (tmp_path / "gres.conf").write_text(render.render_gres_conf(facts))
+    return tmp_path / "slurm.conf"
+
+
+def slurmd_gres(conf, node, log):
+    need("slurmd")
+    # -L keeps slurmd's log out of /var/log/slurm.
+    return run(["slurmd", "-G", "-N", node, "-L", str(log)], env={"SLURM_CONF": str(conf), "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_slurm_parses_slurm_conf_and_gres_conf(tmp_path, case):
+    facts = FACTS[case]
+    conf = write_slurm_files(tmp_path, facts)
+    for host in (facts.gpu_nodes[0], facts.gpu_nodes[-1]):
+        res = slurmd_gres(conf, host.name, tmp_path / "slurmd.log")
+        out = res.stdout + res.stderr
+        assert res.returncode == 0, out
+        assert "fatal" not in out and "Parsing error" not in out
+        assert f"Gres Name=gpu Type={facts.shape.gpu_type} Count={facts.shape.gpu_count}" in out
+
+
+def test_slurm_parser_rejects_a_bad_key(tmp_path):
+    conf = write_slurm_files(tmp_path, FACTS["l4x2"])
+    conf.write_text(conf.read_text() + "NoSuchParameter=1\n")
+    res = slurmd_gres(conf, "gpu-node-01", tmp_path / "slurmd.log")
+    assert res.returncode != 0
+    assert "NoSuchParameter" in res.stdout + res.stderr
+
+
+def test_cloud_init_decodes_encoded_files_back_to_the_rendered_text(tmp_path):
+    # cloud-init's own write_files decoder (system python3), not ours.
+    path = tmp_path / "full-gpu.yaml"
+    path.write_text(render.user_data(FULL, "gpu"))
+    code = (
+        "import json, sys, yaml\n"
+        "from cloudinit.config.cc_write_files import canonicalize_extraction, extract_contents\n"
+        "cfg = yaml.safe_load(open(sys.argv[1]))\n"
+        "out = {}\n"
+        "for f in cfg['write_files']:\n"
+        "    c = extract_contents(f['content'], canonicalize_extraction(f.get('encoding')))\n"
+        "    out[f['path']] = c if isinstance(c, str) else c.decode()\n"
+        "print(json.dumps(out))\n"
+    )
+    res = run(["/usr/bin/python3", "-c", code, str(path)])
+    assert res.returncode == 0, res.stderr
+    expected = render.role_files(FULL, "gpu")
+    expected[render.BOOTSTRAP_PATH] = render.bootstrap_script(FULL, "gpu")
+    assert json.loads(res.stdout) == expected
