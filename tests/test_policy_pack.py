@@ -1,0 +1,512 @@
+"""The CrossGuard policy pack (policy/), run offline on the resources of the mocked program.
+
+The Pulumi engine cannot run here, so the tests play its part: the program runs under
+the mocks of tests/test_infra_mocks.py, and each resource it registers is handed to the
+pack's real analyzer service (pulumi_policy's _PolicyAnalyzerServicer) as the engine
+would send it: an AnalyzeRequest per resource (its inputs, camelCase) and one
+AnalyzeStackRequest (outputs, with ids, parents and property dependencies). The
+service does the engine-facing work itself (protobuf decoding, unknown-value proxies,
+enforcement levels); only its gRPC server is left out.
+
+Every policy has a passing case (the real program's resources) and violations (the same
+resources with one property changed), each with its expected message.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import gzip
+import importlib.metadata
+import os
+import re
+import runpy
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pulumi_policy
+import pytest
+import yaml
+from google.protobuf import json_format, struct_pb2
+from pulumi.runtime.proto import analyzer_pb2 as proto
+from pulumi_policy import EnforcementLevel
+from pulumi_policy.policy import _PolicyAnalyzerServicer
+from pulumi_policy.proxy import UNKNOWN_STRING_VALUE
+
+import tests.test_infra_mocks as harness
+from policy import rules
+from tests.test_infra_mocks import stack_config
+
+REPO = Path(__file__).resolve().parent.parent
+POLICY_DIR = REPO / "policy"
+ADMIN_CIDR = harness.ADMIN_CIDR
+
+
+# ------------------------------------------------------------ the stack
+
+@dataclass
+class Res:
+    """One registered custom resource as the engine would show it to the analyzer."""
+
+    typ: str
+    name: str
+    urn: str
+    id: str
+    parent: str
+    dependencies: list[str]
+    property_dependencies: dict[str, list[str]]
+    inputs: dict
+    outputs: dict = field(default_factory=dict)
+
+
+class _DepsMonitor(harness.RecordingMonitor):
+    """The harness's monitor, also keeping what the engine passes on to stack policies:
+    each resource's id and per-property dependencies."""
+
+    def __init__(self, mocks):
+        super().__init__(mocks)
+        self.ids: dict[str, str] = {}
+        self.property_deps: dict[str, dict[str, list[str]]] = {}
+
+    def RegisterResource(self, request):
+        response = super().RegisterResource(request)
+        self.ids[response.urn] = response.id
+        self.property_deps[response.urn] = {
+            k: list(v.urns) for k, v in request.propertyDependencies.items()
+        }
+        return response
+
+
+def declare(**config) -> list[Res]:
+    """Run the program under mocks; its custom resources with inputs and outputs."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(harness, "RecordingMonitor", _DepsMonitor)
+        run = harness.run_program(stack_config(**config))
+    monitor = run.monitor
+    out = []
+    for r in run.resources:
+        assert r.urn, f"{r.name} was not registered through the monitor"
+        rid = monitor.ids[r.urn]
+        state = dict(r.inputs)
+        # Outputs the provider computes (the mocks answer like the provider does).
+        if r.typ == rules.PLACEMENT_GROUP:
+            state["name"] = f"{r.name}-4d5e6f"
+        if r.typ == rules.KEY_PAIR:
+            state["keyName"] = f"{r.name}-1a2b3c"
+        out.append(Res(r.typ, r.name, r.urn, rid, r.parent, list(r.dependencies),
+                       monitor.property_deps[r.urn], dict(r.inputs), {**state, "id": rid}))
+    return out
+
+
+@pytest.fixture(scope="module")
+def cluster() -> list[Res]:
+    return declare()
+
+
+def one(stack: list[Res], suffix: str) -> Res:
+    found = [r for r in stack if r.name.endswith(suffix)]
+    assert len(found) == 1, f"expected one resource named *{suffix}, found {[r.name for r in found]}"
+    return found[0]
+
+
+# ---------------------------------------------------- the analyzer service
+
+def servicer() -> _PolicyAnalyzerServicer:
+    return _PolicyAnalyzerServicer(rules.PACK_NAME, "0.0.1", rules.policies(), EnforcementLevel.MANDATORY)
+
+
+def _struct(props: dict) -> struct_pb2.Struct:
+    return json_format.ParseDict(props, struct_pb2.Struct())
+
+
+@dataclass(frozen=True)
+class Finding:
+    policy: str
+    message: str
+    urn: str
+    mandatory: bool
+
+
+def _findings(response) -> list[Finding]:
+    return [Finding(d.policyName, d.message, d.urn, d.enforcementLevel == proto.MANDATORY)
+            for d in response.diagnostics]
+
+
+def analyze(stack: list[Res]) -> list[Finding]:
+    """Resource policies on every resource's inputs, as during preview/up."""
+    svc, found = servicer(), []
+    for r in stack:
+        req = proto.AnalyzeRequest(type=r.typ, properties=_struct(r.inputs), urn=r.urn, name=r.name)
+        found += [f if f.urn else Finding(f.policy, f.message, r.urn, f.mandatory)
+                  for f in _findings(svc.Analyze(req, None))]
+    return found
+
+
+def analyze_stack(stack: list[Res], props: str = "outputs") -> list[Finding]:
+    """Stack policies on the whole stack."""
+    req = proto.AnalyzeStackRequest(resources=[
+        proto.AnalyzerResource(
+            type=r.typ, properties=_struct(getattr(r, props)), urn=r.urn, name=r.name,
+            parent=r.parent, dependencies=r.dependencies,
+            propertyDependencies={k: proto.AnalyzerPropertyDependencies(urns=v)
+                                  for k, v in r.property_dependencies.items()},
+        )
+        for r in stack
+    ])
+    return _findings(servicer().AnalyzeStack(req, None))
+
+
+def as_preview(stack: list[Res]) -> list[Res]:
+    """The stack as `pulumi preview` sees it before anything exists: every id and
+    provider-computed name is unknown; only the property dependencies link resources."""
+    stack = copy.deepcopy(stack)
+    computed = {r.id for r in stack} | {r.outputs.get("name") for r in stack} | \
+               {r.outputs.get("keyName") for r in stack}
+    computed.discard(None)
+
+    def blank(value):
+        if isinstance(value, dict):
+            return {k: blank(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [blank(v) for v in value]
+        return UNKNOWN_STRING_VALUE if isinstance(value, str) and value in computed else value
+
+    for r in stack:
+        r.outputs = blank({k: v for k, v in r.outputs.items() if k not in ("id", "name", "keyName")})
+        r.inputs = blank(r.inputs)
+    return stack
+
+
+# ------------------------------------------------------------ passing
+
+@pytest.mark.parametrize("config", [
+    {},
+    {"gpuNodeCount": 4, "gpuInstanceType": "p5.48xlarge"},
+    {"gpuNodeCount": 3, "gpuInstanceType": "g6.48xlarge"},
+    {"efa": False, "gpuNodeCount": 1, "gpuInstanceType": "g4dn.xlarge"},
+], ids=["seed", "4xp5", "3xg6.48", "no-efa"])
+def test_the_programs_resources_pass_every_policy(config):
+    stack = declare(**config)
+    types = {r.typ for r in stack}
+    # The policies had something to look at (not a vacuous pass).
+    assert {rules.INSTANCE, rules.SECURITY_GROUP, rules.VPC_INGRESS, rules.VPC_EGRESS,
+            rules.KEY_PAIR, rules.PLACEMENT_GROUP} <= types
+    assert analyze(stack) == []
+    assert analyze_stack(stack) == []
+
+
+def test_stack_policies_see_efa_nodes_in_the_real_program(cluster):
+    """The EFA rules apply to the program as it is: every GPU node is an EFA node."""
+    from pulumi_policy.policy import PolicyResource
+
+    def policy_resource(r):
+        return PolicyResource(r.typ, r.outputs, r.urn, r.name, None, None, None, [], {})
+
+    resources = [policy_resource(r) for r in cluster]
+    efa = rules._efa_instances(resources)
+    assert sorted(inst.name for inst, _ in efa) == ["mini-nodes-gpu-node-01", "mini-nodes-gpu-node-02"]
+    assert all(eni.props["interfaceType"] == "efa" for _, enis in efa for eni in enis)
+
+
+def test_stack_policies_work_during_preview_through_property_dependencies(cluster):
+    preview = as_preview(cluster)
+    gpu = one(preview, "gpu-node-01")
+    assert gpu.outputs["placementGroup"] == UNKNOWN_STRING_VALUE  # really unknown
+    assert analyze_stack(preview) == []
+    # ...and still catch a violation with ids unknown.
+    no_self_egress = [r for r in preview if not r.name.endswith("all-to-self")]
+    found = analyze_stack(no_self_egress)
+    assert [f.policy for f in found] == ["efa-security-group-self-rules"]
+    assert "no all-traffic egress rule to itself" in found[0].message
+
+
+def test_resource_policies_wait_for_unknown_values_in_preview(cluster):
+    """A value unknown during preview is reported by the SDK as advisory, not as a pass
+    or a mandatory failure; `pulumi up` then checks the real value."""
+    ssh = copy.deepcopy(one(cluster, "ssh-from-admin"))
+    ssh.inputs["cidrIpv4"] = UNKNOWN_STRING_VALUE
+    found = analyze([ssh])
+    assert found and all(not f.mandatory for f in found)
+    assert all("can't run policy" in f.message for f in found)
+
+
+# ------------------------------------------------------------ violations
+
+def _mutate(stack: list[Res], suffix: str, change) -> list[Res]:
+    stack = copy.deepcopy(stack)
+    r = one(stack, suffix)
+    r.typ = getattr(change, "new_type", r.typ)
+    change(r.inputs)
+    change(r.outputs)
+    return stack
+
+
+def _set(**values):
+    def change(props):
+        for key, value in values.items():
+            if value is None:
+                props.pop(key, None)
+            else:
+                props[key] = value
+    return change
+
+
+def _nested(key, **values):
+    def change(props):
+        props[key] = {**props.get(key, {}), **values}
+    return change
+
+
+MUNGE_KEY = os.urandom(1024)  # the size Debian's create-munge-key writes
+MUNGE_B64 = base64.b64encode(MUNGE_KEY).decode()
+PRIVATE_KEY = ("-----BEGIN OPENSSH PRIVATE KEY-----\n"
+               "b3BlbnNzaC1rZXktdjEAAAAABG5vbmUAAAAEbm9uZQAAAAAAAAABAAAAMwAAAAtzc2gtZW\n"
+               "-----END OPENSSH PRIVATE KEY-----\n")
+
+
+def _cloud_config(edit):
+    def change(props):
+        doc = yaml.safe_load(props["userData"])
+        edit(doc)
+        props["userData"] = "#cloud-config\n" + yaml.safe_dump(doc, sort_keys=False)
+    return change
+
+
+def _as_legacy_rule(props):
+    """The SSH rule re-expressed as an aws:ec2/securityGroupRule (the older style)."""
+    sg = props.pop("securityGroupId")
+    props.clear()
+    props.update(type="ingress", protocol="tcp", fromPort=22, toPort=22,
+                 cidrBlocks=["0.0.0.0/0"], securityGroupId=sg)
+
+
+_as_legacy_rule.new_type = rules.SG_RULE
+
+
+def _gzip_user_data_with_private_key(props):
+    doc = yaml.safe_load(props.pop("userData"))
+    doc["write_files"].append({"path": "/root/.ssh/id_ed25519", "content": PRIVATE_KEY})
+    text = "#cloud-config\n" + yaml.safe_dump(doc)
+    props["userDataBase64"] = base64.b64encode(gzip.compress(text.encode())).decode()
+
+
+RESOURCE_CASES = [
+    # (id, resource suffix, change, policies expected to fire, message pattern)
+    ("ssh-from-anywhere-v4", "ssh-from-admin", _set(cidrIpv4="0.0.0.0/0"),
+     {"ssh-not-open-to-internet"},
+     r"cidrIpv4: tcp port 22 from 0\.0\.0\.0/0 opens SSH \(port 22\) to the whole internet; "
+     r"allow SSH only from your adminCidr"),
+    ("range-holding-22-from-anywhere-v6", "ssh-from-admin",
+     _set(cidrIpv4=None, cidrIpv6="::/0", fromPort=0, toPort=1024),
+     {"ssh-not-open-to-internet", "only-ssh-from-outside"},
+     r"cidrIpv6: tcp ports 0-1024 from ::/0 opens SSH"),
+    ("all-traffic-from-anywhere", "all-from-self",
+     _set(referencedSecurityGroupId=None, cidrIpv4="0.0.0.0/0"),
+     {"ssh-not-open-to-internet", "only-ssh-from-outside"},
+     r"cidrIpv4: all traffic from 0\.0\.0\.0/0 opens SSH"),
+    ("legacy-rule-ssh-from-anywhere", "ssh-from-admin", _as_legacy_rule,
+     {"ssh-not-open-to-internet"}, r"rule: tcp port 22 from 0\.0\.0\.0/0 opens SSH"),
+    ("inline-sg-ssh-from-anywhere", "sec-sg",
+     _set(ingress=[{"protocol": "tcp", "fromPort": 22, "toPort": 22, "cidrBlocks": ["0.0.0.0/0"]}]),
+     {"ssh-not-open-to-internet"}, r"ingress\[0\]: tcp port 22 from 0\.0\.0\.0/0 opens SSH"),
+    ("other-port-from-admin", "ssh-from-admin", _set(fromPort=443, toPort=443),
+     {"only-ssh-from-outside"},
+     rf"cidrIpv4: tcp port 443 from {re.escape(ADMIN_CIDR)}: only SSH \(tcp 22\) may enter"),
+    ("imdsv1-allowed", "nodes-controller", _nested("metadataOptions", httpTokens="optional"),
+     {"instances-require-imdsv2"},
+     r'metadataOptions\.httpTokens is "optional": set metadata_options http_tokens="required"'),
+    ("no-metadata-options", "gpu-node-01", _set(metadataOptions=None),
+     {"instances-require-imdsv2"}, r"metadataOptions\.httpTokens is not set \(IMDSv1 allowed\)"),
+    ("root-unencrypted", "nodes-controller", _nested("rootBlockDevice", encrypted=False),
+     {"volumes-encrypted"}, r"rootBlockDevice\.encrypted is not true: set root_block_device encrypted=True"),
+    ("no-root-block-device", "gpu-node-02", _set(rootBlockDevice=None),
+     {"volumes-encrypted"}, r"rootBlockDevice\.encrypted is not true"),
+    ("ebs-unencrypted", "gpu-node-01",
+     _set(ebsBlockDevices=[{"deviceName": "/dev/sdf", "volumeSize": 100, "encrypted": False}]),
+     {"volumes-encrypted"}, r"ebsBlockDevices\[0\] \(/dev/sdf\)\.encrypted is not true"),
+    ("munge-key-in-write-files", "nodes-controller",
+     _cloud_config(lambda d: d["write_files"].append(
+         {"path": "/etc/munge/munge.key", "encoding": "b64", "content": MUNGE_B64,
+          "owner": "munge:munge", "permissions": "0400"})),
+     {"user-data-has-no-munge-key"},
+     r"userData: write_files\[\d+\] writes /etc/munge/munge\.key: the munge key must never be in user-data"),
+    ("munge-key-piped-in-runcmd", "gpu-node-01",
+     _cloud_config(lambda d: d["runcmd"].insert(0, f"echo {MUNGE_B64} | base64 -d > /etc/munge/munge.key")),
+     {"user-data-has-no-munge-key"}, r"userData carries a 1368-character encoded blob"),
+    ("hex-key-in-bootcmd", "gpu-node-02",
+     _cloud_config(lambda d: d.setdefault("bootcmd", []).append(f"echo {MUNGE_KEY[:128].hex()} | xxd -r -p")),
+     {"user-data-has-no-munge-key"}, r"userData carries a 256-character encoded blob"),
+    ("private-key-as-key-pair", "nodes-key", _set(publicKey=PRIVATE_KEY),
+     {"no-private-key-material", "key-pair-public-key-only"},
+     r'publicKey holds private key material \("PRIVATE KEY"\)'),
+    ("private-key-in-user-data", "gpu-node-02",
+     _cloud_config(lambda d: d["write_files"].append(
+         {"path": "/home/ubuntu/.ssh/id_ed25519", "content": PRIVATE_KEY, "permissions": "0600"})),
+     {"no-private-key-material"}, r"userData holds private key material"),
+    ("binary-file-gzip-encoded", "nodes-controller",
+     _cloud_config(lambda d: d["write_files"].append(
+         {"path": "/var/lib/slurm/k", "encoding": "gz+b64",
+          "content": base64.b64encode(gzip.compress(MUNGE_KEY)).decode()})),
+     {"user-data-has-no-munge-key"},
+     r"userData: write_files\[\d+\] \(/var/lib/slurm/k\) holds 1024 bytes of binary data"),
+    ("private-key-in-gzip-user-data-base64", "gpu-node-01", _gzip_user_data_with_private_key,
+     {"no-private-key-material"}, r"userDataBase64 holds private key material"),
+    ("key-pair-not-a-public-key", "nodes-key", _set(publicKey="hunter2"),
+     {"key-pair-public-key-only"}, r"publicKey is not an OpenSSH public key line"),
+]
+
+
+@pytest.mark.parametrize("suffix,change,policies,pattern",
+                         [c[1:] for c in RESOURCE_CASES], ids=[c[0] for c in RESOURCE_CASES])
+def test_resource_policy_violation(cluster, suffix, change, policies, pattern):
+    stack = _mutate(cluster, suffix, change)
+    target = one(stack, suffix)
+    found = analyze(stack)
+    assert {f.policy for f in found} == policies, found
+    assert all(f.mandatory and f.urn == target.urn for f in found)
+    assert any(re.search(pattern, f.message) for f in found), [f.message for f in found]
+    # The message opens with the policy's description (the SDK's format).
+    described = {p.name: p.description for p in rules.policies()}
+    assert all(f.message.startswith(described[f.policy]) for f in found)
+
+
+def _drop(suffix):
+    return lambda stack: [r for r in stack if not r.name.endswith(suffix)]
+
+
+def _edit(suffix, change):
+    return lambda stack: _mutate(stack, suffix, change)
+
+
+def _second_group(stack):
+    """gpu-node-02 moved to a second cluster placement group."""
+    stack = copy.deepcopy(stack)
+    pg = one(stack, "nodes-pg")
+    other = copy.deepcopy(pg)
+    other.name, other.urn, other.id = pg.name + "-b", pg.urn + "-b", pg.id + "-b"
+    other.outputs.update(id=other.id, name=other.name + "-4d5e6f")
+    node = one(stack, "gpu-node-02")
+    for props in (node.inputs, node.outputs):
+        props["placementGroup"] = other.outputs["name"]
+    node.property_dependencies["placementGroup"] = [other.urn]
+    return stack + [other]
+
+
+def _no_group(stack):
+    stack = _mutate(stack, "gpu-node-02", _set(placementGroup=None))
+    one(stack, "gpu-node-02").property_dependencies.pop("placementGroup", None)
+    return stack
+
+
+def _inline_self_egress(stack):
+    """Self egress expressed inline on the group instead of as its own rule: still fine."""
+    stack = _drop("all-to-self")(stack)
+    return _mutate(stack, "sec-sg", _set(egress=[{"protocol": "-1", "fromPort": 0, "toPort": 0, "self": True}]))
+
+
+STACK_CASES = [
+    ("gpu-node-outside-placement-group", _no_group, "efa-nodes-share-cluster-placement-group",
+     r"mini-nodes-gpu-node-02 has an EFA interface but no placementGroup"),
+    ("spread-placement-group", _edit("nodes-pg", _set(strategy="spread")),
+     "efa-nodes-share-cluster-placement-group",
+     r"placement group mini-nodes-pg whose strategy is 'spread': EFA nodes need strategy \"cluster\""),
+    ("split-placement-groups", _second_group, "efa-nodes-share-cluster-placement-group",
+     r"EFA nodes are split across placement groups"),
+    ("no-self-egress", _drop("all-to-self"), "efa-security-group-self-rules",
+     r"security group mini-sec-sg of EFA node mini-nodes-gpu-node-0\d has no all-traffic egress rule to "
+     r"itself: EFA needs both \(an egress to 0\.0\.0\.0/0 does not cover EFA\)"),
+    ("self-egress-tcp-only", _edit("all-to-self", _set(ipProtocol="tcp", fromPort=0, toPort=65535)),
+     "efa-security-group-self-rules", r"has no all-traffic egress rule to itself"),
+    ("no-self-ingress", _drop("all-from-self"), "efa-security-group-self-rules",
+     r"has no all-traffic ingress rule from itself"),
+]
+
+
+@pytest.mark.parametrize("change,policy,pattern", [c[1:] for c in STACK_CASES],
+                         ids=[c[0] for c in STACK_CASES])
+def test_stack_policy_violation(cluster, change, policy, pattern):
+    found = analyze_stack(change(cluster))
+    assert found and {f.policy for f in found} == {policy}, found
+    assert all(f.mandatory for f in found)
+    assert any(re.search(pattern, f.message) for f in found), [f.message for f in found]
+
+
+def test_self_egress_may_be_an_inline_rule(cluster):
+    assert analyze_stack(_inline_self_egress(cluster)) == []
+
+
+# ------------------------------------------------------------ the pack
+
+def test_main_builds_the_pack_with_every_policy_mandatory(monkeypatch):
+    """Run policy/__main__.py as the engine does (runpy on the directory), with
+    PolicyPack's server replaced by a recorder, then ask the real analyzer service
+    built from the recorded arguments what it would tell the engine."""
+    made = []
+    monkeypatch.setattr(pulumi_policy, "PolicyPack", lambda **kw: made.append(kw))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "rules", raising=False)
+    runpy.run_path(str(POLICY_DIR), run_name="__main__")
+    (kw,) = made
+    assert kw["name"] == rules.PACK_NAME and kw["enforcement_level"] == EnforcementLevel.MANDATORY
+
+    svc = _PolicyAnalyzerServicer(kw["name"], "0.0.1", kw["policies"], kw["enforcement_level"])
+    info = svc.GetAnalyzerInfo(None, None)
+    assert info.name == "slurm-gpu-security"
+    by_name = {p.name: p for p in info.policies}
+    stack_policies = {"efa-nodes-share-cluster-placement-group", "efa-security-group-self-rules"}
+    assert set(by_name) == {p.name for p in rules.policies()} == stack_policies | {
+        "ssh-not-open-to-internet", "only-ssh-from-outside", "instances-require-imdsv2",
+        "volumes-encrypted", "user-data-has-no-munge-key", "no-private-key-material",
+        "key-pair-public-key-only"}
+    for name, p in by_name.items():
+        assert p.enforcementLevel == proto.MANDATORY, name
+        want = proto.PolicyType.POLICY_TYPE_STACK if name in stack_policies else proto.PolicyType.POLICY_TYPE_RESOURCE
+        assert p.policy_type == want, name
+    monkeypatch.delitem(sys.modules, "rules", raising=False)
+
+
+def test_pack_project_file_and_pins():
+    project = yaml.safe_load((POLICY_DIR / "PulumiPolicy.yaml").read_text())
+    assert project["runtime"]["name"] == "python"
+    venv = (POLICY_DIR / project["runtime"]["options"]["virtualenv"]).resolve()
+    assert venv == REPO / ".venv"  # the environment scripts/setup.sh makes
+    pins = {}
+    for line in (REPO / "requirements.txt").read_text().splitlines():
+        if "==" in line and not line.lstrip().startswith("#"):
+            name, version = line.split("#")[0].strip().split("==")
+            pins[name.lower()] = version
+    assert pins["pulumi-policy"] == importlib.metadata.version("pulumi-policy")
+    for line in (POLICY_DIR / "requirements.txt").read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            name, version = line.split("==")
+            assert pins[name.lower()] == version, f"policy/requirements.txt pins {line}; requirements.txt differs"
+
+
+def test_the_pack_serves_the_engine_over_loopback():
+    """Start the pack as the CLI does (`python <dir>` under runpy) and ask it, over
+    its loopback gRPC port, for its policies and for a verdict on a bad resource."""
+    import subprocess
+
+    import grpc
+    from google.protobuf import empty_pb2
+    from pulumi.runtime.proto import analyzer_pb2_grpc
+
+    proc = subprocess.Popen([sys.executable, "-u", "-m", "pulumi.policy", "127.0.0.1:1", str(POLICY_DIR)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        port = proc.stdout.readline().strip()
+        assert port.isdigit(), proc.stderr.read() if proc.poll() is not None else port
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = analyzer_pb2_grpc.AnalyzerStub(channel)
+            info = stub.GetAnalyzerInfo(empty_pb2.Empty(), timeout=30)
+            assert len(info.policies) == len(rules.policies())
+            bad = proto.AnalyzeRequest(type=rules.INSTANCE, urn="urn:pulumi:t::p::aws:ec2/instance:Instance::x",
+                                       name="x", properties=_struct({"metadataOptions": {"httpTokens": "optional"},
+                                                                     "rootBlockDevice": {"encrypted": True}}))
+            found = _findings(stub.Analyze(bad, timeout=30))
+            assert [f.policy for f in found] == ["instances-require-imdsv2"] and found[0].mandatory
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
