@@ -1,0 +1,57 @@
+"""`fab local.up`, `fab local.status`, `fab local.down`: the local cluster."""
+
+from __future__ import annotations
+
+from invoke import Collection, Exit, task
+
+from localcluster import cluster, layout
+
+
+def _fail(exc: Exception) -> Exit:
+    return Exit(f"error: {exc}", code=1)
+
+
+@task(help={
+    "nodes": f"GPU hosts to make ({layout.MIN_NODES}-{layout.MAX_NODES}, default {layout.DEFAULT_NODES})",
+    "gpus": f"stand-in GPUs per host ({layout.MIN_GPUS}-{layout.MAX_GPUS}, default {layout.DEFAULT_GPUS})",
+    "fresh-keys": "leave each GPU host with its own munge key, as a fresh AWS node "
+                  "(`fab train` then installs the controller's key)",
+})
+def up(c, nodes=None, gpus=None, fresh_keys=False):
+    """Start the local cluster: a controller and N GPU hosts in network namespaces (root).
+
+    Real munged, sshd, slurmctld and slurmd run from the files bootstrap/ renders
+    for AWS; the inventory is written to /var/lib/slurm-gpu-local/inventory.json.
+    Idempotent: a healthy cluster of the same size is left alone; for another size
+    run `fab local.down` first.
+    """
+    # Defaults of None make invoke pass the raw text, so `cluster.validate` can
+    # report a bad value by option name instead of invoke's traceback.
+    try:
+        cluster.up(nodes=layout.DEFAULT_NODES if nodes is None else nodes,
+                   gpus=layout.DEFAULT_GPUS if gpus is None else gpus, fresh_keys=fresh_keys)
+    except (cluster.ClusterError, RuntimeError) as exc:
+        raise _fail(exc) from None
+
+
+@task
+def status(c):
+    """Show the local cluster's hosts (name, IP, up/down, daemons) and its `sinfo` node table."""
+    try:
+        ok = cluster.status()
+    except (cluster.ClusterError, RuntimeError) as exc:
+        raise _fail(exc) from None
+    if not ok:
+        raise Exit(code=1)
+
+
+@task
+def down(c):
+    """Stop the local cluster: no namespace, process, mount or bridge is left (keeps /scratch data)."""
+    try:
+        cluster.down()
+    except (cluster.ClusterError, RuntimeError) as exc:
+        raise _fail(exc) from None
+
+
+ns = Collection(up, status, down)

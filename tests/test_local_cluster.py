@@ -1,0 +1,230 @@
+"""The local cluster, for real: namespaces on sgpu0 running munged, sshd, slurmctld
+and slurmd from the rendered bootstrap/ files, reached over ssh with Fabric the
+way `fab train` reaches it (controller direct, GPU hosts through it).
+
+The module brings one cluster up (2 GPU hosts, fresh per-host munge keys as on a
+new AWS node) and runs its tests in order: key mismatch, key distribution,
+Slurm, idempotent `up`, `down` leaving nothing, and a failed `up` cleaning up.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import io
+import re
+import subprocess
+import time
+
+import pytest
+
+from bootstrap import render
+from localcluster import cluster, hosts, layout, netns
+from ops import munge
+
+LOCK = "/tmp/slurm-gpu-cluster.lock"
+NODES, GPUS = 2, 2
+NODE_NAMES = ["gpu-node-01", "gpu-node-02"]
+
+
+@pytest.fixture(scope="module")
+def lc():
+    """The running cluster: (inventory, controller Connection, {name: node Connection})."""
+    with open(LOCK, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one local cluster per machine
+        cluster.down(out=lambda _m: None)  # start clean (also from an earlier crash)
+        try:
+            inventory = cluster.up(nodes=NODES, gpus=GPUS, fresh_keys=True, out=lambda _m: None)
+            controller, nodes = cluster.connect(inventory)
+            yield inventory, controller, nodes
+            cluster.close(controller, nodes)
+        finally:
+            cluster.down(out=lambda _m: None)
+
+
+def run(c, cmd: str, **kwargs):
+    """c.run, quiet, with no stdin forwarded (pytest captures it)."""
+    kwargs.setdefault("in_stream", False)
+    return c.run(cmd, hide=True, **kwargs)
+
+
+def sinfo_nodes(controller) -> dict[str, tuple[str, str]]:
+    out = run(controller, "sinfo -h -N -o '%N %T %G'").stdout
+    return {n: (state, gres) for n, state, gres in (line.split() for line in out.splitlines())}
+
+
+def wait_for(probe, timeout: float = 60, interval: float = 0.3):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval)
+
+
+# ------------------------------------------------------------------ options (no root needed)
+
+
+@pytest.mark.parametrize(
+    "nodes,gpus,flag",
+    [(0, 2, "--nodes"), (21, 2, "--nodes"), ("abc", 2, "--nodes"), ("2.5", 2, "--nodes"),
+     (2, 0, "--gpus"), (2, 9, "--gpus"), (2, "two", "--gpus")],
+)
+def test_bad_options_are_refused_by_name(nodes, gpus, flag):
+    with pytest.raises(cluster.ClusterError, match=flag):
+        cluster.validate(nodes, gpus)
+
+
+def test_good_options_pass():
+    assert cluster.validate("3", 8) == (3, 8)
+
+
+def test_hostctl_passes_shellcheck():
+    r = subprocess.run(["shellcheck", str(cluster.HOSTCTL_SRC)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout
+
+
+def test_inventory_points_at_the_repo_venv_and_hostctl():
+    inv = cluster.make_inventory(3, 2)
+    assert inv.python == str(cluster.REPO / ".venv" / "bin" / "python")
+    assert inv.service_cmd.format(action="restart", service="munge") == f"{layout.HOSTCTL} restart munge"
+    assert [(n.name, n.private_ip) for n in inv.nodes] == [
+        ("controller", "10.213.0.10"), ("gpu-node-01", "10.213.0.11"),
+        ("gpu-node-02", "10.213.0.12"), ("gpu-node-03", "10.213.0.13")]
+    assert inv.controller.public_ip == "10.213.0.10" and inv.ssh_key_file == str(layout.CLUSTER_KEY)
+
+
+# ------------------------------------------------------------------ the cluster
+
+
+@pytest.mark.cluster
+def test_hosts_have_own_names_and_the_inventory_describes_them(lc):
+    inventory, controller, nodes = lc
+    assert inventory.target == "local" and inventory.ssh_user == "root"
+    assert [n.name for n in inventory.gpu_nodes] == NODE_NAMES
+    assert run(controller, "hostname").stdout.strip() == "controller"
+    for name, c in nodes.items():
+        assert run(c, "hostname").stdout.strip() == name
+        # Each host sees its own stand-in GPU files and the cluster's rendered config.
+        run(c, f"test -f {layout.GPU_DEVICE_PREFIX}{GPUS - 1}")
+        assert run(c, f"cat {render.SLURM_CONF}").stdout == \
+            (layout.ETC_SLURM / "slurm.conf").read_text()
+
+
+@pytest.mark.cluster
+def test_password_login_is_refused(lc):
+    r = subprocess.run(
+        ["ssh", "-o", "BatchMode=yes", "-o", "PubkeyAuthentication=no", "-o", "ConnectTimeout=5",
+         "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
+         f"root@{lc[0].controller.private_ip}", "true"], capture_output=True, text=True)
+    assert r.returncode == 255 and "Permission denied" in r.stderr
+
+
+@pytest.mark.cluster
+def test_fresh_gpu_hosts_cannot_decode_the_controllers_credential(lc):
+    _, controller, nodes = lc
+    credential = munge.make_credential(controller)
+    for name, c in nodes.items():
+        ok, status = munge.decodes(c, credential)
+        assert not ok, f"{name} decoded a credential with its own key"
+        assert "Invalid credential" in status
+        # ...and its own munged works: the keys differ, not the daemon.
+        run(c, "munge -n | unmunge")
+    # Nodes are not usable by Slurm yet.
+    assert all(state != "idle" for state, _ in sinfo_nodes(controller).values())
+
+
+@pytest.mark.cluster
+def test_key_distribution_then_rerun_skips(lc):
+    inventory, controller, nodes = lc
+    first = munge.distribute_key(controller, nodes, inventory.service_cmd)
+    assert sorted(first.installed) == NODE_NAMES and first.skipped == []
+    for name, c in nodes.items():
+        ok, status = munge.decodes(c, munge.make_credential(controller))
+        assert ok, f"{name}: {status}"
+        assert run(c, "stat -c '%U:%G %a' /etc/munge /etc/munge/munge.key").stdout.split() \
+            == ["munge:munge", "700", "munge:munge", "400"]
+    # The other direction too: a node's credential decodes on the controller.
+    cred = run(nodes[NODE_NAMES[0]], "munge -n").stdout
+    assert "ENCODE_HOST:" in run(controller, "unmunge", in_stream=io.StringIO(cred)).stdout
+    again = munge.distribute_key(controller, nodes, inventory.service_cmd)
+    assert again.installed == [] and sorted(again.skipped) == NODE_NAMES
+
+
+@pytest.mark.cluster
+def test_every_node_goes_idle_with_its_gpus(lc):
+    inventory, controller, nodes = lc
+    # What `fab train` does after the key: restart slurmd, let the nodes register.
+    for c in nodes.values():
+        run(c, inventory.service_cmd.format(action="restart", service="slurmd"))
+    table = wait_for(lambda: (t := sinfo_nodes(controller)) and
+                     all(t.get(n, ("",))[0] == "idle" for n in NODE_NAMES) and t)
+    assert table, f"nodes not idle: {sinfo_nodes(controller)}"
+    assert {n: table[n] for n in NODE_NAMES} == {n: ("idle", f"gpu:sim:{GPUS}") for n in NODE_NAMES}
+
+
+@pytest.mark.cluster
+def test_srun_answers_from_every_host(lc):
+    _, controller, _ = lc
+    out = run(controller, f"srun -N{NODES} -t 1 hostname", timeout=60).stdout.split()
+    assert sorted(out) == NODE_NAMES
+
+
+@pytest.mark.cluster
+def test_status_shows_hosts_and_node_table(lc):
+    lines: list[str] = []
+    assert cluster.status(out=lines.append)
+    text = "\n".join(lines)
+    for name, ip in [("controller", "10.213.0.10"), *zip(NODE_NAMES, ["10.213.0.11", "10.213.0.12"])]:
+        assert any(l.split()[:3] == [name, ip, "up"] for l in lines if l.strip()), text
+    assert sum("idle" in l and f"gpu:sim:{GPUS}" in l for l in lines) == NODES, text
+
+
+@pytest.mark.cluster
+def test_up_again_is_a_no_op_and_another_size_is_refused(lc):
+    before = [h["pid"] for h in cluster.load_state()["hosts"]]
+    messages: list[str] = []
+    cluster.up(nodes=NODES, gpus=GPUS, out=messages.append)
+    assert "already up" in messages[0]
+    assert [h["pid"] for h in cluster.load_state()["hosts"]] == before
+    with pytest.raises(cluster.ClusterError, match="fab local.down"):
+        cluster.up(nodes=NODES + 1, gpus=GPUS, out=lambda _m: None)
+    assert [h["pid"] for h in cluster.load_state()["hosts"]] == before
+
+
+def assert_nothing_left(ns_ids: set[str]) -> None:
+    assert netns.our_netns() == []
+    assert not netns.link_exists(layout.BRIDGE)
+    assert netns.our_veths() == []
+    assert [p for p in hosts.processes_in(ns_ids) if hosts.alive(p)] == []
+    # Live daemons only: zombies (state Z) are already dead, waiting for PID 1 to reap them.
+    ps = subprocess.run(["ps", "-eo", "stat=,args="], capture_output=True, text=True).stdout
+    daemons = [l for l in ps.splitlines() if not l.lstrip().startswith("Z") and
+               re.search(r"munged|slurmctld|slurmd|sshd -f /var/lib/slurm-gpu-local", l)]
+    assert daemons == [], daemons
+    mounts = subprocess.run(["findmnt", "-rn", "-o", "TARGET,SOURCE"], capture_output=True, text=True).stdout
+    assert "slurm-gpu-local" not in mounts and "sgpu-" not in mounts, mounts
+    assert not layout.STATE_FILE.exists() and not layout.INVENTORY.exists()
+
+
+@pytest.mark.cluster
+def test_down_leaves_nothing(lc):
+    ns_ids = {i for h in cluster.load_state()["hosts"] for i in h["ns"]}
+    assert hosts.processes_in(ns_ids)  # the test would be vacuous otherwise
+    cluster.down(out=lambda _m: None)
+    assert_nothing_left(ns_ids)
+    cluster.down(out=lambda _m: None)  # a second down is harmless
+
+
+@pytest.mark.cluster
+def test_failed_up_cleans_up(lc, monkeypatch):
+    # A bootstrap script that fails on the GPU hosts, after the controller is made.
+    real = render.bootstrap_script
+
+    def failing(facts, role, hostname=None):
+        text = real(facts, role, hostname)
+        return text if role == "controller" else "#!/bin/bash\necho 'no GPUs here' >&2\nexit 7\n"
+
+    monkeypatch.setattr(render, "bootstrap_script", failing)
+    with pytest.raises(hosts.HostError, match="gpu-node-0[12].*no GPUs here"):
+        cluster.up(nodes=NODES, gpus=GPUS, fresh_keys=True, out=lambda _m: None)
+    assert_nothing_left(set())
