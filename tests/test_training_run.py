@@ -1,0 +1,166 @@
+"""training/train.py for real on CPU with the tiny Qwen3: masking, a run, resume, 2 gloo ranks, a dying rank."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from training import train
+from training.make_tiny import make_tiny
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIG = REPO / "training" / "configs" / "local-tiny.yaml"
+N_EXAMPLES = 96  # 24 optimizer steps at batch 4 on one process, 12 on two
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    model_dir, data_file = make_tiny(root, examples=N_EXAMPLES, seed=0)
+    return model_dir, data_file
+
+
+def argv_for(tiny, out, *extra):
+    model_dir, data_file = tiny
+    return ["--config", str(CONFIG), "--model_name_or_path", str(model_dir), "--dataset_name", str(data_file),
+            "--output_dir", str(out), "--save_steps", "5", *extra]
+
+
+@pytest.fixture(scope="module")
+def full_run(tiny, tmp_path_factory):
+    """One uninterrupted single-process run; several tests read its output."""
+    out = tmp_path_factory.mktemp("full")
+    metrics = train.main(argv_for(tiny, out))
+    return out, metrics
+
+
+def test_collator_masks_the_prompt(tiny, tmp_path):
+    from training.args import parse_args
+
+    data_args, model_args, train_args = parse_args(argv_for(tiny, tmp_path / "out"))
+    dataset = train.prepare_dataset(data_args)
+    tokenizer = train.load_tokenizer(model_args, train_args)
+    model = train.load_model(model_args, train_args, flex_packing=False)
+    trainer = train.build_trainer(model, tokenizer, dataset, model_args, train_args)
+
+    rows = [dataset[i] for i in range(4)]
+    with_input = next(i for i, r in enumerate(rows) if "### Input:" in r["prompt"])
+    # The trainer's own prepared rows (file order: the sampler shuffles later) through its own collator.
+    assert len(trainer.train_dataset) == len(dataset)
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    for i, row in enumerate(rows):
+        prompt_len = len(tokenizer(row["prompt"])["input_ids"])
+        labels = batch["labels"][i]
+        ids = batch["input_ids"][i][batch["attention_mask"][i] == 1]
+        assert (labels[:prompt_len] == -100).all(), "prompt tokens must not carry loss"
+        trained = labels[labels != -100]
+        assert tokenizer.decode(trained) == row["completion"] + tokenizer.eos_token
+        assert tokenizer.decode(ids) == row["prompt"] + row["completion"] + tokenizer.eos_token
+    assert "### Input:" in tokenizer.decode(batch["input_ids"][with_input])
+    assert (batch["labels"][batch["attention_mask"] == 0] == -100).all(), "padding must not carry loss"
+
+
+def test_training_run_loss_falls_and_writes_outputs(full_run, tiny):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out, metrics = full_run
+    on_disk = json.loads((out / "metrics.json").read_text())
+    assert on_disk == json.loads(json.dumps(metrics))
+    assert metrics["world_size"] == 1 and metrics["train_steps"] == N_EXAMPLES // 4
+    losses = [h["loss"] for h in metrics["log_history"] if "loss" in h]
+    assert len(losses) == metrics["train_steps"]  # logged every step
+    assert metrics["first_loss"] == losses[0] and metrics["last_loss"] == losses[-1]
+    assert sum(losses[-5:]) / 5 < 0.85 * sum(losses[:5]) / 5, losses
+    assert 0 <= metrics["mean_token_accuracy"] <= 1
+    assert metrics["train_tokens"] > 0 and metrics["tokens_per_s"] > 0 and metrics["train_runtime"] > 0
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert state["global_step"] == metrics["train_steps"]
+    assert (out / "adapter_model.safetensors").exists() and (out / "adapter_config.json").exists()
+    assert any(p.name.startswith("checkpoint-") for p in out.iterdir())
+
+    model_dir, _ = tiny
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    inputs = tok("### Instruction:\nWhat is the capital of Peru?\n\n### Response:\n", return_tensors="pt")
+    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    with torch.no_grad():
+        before = base(**inputs).logits
+        tuned = PeftModel.from_pretrained(base, out)
+        after = tuned(**inputs).logits
+    assert (after - before).abs().max() > 1e-2
+
+
+def test_train_tokens_counts_non_padding_tokens(full_run, tiny):
+    from transformers import AutoTokenizer
+
+    from training.data import load_instruction_dataset
+
+    _, metrics = full_run
+    tok = AutoTokenizer.from_pretrained(tiny[0])
+    rows = load_instruction_dataset(str(tiny[1]))
+    expected = sum(len(tok(r["prompt"] + r["completion"] + tok.eos_token)["input_ids"]) for r in rows)
+    assert metrics["train_tokens"] == expected
+
+
+def test_resume_after_a_crash_reaches_the_same_step(full_run, tiny, tmp_path, monkeypatch):
+    _, uninterrupted = full_run
+    out = tmp_path / "out"
+    monkeypatch.setenv(train.FAULT_RANK_ENV, "0")
+    monkeypatch.setenv(train.FAULT_STEP_ENV, "12")
+    with pytest.raises(RuntimeError, match="injected fault"):
+        train.main(argv_for(tiny, out))
+    assert train.find_resume_checkpoint(str(out)) == str(out / "checkpoint-10")
+    assert not (out / "metrics.json").exists()
+
+    monkeypatch.delenv(train.FAULT_RANK_ENV)
+    monkeypatch.delenv(train.FAULT_STEP_ENV)
+    resumed = train.main(argv_for(tiny, out))
+    assert resumed["resumed_from_step"] == 10
+    assert resumed["train_steps"] == uninterrupted["train_steps"]
+    assert resumed["train_tokens"] == uninterrupted["train_tokens"]
+    # Same data order and optimizer state after the resume: the loss curve continues where it left off.
+    full = {h["step"]: h["loss"] for h in uninterrupted["log_history"] if "loss" in h}
+    again = {h["step"]: h["loss"] for h in resumed["log_history"] if "loss" in h}
+    assert again.keys() == full.keys()
+    for step in full:
+        assert again[step] == pytest.approx(full[step], rel=1e-3), step
+
+
+def torchrun(tiny, out, *extra, env=None, timeout=600):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "training.train", *argv_for(tiny, out, *extra)]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **OFFLINE, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+@pytest.mark.slow
+def test_two_processes_over_gloo(tiny, tmp_path):
+    out = tmp_path / "out"
+    proc = torchrun(tiny, out, "--max_steps", "4")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["world_size"] == 2 and metrics["distributed_backend"] == "gloo"
+    assert metrics["train_steps"] == 4
+    printed = [line for line in proc.stdout.splitlines() if line.startswith(train.METRICS_PREFIX)]
+    assert len(printed) == 1, "rank 0 alone prints the metrics line"
+    summary = json.loads(printed[0][len(train.METRICS_PREFIX):])
+    assert summary["train_steps"] == 4 and "log_history" not in summary
+    steps = [json.loads(line[len(train.LOG_PREFIX):])["step"] for line in proc.stdout.splitlines()
+             if line.startswith(train.LOG_PREFIX) and '"loss"' in line]
+    assert steps == [1, 2, 3, 4]
+    assert (out / "adapter_model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_a_dying_rank_fails_the_run(tiny, tmp_path):
+    out = tmp_path / "out"
+    # The timeout only guards against a hang; the assertion is on the exit status.
+    proc = torchrun(tiny, out, env={train.FAULT_RANK_ENV: "1", train.FAULT_STEP_ENV: "2"}, timeout=300)
+    assert proc.returncode != 0
+    assert "injected fault" in proc.stdout + proc.stderr
+    assert not (out / "metrics.json").exists()
