@@ -4,9 +4,185 @@
 cluster (`fab local.up`).
 """
 
-from invoke import Collection
+from __future__ import annotations
+
+import functools
+import shlex
+
+from invoke import Collection, task
+from invoke.exceptions import Exit
 
 from localcluster.tasks import ns as local_ns
+from ops import inventory, jobs, munge, options, slurm, stream
+from ops import train as flow
+from ops.cloudinit import CloudInitFailed
+from ops.remote import Cluster, HostError, connect, each
 
-ns = Collection()
+_USER_ERRORS = (options.OptionError, inventory.InventoryError, HostError, slurm.SlurmError,
+                munge.MungeKeyError, CloudInitFailed, flow.TrainError)
+
+
+def _clean_errors(fn):
+    """Known failures end the task with their message (no traceback), exit code 1."""
+
+    @functools.wraps(fn)
+    def wrapper(c, *args, **kwargs):
+        try:
+            return fn(c, *args, **kwargs)
+        except _USER_ERRORS as exc:
+            raise Exit(f"fab {fn.__name__}: {exc}", code=1) from None
+        except KeyboardInterrupt:
+            raise Exit(code=130) from None
+
+    return wrapper
+
+
+def _identity(c, identity):
+    """--identity, else `fab -i KEY` (Fabric's own flag), else the inventory's key."""
+    if identity:
+        return identity
+    keys = c.config.connect_kwargs.get("key_filename") if hasattr(c, "config") else None
+    return (keys[0] if isinstance(keys, list) and keys else keys) or None
+
+
+def _cluster(c, target, stack, identity) -> tuple[Cluster, str]:
+    opts = options.parse(target=target, stack=stack, identity=_identity(c, identity))
+    inv = inventory.load(opts.target, opts.stack)
+    return connect(inv, opts.identity), opts.target
+
+
+@task(help={
+    "target": "aws (the current Pulumi stack, default) or local (the cluster of `fab local.up`)",
+    "stack": "Pulumi stack to read the inventory from (default: the selected stack)",
+    "config": "training YAML (default: training/configs/qwen3-4b-lora.yaml; local-tiny.yaml locally)",
+    "nodes": "GPU nodes to train on (default: all of them)",
+    "gpus-per-node": "ranks per node, one per GPU (default: all GPUs of a node)",
+    "examples": "train on the first N examples of the data set (default: from the config)",
+    "model": "Hugging Face Hub ID or absolute path on the cluster of the base model",
+    "data": "Hub data set ID or absolute path on the cluster (JSON/JSONL/Parquet, Alpaca columns)",
+    "identity": "SSH private key (default: the inventory's ssh_key_file)",
+    "raw": "stream the raw job log instead of compact progress lines",
+})
+@_clean_errors
+def train(c, target=None, stack=None, config=None, nodes=None, gpus_per_node=None, examples=None,
+          model=None, data=None, identity=None, raw=False):
+    """Fine-tune with LoRA across the cluster and bring the adapters home to runs/<job-id>/.
+
+    Waits for cloud-init, shares the controller's munge key, returns nodes to service, runs a
+    sanity job, submits the fine-tune, streams its progress, prints the summary (loss, token
+    accuracy, tokens/s, NCCL transports) and downloads adapters, trainer state and a loss curve.
+    Ctrl-C stops following; the job keeps running (`fab logs --job JOB` reattaches).
+    """
+    opts = options.parse(target=target, stack=stack, config=config, nodes=nodes,
+                         gpus_per_node=gpus_per_node, examples=examples, model=model, data=data,
+                         identity=_identity(c, identity))
+    inv = inventory.load(opts.target, opts.stack)
+    n_nodes, gpus = options.check_against(opts, inv)
+    print(f"fab train: {inv.target} cluster {inv.cluster_name!r}, {n_nodes} node(s) x {gpus} GPU(s) "
+          f"({inv.gpu_type}), config {opts.config.name}")
+    cl = connect(inv, opts.identity)
+    try:
+        flow.run(cl, opts, n_nodes, gpus, raw=raw)
+    finally:
+        cl.close()
+
+
+@task(help={"target": "aws (default) or local", "stack": "Pulumi stack", "identity": "SSH private key"})
+@_clean_errors
+def status(c, target=None, stack=None, identity=None):
+    """Show the cluster's hosts (reachable or not), Slurm's nodes (sinfo) and the queue (squeue)."""
+    cl, _ = _cluster(c, target, stack, identity)
+    inv = cl.inventory
+    try:
+        print(f"{inv.target} cluster {inv.cluster_name!r}: {len(inv.gpu_nodes)} GPU node(s) x "
+              f"{inv.gpus_per_node} {inv.gpu_type}")
+        conns = {"controller": cl.controller, **cl.nodes}
+        up: dict[str, str] = {}
+        try:
+            up = each("ssh", conns, lambda n, conn: conn.run("uptime -p || true", hide=True).stdout.strip())
+        except HostError as exc:
+            up = {n: f"UNREACHABLE: {exc.failures[n]}" if n in exc.failures else "up" for n in conns}
+        for node in inv.nodes:
+            addr = node.public_ip or node.private_ip
+            print(f"  {node.name:<14} {node.role:<10} {addr:<16} {up.get(node.name, '?')}")
+        if up.get("controller", "").startswith("UNREACHABLE"):
+            raise Exit("fab status: the controller is unreachable", code=1)
+        print(cl.controller.run("sinfo -N -o '%N %9T %G %E'", hide=True, warn=True).stdout.rstrip())
+        print(cl.controller.run("squeue -o '%.8i %.22j %.8u %.10T %.10M %.6D %R'", hide=True,
+                                warn=True).stdout.rstrip())
+    finally:
+        cl.close()
+
+
+def _latest_job(cl: Cluster, running_only: bool = False) -> str:
+    known = slurm.jobs_named(cl.controller, jobs.FINETUNE_NAME)
+    if running_only:
+        known = [j for j in known if not j.finished]
+    if known:
+        return known[-1].id
+    if not running_only:
+        logs = f"{cl.inventory.scratch}/logs"
+        out = cl.controller.run(f"ls {shlex.quote(logs)} 2>/dev/null", hide=True, warn=True).stdout
+        ids = [int(name[len(jobs.FINETUNE_NAME) + 1:-4]) for name in out.split()
+               if name.startswith(jobs.FINETUNE_NAME + "-") and name.endswith(".out")
+               and name[len(jobs.FINETUNE_NAME) + 1:-4].isdigit()]
+        if ids:
+            return str(max(ids))
+    what = "running fine-tune job" if running_only else "fine-tune job"
+    raise flow.TrainError(f"no {what} of ours on this cluster; start one with `fab train`")
+
+
+def _job_arg(job) -> str | None:
+    if job is None:
+        return None
+    job = str(job).strip()
+    if not job.isdigit():
+        raise options.OptionError(f"--job must be a Slurm job id (a number), not {job!r}; see `fab status`")
+    return job
+
+
+@task(help={"job": "job id (default: our latest fine-tune job)", "target": "aws (default) or local",
+            "stack": "Pulumi stack", "identity": "SSH private key",
+            "progress": "compact progress lines instead of the raw log"})
+@_clean_errors
+def logs(c, job=None, target=None, stack=None, identity=None, progress=False):
+    """Stream a fine-tune job's log (`--job N`) until it ends; when it completed, show the summary and download.
+
+    Reattaches to a job after Ctrl-C in `fab train`: the log is shown from the start.
+    """
+    job = _job_arg(job)
+    cl, tgt = _cluster(c, target, stack, identity)
+    try:
+        job = job or _latest_job(cl)
+        log_path = f"{cl.inventory.scratch}/logs/{jobs.FINETUNE_NAME}-{job}.out"
+        print(f"fab logs: job {job}, {log_path}")
+        try:
+            followed = stream.follow(cl.controller, job, log_path, raw=not progress)
+        except KeyboardInterrupt:
+            print(flow.reattach_hint(job, tgt))
+            raise
+        if flow.succeeded(followed) and followed.log.job_dir:
+            flow.finish(cl, job, followed, print, log_path=log_path)
+        elif not flow.succeeded(followed):
+            raise flow.failure(job, followed, log_path)
+    finally:
+        cl.close()
+
+
+@task(help={"job": "job id (default: our latest running fine-tune job)", "target": "aws (default) or local",
+            "stack": "Pulumi stack", "identity": "SSH private key"})
+@_clean_errors
+def cancel(c, job=None, target=None, stack=None, identity=None):
+    """Cancel a fine-tune job with `--job N` (default: our latest one that is still queued or running)."""
+    job = _job_arg(job)
+    cl, _ = _cluster(c, target, stack, identity)
+    try:
+        job = job or _latest_job(cl, running_only=True)
+        slurm.cancel(cl.controller, job)
+        print(f"fab cancel: cancelled job {job}")
+    finally:
+        cl.close()
+
+
+ns = Collection(train, status, logs, cancel)
 ns.add_collection(local_ns, "local")

@@ -1,0 +1,88 @@
+"""Rendering the sbatch scripts in jobs/ (Jinja2, StrictUndefined).
+
+`fab train` renders them on the user's machine from the inventory and its options,
+then uploads the result: what runs on the cluster is a plain, readable file.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import jinja2
+
+from ops.inventory import Inventory
+
+JOBS_DIR = Path(__file__).resolve().parent.parent / "jobs"
+FINETUNE_NAME = "slurm-gpu-finetune"
+SANITY_NAME = "slurm-gpu-sanity"
+RDZV_PORT = 29500
+MAX_RESTARTS = 3
+# Where gres.conf points when there are no GPUs (the local cluster's stand-in files).
+LOCAL_DEVICE_PREFIX = "/var/lib/slurm/gpu-standin/nvidia"
+
+_env = jinja2.Environment(
+    loader=jinja2.FileSystemLoader(str(JOBS_DIR)),
+    undefined=jinja2.StrictUndefined,
+    keep_trailing_newline=True,
+    autoescape=False,
+)
+_env.filters["q"] = lambda v: shlex.quote(str(v))
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Everything a job template may use; nothing else reaches it."""
+
+    target: str
+    cluster_name: str
+    job_name: str
+    nodes: int
+    gpus_per_node: int
+    gpu_type: str
+    nvlink: bool
+    python: str
+    scratch: str
+    log_dir: str
+    job_dir: str
+    script_path: str = ""
+    config: str = ""
+    output_dir: str = ""
+    train_args: tuple[str, ...] = field(default_factory=tuple)  # already shell-quoted
+    device_prefix: str = "/dev/nvidia"
+    rdzv_port: int = RDZV_PORT
+    max_restarts: int = MAX_RESTARTS
+    time_limit: str = ""
+
+
+def device_prefix(inv: Inventory) -> str:
+    if "gpu_device_prefix" in inv.extra:
+        return inv.extra["gpu_device_prefix"]
+    return "/dev/nvidia" if inv.target == "aws" else LOCAL_DEVICE_PREFIX
+
+
+def base_spec(inv: Inventory, job_name: str, nodes: int, gpus_per_node: int, job_dir: str, **kw) -> JobSpec:
+    return JobSpec(
+        target="aws" if inv.target != "local" else "local",
+        cluster_name=inv.cluster_name, job_name=job_name, nodes=nodes, gpus_per_node=gpus_per_node,
+        gpu_type=inv.gpu_type, nvlink=inv.nvlink, python=inv.python, scratch=inv.scratch,
+        log_dir=f"{inv.scratch}/logs", job_dir=job_dir, device_prefix=device_prefix(inv), **kw,
+    )
+
+
+def train_flags(flags: dict[str, object]) -> tuple[str, ...]:
+    """{"model_name_or_path": "/x y"} -> ("--model_name_or_path '/x y'",) in a stable order."""
+    return tuple(f"--{k} {shlex.quote(str(v))}" for k, v in flags.items() if v is not None)
+
+
+def render(template: str, spec: JobSpec) -> str:
+    return _env.get_template(template).render(**asdict(spec))
+
+
+def render_finetune(spec: JobSpec) -> str:
+    return render("finetune.sbatch.j2", spec)
+
+
+def render_sanity(spec: JobSpec) -> str:
+    return render("sanity.sbatch.j2", spec)

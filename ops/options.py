@@ -1,0 +1,121 @@
+"""`fab train`'s options, checked before any host is touched.
+
+Every error names the flag and says how to fix it. Checks that need the cluster's
+shape (node and GPU counts) run against the inventory, which is read locally.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from ops.inventory import Inventory
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = REPO / "training" / "configs"
+DEFAULT_CONFIG = {"aws": CONFIGS / "qwen3-4b-lora.yaml", "local": CONFIGS / "local-tiny.yaml"}
+TARGETS = ("aws", "local")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+class OptionError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    target: str
+    stack: str | None
+    config: Path
+    nodes: int | None
+    gpus_per_node: int | None
+    examples: int | None
+    model: str | None
+    data: str | None
+    identity: str | None
+
+
+def _int(flag: str, value, low: int = 1) -> int | None:
+    if value is None or value == "":
+        return None
+    try:
+        n = int(str(value))
+    except ValueError:
+        raise OptionError(f"--{flag} must be a whole number, not {value!r}") from None
+    if n < low:
+        raise OptionError(f"--{flag} must be at least {low}, not {n}")
+    return n
+
+
+def _model_or_data(flag: str, value: str | None, target: str) -> str | None:
+    if value is None:
+        return None
+    value = str(value).strip()
+    if not value:
+        raise OptionError(f"--{flag} is empty: give a Hugging Face Hub ID or an absolute path on the cluster")
+    if value.startswith("/"):
+        return value
+    if target == "local":
+        raise OptionError(f"--{flag} {value!r}: the local cluster runs offline (HF_HUB_OFFLINE=1); give an "
+                          "absolute path visible on the cluster (e.g. under /scratch), or leave it out "
+                          "to use the tiny model and data")
+    if not _HUB_ID.match(value) or ".." in value:
+        raise OptionError(f"--{flag} {value!r} is neither a Hub ID like 'Qwen/Qwen3-4B' nor an absolute "
+                          "path on the cluster (paths are read on the cluster, e.g. /scratch/data.jsonl)")
+    return value
+
+
+def _config(value: str | None, target: str) -> Path:
+    path = Path(value).expanduser() if value else DEFAULT_CONFIG[target]
+    if not path.is_file():
+        raise OptionError(f"--config {path}: no such file; pass a YAML file such as {DEFAULT_CONFIG[target]}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise OptionError(f"--config {path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise OptionError(f"--config {path} must be a YAML mapping of training settings (key: value)")
+    return path.resolve()
+
+
+def parse(target=None, stack=None, config=None, nodes=None, gpus_per_node=None, examples=None,
+          model=None, data=None, identity=None) -> TrainOptions:
+    """Check the flags on their own (no inventory needed)."""
+    target = (target or "aws").strip().lower()
+    if target not in TARGETS:
+        raise OptionError(f"--target must be 'aws' (the current Pulumi stack) or 'local', not {target!r}")
+    if stack and target == "local":
+        raise OptionError("--stack names a Pulumi stack: it only goes with --target aws")
+    if identity is not None:
+        key = Path(identity).expanduser()
+        if not key.is_file() or not os.access(key, os.R_OK):
+            raise OptionError(f"--identity {identity}: no readable key file there; pass the private key "
+                              "whose public half the cluster was deployed with")
+        identity = str(key)
+    return TrainOptions(
+        target=target, stack=stack or None, config=_config(config, target),
+        nodes=_int("nodes", nodes), gpus_per_node=_int("gpus-per-node", gpus_per_node),
+        examples=_int("examples", examples), model=_model_or_data("model", model, target),
+        data=_model_or_data("data", data, target), identity=identity,
+    )
+
+
+def check_against(opts: TrainOptions, inv: Inventory) -> tuple[int, int]:
+    """(nodes, gpus per node) to use, checked against what the cluster has."""
+    have_nodes, have_gpus = len(inv.gpu_nodes), inv.gpus_per_node
+    nodes = opts.nodes or have_nodes
+    gpus = opts.gpus_per_node or have_gpus
+    if nodes > have_nodes:
+        raise OptionError(f"--nodes {nodes}: the {inv.target} cluster {inv.cluster_name!r} has {have_nodes} "
+                          f"GPU node(s); pass --nodes {have_nodes} or fewer, or grow the cluster")
+    if gpus > have_gpus:
+        raise OptionError(f"--gpus-per-node {gpus}: nodes of {inv.cluster_name!r} have {have_gpus} GPU(s) "
+                          f"({inv.gpu_type}); pass --gpus-per-node {have_gpus} or fewer")
+    if not opts.identity and inv.ssh_key_file and not Path(inv.ssh_key_file).expanduser().is_file():
+        raise OptionError(f"the inventory's SSH key {inv.ssh_key_file} is not on this machine; "
+                          "pass --identity KEYFILE")
+    return nodes, gpus

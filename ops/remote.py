@@ -1,0 +1,114 @@
+"""Reaching the hosts of a cluster with Fabric, and acting on a group of them.
+
+The controller is reached directly (public IP on AWS, bridge IP locally); GPU nodes
+only through the controller as a jump host, as on AWS where they have no public IP.
+Per-host helpers take a `Connection`; `each` runs one on a group and reports every
+host that failed in one error instead of stopping at the first.
+"""
+
+from __future__ import annotations
+
+import shlex
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, TypeVar
+
+from fabric import Connection
+
+from ops.inventory import Inventory
+
+T = TypeVar("T")
+CONNECT_TIMEOUT_S = 20
+
+
+class HostError(RuntimeError):
+    """One or more hosts failed a step; `failures` maps host name -> reason."""
+
+    def __init__(self, step: str, failures: dict[str, str]):
+        self.step, self.failures = step, failures
+        lines = "\n".join(f"  {host}: {why}" for host, why in sorted(failures.items()))
+        super().__init__(f"{step} failed on {', '.join(sorted(failures))}:\n{lines}")
+
+
+@dataclass
+class Cluster:
+    """Open-on-demand connections to every host of an inventory."""
+
+    inventory: Inventory
+    controller: Connection
+    nodes: dict[str, Connection]  # GPU node name -> connection through the controller
+
+    def close(self) -> None:
+        for c in (*self.nodes.values(), self.controller):
+            c.close()
+
+
+def connect(inv: Inventory, identity: str | None = None) -> Cluster:
+    """Connections for `inv` (nothing is opened until the first command)."""
+    key = identity or inv.ssh_key_file
+    # With a key given, use only it (an agent's keys could lock us out after too many tries).
+    kwargs = {"key_filename": [key], "look_for_keys": False, "allow_agent": False} if key else {}
+    ctl_ip = inv.controller.public_ip or inv.controller.private_ip
+    ctl = Connection(ctl_ip, user=inv.ssh_user, connect_kwargs=dict(kwargs),
+                     connect_timeout=CONNECT_TIMEOUT_S)
+    nodes = {
+        n.name: Connection(n.private_ip, user=inv.ssh_user, gateway=ctl,
+                           connect_kwargs=dict(kwargs), connect_timeout=CONNECT_TIMEOUT_S)
+        for n in inv.gpu_nodes
+    }
+    return Cluster(inv, ctl, nodes)
+
+
+def sudo(c: Connection, cmd: str, **kwargs):
+    """Run `cmd` as root: directly when we log in as root (local cluster), else with sudo."""
+    kwargs.setdefault("hide", True)
+    if c.user == "root":
+        return c.run(cmd, **kwargs)
+    return c.sudo(cmd, **kwargs)
+
+
+def service(c: Connection, inv: Inventory, action: str, name: str, **kwargs):
+    """start/stop/restart a daemon (munge, slurmd, slurmctld) on the host behind `c`."""
+    cmd = inv.service_cmd.format(action=shlex.quote(action), service=shlex.quote(name))
+    return sudo(c, cmd, **kwargs)
+
+
+def reason(exc: BaseException) -> str:
+    """A one-line reason for a failure (stderr of a failed command, not a traceback)."""
+    result = getattr(exc, "result", None)
+    if result is not None:
+        err = (result.stderr or result.stdout or "").strip().splitlines()
+        tail = err[-1] if err else ""
+        return f"`{result.command}` exited {result.exited}" + (f": {tail}" if tail else "")
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def each(step: str, conns: dict[str, Connection], fn: Callable[[str, Connection], T],
+         parallel: bool = True) -> dict[str, T]:
+    """fn(name, conn) on every host; raise one HostError naming all hosts that failed."""
+    results: dict[str, T] = {}
+    failures: dict[str, str] = {}
+
+    def one(item):
+        name, c = item
+        try:
+            results[name] = fn(name, c)
+        except Exception as exc:  # noqa: BLE001 - reported per host below
+            failures[name] = reason(exc)
+
+    for c in conns.values():  # open a shared jump host once, not from racing threads
+        gw = getattr(c, "gateway", None)
+        if isinstance(gw, Connection) and not gw.is_connected:
+            try:
+                gw.open()
+            except Exception as exc:  # noqa: BLE001
+                raise HostError(step, {f"controller ({gw.host})": f"cannot reach the jump host: {reason(exc)}"}) from exc
+    if parallel and len(conns) > 1:
+        with ThreadPoolExecutor(max_workers=min(8, len(conns))) as pool:
+            list(pool.map(one, conns.items()))
+    else:
+        for item in conns.items():
+            one(item)
+    if failures:
+        raise HostError(step, failures)
+    return results

@@ -1,0 +1,84 @@
+"""Following a job on the controller: its log (over SFTP, by byte offset) and its Slurm state.
+
+The log is read from where the last read stopped, so nothing is printed twice and a
+reattach (`fab logs JOB`) starts from the top. Slurm state changes (pending, requeued)
+are reported as they happen; the loop ends when Slurm says the job has finished.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from fabric import Connection
+
+from ops import slurm
+from ops.joblog import JobLog
+
+
+@dataclass
+class Followed:
+    job: slurm.Job | None  # the last state Slurm reported (None: no longer known to Slurm)
+    log: JobLog
+
+
+def read_from(sftp, path: str, offset: int) -> tuple[bytes, int]:
+    """Bytes of `path` after `offset` (nothing when the file does not exist yet)."""
+    try:
+        with sftp.open(path, "rb") as f:
+            size = f.stat().st_size
+            if size < offset:  # truncated (a requeue without append): read it again
+                offset = 0
+            f.seek(offset)
+            data = f.read(size - offset) if size > offset else b""
+    except FileNotFoundError:
+        return b"", offset
+    except OSError as exc:
+        if getattr(exc, "errno", None) == 2:
+            return b"", offset
+        raise
+    return data, offset + len(data)
+
+
+def follow(ctl: Connection, job_id: str, log_path: str, say: Callable[[str], None] = print,
+           raw: bool = False, poll_s: float = 1.0, log: JobLog | None = None) -> Followed:
+    """Stream `log_path` until job `job_id` has finished; report progress through `say`."""
+    log = log or JobLog()
+    sftp = ctl.sftp()
+    offset, last_state, last_restarts = 0, None, 0
+    while True:
+        job = slurm.job(ctl, job_id)
+        data, offset = read_from(sftp, log_path, offset)
+        if data:
+            text = data.decode("utf-8", errors="replace")
+            events = log.feed(text)
+            if raw:
+                say(text.rstrip("\n"))
+            else:
+                for ev in events:
+                    line = log.describe(ev)
+                    if line:
+                        say(line)
+        if job is not None:
+            if job.restarts > last_restarts:
+                say(f"job {job_id} was requeued by Slurm (restart {job.restarts}): {job.reason}; "
+                    "it resumes from its last checkpoint when nodes are back")
+                last_restarts = job.restarts
+            if job.state != last_state and job.state not in ("RUNNING", "COMPLETING") and not job.finished:
+                say(f"job {job_id} is {job.state} ({job.reason})")
+            last_state = job.state
+        if job is None or job.finished:
+            # One last read: the final lines land after the state change.
+            data, offset = read_from(sftp, log_path, offset)
+            if data:
+                text = data.decode("utf-8", errors="replace")
+                events = log.feed(text + "\n")
+                if raw:
+                    say(text.rstrip("\n"))
+                else:
+                    for ev in events:
+                        if line := log.describe(ev):
+                            say(line)
+            return Followed(job, log)
+        time.sleep(poll_s)

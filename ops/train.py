@@ -1,0 +1,308 @@
+"""The steps of `fab train`, from a freshly deployed cluster to adapters in runs/<job-id>/.
+
+Each step prints one short progress line; a step that fails on some hosts names them.
+fabfile.py only parses flags and calls `run`.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import posixpath
+import re
+import shlex
+import stat
+import tarfile
+import time
+import uuid
+from pathlib import Path
+from typing import Callable
+
+from fabric import Connection
+
+from ops import cloudinit, jobs, munge, slurm, stream, summary
+from ops.inventory import Inventory
+from ops.options import REPO, TrainOptions
+from ops.remote import Cluster, HostError, each, service
+
+# Where runs come home; SLURM_GPU_RUNS moves it (the tests keep the repo clean with it).
+RUNS = Path(os.environ.get("SLURM_GPU_RUNS", REPO / "runs"))
+TRAINING_DIR = REPO / "training"
+TINY_DIR = "tiny"  # under scratch: made by training.make_tiny for the local cluster
+STEPS = 7
+Say = Callable[[str], None]
+
+
+class TrainError(RuntimeError):
+    pass
+
+
+def step(say: Say, n: int, text: str) -> None:
+    say(f"[{n}/{STEPS}] {text}")
+
+
+# ---------------------------------------------------------------- 1-3: the cluster
+
+
+def wait_cloud_init(cl: Cluster, say: Say) -> None:
+    if cl.inventory.target == "local":
+        step(say, 1, "cloud-init: skipped (the local cluster is configured by `fab local.up`)")
+        return
+    step(say, 1, f"cloud-init: waiting for {len(cl.inventory.nodes)} hosts to finish booting")
+    each("cloud-init", {"controller": cl.controller}, lambda n, c: cloudinit.wait_done(c))
+    each("cloud-init", cl.nodes, lambda n, c: cloudinit.wait_done(c))
+
+
+def sync_munge_key(cl: Cluster, say: Say) -> list[str]:
+    """Give every node the controller's key; return the nodes whose key changed."""
+    inv = cl.inventory
+    before = each("reading the munge key", cl.nodes, lambda n, c: munge.key_digest(c))
+    try:
+        result = munge.distribute_key(cl.controller, cl.nodes, inv.service_cmd)
+    except munge.MungeKeyError as exc:
+        raise HostError("munge key", {exc.node: str(exc).split(": ", 1)[-1]}) from exc
+    changed = sorted(result.installed)
+    if not changed:
+        step(say, 2, f"munge key: skipped every node ({', '.join(sorted(result.skipped))} already match "
+                     "the controller's key); credentials decode everywhere")
+        return changed
+    notes = [f"{n} ({'repaired: it had a different key' if before.get(n) else 'installed: it had none'})"
+             for n in changed]
+    text = "munge key: " + ", ".join(notes)
+    if result.skipped:
+        text += f"; skipped {', '.join(sorted(result.skipped))} (already matching)"
+    step(say, 2, text + "; a controller credential now decodes on every node")
+    return changed
+
+
+def nodes_to_service(cl: Cluster, changed: list[str], say: Say, timeout_s: float = 180) -> None:
+    inv = cl.inventory
+    if changed:
+        each("restarting slurmd", {n: cl.nodes[n] for n in changed},
+             lambda n, c: service(c, inv, "restart", "slurmd"))
+    names = [n.name for n in inv.gpu_nodes]
+    slurm.wait_idle(cl.controller, names, timeout_s=timeout_s)
+    restarted = f"restarted slurmd on {', '.join(changed)}; " if changed else ""
+    step(say, 3, f"slurm: {restarted}all {len(names)} nodes idle ({', '.join(names)})")
+
+
+# ---------------------------------------------------------------- 4: sanity job
+
+
+def new_job_dir(inv: Inventory) -> str:
+    return f"{inv.scratch}/slurm-gpu/jobs/{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+
+
+def put_text(ctl: Connection, text: str, path: str, mode: int = 0o644) -> None:
+    ctl.put(io.BytesIO(text.encode()), remote=path)
+    ctl.sftp().chmod(path, mode)
+
+
+def read_remote(ctl: Connection, path: str) -> str:
+    with ctl.sftp().open(path, "rb") as f:
+        return f.read().decode("utf-8", errors="replace")
+
+
+_SANITY = re.compile(r"SANITY host=(?P<host>\S+) gpus=(?P<found>\d+) want=(?P<want>\d+) (?P<rest>.*)$")
+
+
+def sanity(cl: Cluster, say: Say, timeout_s: float = 600) -> None:
+    inv = cl.inventory
+    nodes, gpus = len(inv.gpu_nodes), inv.gpus_per_node
+    sdir = f"{inv.scratch}/slurm-gpu/sanity"
+    script = f"{sdir}/sanity-{uuid.uuid4().hex[:8]}.sbatch"
+    cl.controller.run(f"mkdir -p {shlex.quote(sdir)} {shlex.quote(inv.scratch)}/logs", hide=True)
+    spec = jobs.base_spec(inv, jobs.SANITY_NAME, nodes, gpus, sdir, script_path=script)
+    put_text(cl.controller, jobs.render_sanity(spec), script, 0o755)
+    job_id = slurm.submit(cl.controller, script)
+    job = slurm.wait_job(cl.controller, job_id, timeout_s)
+    log_path = f"{inv.scratch}/logs/{jobs.SANITY_NAME}-{job_id}.out"
+    try:
+        text = read_remote(cl.controller, log_path)
+    except OSError:
+        text = ""
+    seen = {m["host"]: m for line in text.splitlines() if (m := _SANITY.search(line))}
+    bad = {n.name: (f"{seen[n.name]['found']} of {gpus} GPUs" if n.name in seen else "no report")
+           for n in inv.gpu_nodes if n.name not in seen or int(seen[n.name]["found"]) < gpus}
+    if bad or not job.ok:
+        detail = "\n".join(text.splitlines()[-20:])
+        raise TrainError(f"sanity job {job_id} {job.state} (exit {job.exit_code}); "
+                         + ("; ".join(f"{h}: {why}" for h, why in bad.items()) or "see the log")
+                         + f"\n{log_path}:\n{detail}")
+    per_node = ", ".join(f"{h} {m['found']} GPUs ({m['rest'].split()[0]})" for h, m in sorted(seen.items()))
+    step(say, 4, f"sanity job {job_id}: {per_node}")
+
+
+# ---------------------------------------------------------------- 5: the fine-tune
+
+
+def training_tarball() -> bytes:
+    """training/ as a tar.gz (no caches), so `-m training.train` imports from the job dir."""
+    buf = io.BytesIO()
+
+    def keep(info: tarfile.TarInfo):
+        name = info.name
+        if "__pycache__" in name.split("/") or name.endswith(".pyc"):
+            return None
+        info.uid = info.gid = 0
+        info.uname = info.gname = ""
+        return info
+
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        tar.add(TRAINING_DIR, arcname="training", filter=keep)
+    return buf.getvalue()
+
+
+def _exists(c: Connection, path: str) -> bool:
+    return c.run(f"test -e {shlex.quote(path)}", hide=True, warn=True).ok
+
+
+def ensure_tiny(cl: Cluster, job_dir: str, say: Say) -> tuple[str, str]:
+    """The tiny model and data on /scratch for the local cluster, made once (atomically)."""
+    inv = cl.inventory
+    tiny = f"{inv.scratch}/{TINY_DIR}"
+    model, data = f"{tiny}/model", f"{tiny}/data/train.jsonl"
+    node = cl.nodes[inv.gpu_nodes[0].name]
+    if _exists(node, f"{model}/config.json") and _exists(node, data):
+        say(f"      tiny model and data already in {tiny}")
+        return model, data
+    partial = f"{tiny}.partial-{uuid.uuid4().hex[:6]}"
+    q = shlex.quote
+    cmd = (f"cd {q(job_dir)} && {q(inv.python)} -m training.make_tiny --out {q(partial)} && "
+           f"{{ mv -T {q(partial)} {q(tiny)} 2>/dev/null || rm -rf {q(partial)}; }}")
+    res = node.run(cmd, hide=True, warn=True)
+    if not res.ok or not _exists(node, data):
+        node.run(f"rm -rf {q(partial)}", hide=True, warn=True)
+        raise TrainError(f"making the tiny model on {inv.gpu_nodes[0].name} failed: "
+                         f"{(res.stderr or res.stdout).strip()[-800:]}")
+    say(f"      made the tiny model and data in {tiny} (training.make_tiny)")
+    return model, data
+
+
+def launch(cl: Cluster, opts: TrainOptions, nodes: int, gpus: int, say: Say,
+           submitted: list[str] | None = None) -> tuple[str, str, str]:
+    """Upload code, config and script; submit. Returns (job id, job dir, log path).
+
+    The job id is also appended to `submitted` as soon as Slurm gives it, so a Ctrl-C that
+    lands before this returns can still say which job keeps running.
+    """
+    inv, ctl = cl.inventory, cl.controller
+    q = shlex.quote
+    # Paths named by the user must exist on the cluster: check before anything is written.
+    for flag, value in (("model", opts.model), ("data", opts.data)):
+        if value and value.startswith("/") and not _exists(ctl, value):
+            raise TrainError(f"--{flag} {value}: no such path on the cluster (checked on the controller); "
+                             f"copy it under {inv.scratch} first or fix the path")
+    job_dir = new_job_dir(inv)
+    ctl.run(f"mkdir -p {q(job_dir)} {q(inv.scratch)}/logs", hide=True)
+    ctl.put(io.BytesIO(training_tarball()), remote=f"{job_dir}/training.tar.gz")
+    ctl.run(f"tar -xzf {q(job_dir)}/training.tar.gz -C {q(job_dir)} && rm {q(job_dir)}/training.tar.gz",
+            hide=True)
+    put_text(ctl, opts.config.read_text(), f"{job_dir}/config.yaml")
+
+    flags: dict[str, object] = {"model_name_or_path": opts.model, "dataset_name": opts.data,
+                                "n_examples": opts.examples}
+    if inv.target == "local" and not (opts.model and opts.data):
+        model, data = ensure_tiny(cl, job_dir, say)
+        flags["model_name_or_path"] = opts.model or model
+        flags["dataset_name"] = opts.data or data
+    spec = jobs.base_spec(inv, jobs.FINETUNE_NAME, nodes, gpus, job_dir,
+                          script_path=f"{job_dir}/finetune.sbatch", config=f"{job_dir}/config.yaml",
+                          output_dir=f"{job_dir}/output", train_args=jobs.train_flags(flags))
+    put_text(ctl, jobs.render_finetune(spec), spec.script_path, 0o755)
+    job_id = slurm.submit(ctl, spec.script_path)
+    if submitted is not None:
+        submitted.append(job_id)
+    log_path = f"{inv.scratch}/logs/{jobs.FINETUNE_NAME}-{job_id}.out"
+    step(say, 5, f"submitted job {job_id}: {nodes} node(s) x {gpus} rank(s), code and config in {job_dir}; "
+                 f"log {log_path}")
+    return job_id, job_dir, log_path
+
+
+def reattach_hint(job_id: str, target: str) -> str:
+    flag = " --target local" if target == "local" else ""
+    return (f"\nStopped following job {job_id}; it keeps running on the cluster.\n"
+            f"Reattach with `fab logs{flag} --job {job_id}`, or stop it with `fab cancel{flag} --job {job_id}`.")
+
+
+# ---------------------------------------------------------------- 6-7: summary and artifacts
+
+
+def download(ctl: Connection, output_dir: str, dest: Path) -> list[str]:
+    """Top-level files of the run's output_dir (adapters, tokenizer, state, metrics); no checkpoints."""
+    sftp = ctl.sftp()
+    dest.mkdir(parents=True, exist_ok=True)
+    got = []
+    try:
+        entries = sftp.listdir_attr(output_dir)
+    except FileNotFoundError:
+        raise TrainError(f"{output_dir} is not on the cluster (removed?): nothing to download") from None
+    for entry in entries:
+        if stat.S_ISREG(entry.st_mode or 0):
+            tmp = dest / (entry.filename + ".part")
+            sftp.get(posixpath.join(output_dir, entry.filename), str(tmp))
+            tmp.replace(dest / entry.filename)
+            got.append(entry.filename)
+    return sorted(got)
+
+
+def finish(cl: Cluster, job_id: str, followed: stream.Followed, say: Say,
+           job_dir: str | None = None, log_path: str | None = None) -> summary.RunSummary:
+    """Print the summary and bring the run home to runs/<job-id>/."""
+    log, job = followed.log, followed.job
+    job_dir = job_dir or log.job_dir
+    dest = RUNS / job_id
+    got: list[str] = []
+    if job_dir:
+        got = download(cl.controller, f"{job_dir}/output", dest)
+    if log_path:
+        dest.mkdir(parents=True, exist_ok=True)
+        (dest / "job.log").write_text(read_remote(cl.controller, log_path))
+    run = summary.build(job_id, job.run_time if job else "", log, dest if got else None)
+    step(say, 6, "summary")
+    for line in run.lines(expect_efa=cl.inventory.efa and cl.inventory.target != "local"):
+        say(line)
+    png = summary.plot_loss(run.losses, dest / "loss.png", f"job {job_id} ({cl.inventory.cluster_name})") \
+        if got or run.losses else None
+    adapters = [f for f in got if f.startswith("adapter_")]
+    step(say, 7, f"downloaded to {dest.relative_to(REPO) if dest.is_relative_to(REPO) else dest}/: "
+                 f"{', '.join(adapters) or 'no adapters'}, "
+                 f"{', '.join(f for f in ('trainer_state.json', 'metrics.json') if f in got) or 'no state'}"
+                 + (f", {png.name}" if png else ""))
+    if not adapters:
+        raise TrainError(f"job {job_id} finished but {job_dir}/output holds no adapters")
+    return run
+
+
+def succeeded(followed: stream.Followed) -> bool:
+    """COMPLETED in Slurm, or (when Slurm has already forgotten the job) final metrics in the log."""
+    if followed.job is not None:
+        return followed.job.ok
+    return followed.log.metrics is not None
+
+
+def failure(job_id: str, followed: stream.Followed, log_path: str) -> TrainError:
+    job = followed.job
+    state = f"{job.state} (exit {job.exit_code}, {job.reason})" if job else "gone from Slurm"
+    tail = "\n".join(f"  {line}" for line in list(followed.log.tail)[-25:])
+    return TrainError(f"job {job_id} {state}; last lines of {log_path}:\n{tail}")
+
+
+def run(cl: Cluster, opts: TrainOptions, nodes: int, gpus: int, say: Say = print,
+        raw: bool = False) -> summary.RunSummary:
+    wait_cloud_init(cl, say)
+    changed = sync_munge_key(cl, say)
+    nodes_to_service(cl, changed, say)
+    sanity(cl, say)
+    submitted: list[str] = []
+    try:
+        job_id, job_dir, log_path = launch(cl, opts, nodes, gpus, say, submitted)
+        followed = stream.follow(cl.controller, job_id, log_path, say=lambda s: say("      " + s), raw=raw)
+    except KeyboardInterrupt:
+        if submitted:
+            say(reattach_hint(submitted[0], cl.inventory.target))
+        raise
+    if not succeeded(followed):
+        raise failure(job_id, followed, log_path)
+    return finish(cl, job_id, followed, say, job_dir, log_path)
+

@@ -1,0 +1,138 @@
+"""The whole `fab train --target local` flow on the real local cluster (2 GPU hosts x 2 ranks).
+
+The cluster starts with a different munge key on every GPU host (`fresh_keys`, as a fresh AWS
+node): the first `fab train` must install the controller's key, run the sanity job and the
+fine-tune, print the summary and bring adapters home. The second run is interrupted with Ctrl-C
+while it streams (the job must keep running) and finished with `fab logs --job JOB`; its key step
+must skip every node.
+"""
+
+import fcntl
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+FAB = str(REPO / ".venv" / "bin" / "fab")
+LOCK = "/tmp/slurm-gpu-cluster.lock"
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def runs_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("runs")
+
+
+@pytest.fixture(scope="module")
+def local_cluster():
+    from localcluster import cluster, layout
+
+    lock = open(LOCK, "w")
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    job_dirs: list[str] = []
+    try:
+        cluster.down(out=lambda _m: None)  # a fresh cluster: GPU hosts with their own keys
+        inv = cluster.up(nodes=2, gpus=2, fresh_keys=True, out=lambda _m: None)
+        yield inv, job_dirs
+    finally:
+        try:
+            cluster.down(out=lambda _m: None)
+        finally:
+            for d in job_dirs:  # this test's job directories on the shared /scratch
+                shutil.rmtree(layout.SCRATCH / Path(d).relative_to("/scratch"), ignore_errors=True)
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            lock.close()
+
+
+def fab(runs_dir, *args, timeout=300):
+    env = {**os.environ, "SLURM_GPU_RUNS": str(runs_dir)}
+    res = subprocess.run([FAB, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return res.returncode, res.stdout + res.stderr
+
+
+def submitted(out: str) -> tuple[str, str]:
+    m = re.search(r"submitted job (\d+): .* in (\S+);", out)
+    assert m, out
+    return m[1], m[2]
+
+
+def test_train_end_to_end(local_cluster, runs_dir):
+    inv, job_dirs = local_cluster
+    rc, out = fab(runs_dir, "train", "--target", "local")
+    job_id, job_dir = submitted(out)
+    job_dirs.append(job_dir)
+    assert rc == 0, out
+
+    # each step reported; the key was installed on both fresh nodes
+    assert "[1/7] cloud-init: skipped" in out
+    assert re.search(r"\[2/7\] munge key: gpu-node-01 \(repaired.*gpu-node-02 \(repaired", out), out
+    assert "[3/7] slurm: restarted slurmd on gpu-node-01, gpu-node-02; all 2 nodes idle" in out
+    assert re.search(r"\[4/7\] sanity job \d+: gpu-node-01 2 GPUs .*gpu-node-02 2 GPUs", out), out
+    assert re.search(r"step \d+/\d+  loss \d", out), out  # streamed progress
+
+    # the summary
+    assert f"job {job_id}: completed" in out
+    for label in ("runtime", "steps", "loss", "token acc", "tokens/s"):
+        assert re.search(rf"^\s+{label}\s+\S", out, re.M), label
+    assert "NCCL          no NCCL lines in the log" in out
+
+    run = runs_dir / job_id
+    for name in ("adapter_model.safetensors", "adapter_config.json", "trainer_state.json",
+                 "metrics.json", "loss.png", "job.log"):
+        assert (run / name).is_file(), name
+    assert (run / "loss.png").read_bytes()[:4] == b"\x89PNG"
+
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["world_size"] == 4  # 2 hosts x 2 ranks
+    losses = [h["loss"] for h in json.loads((run / "trainer_state.json").read_text())["log_history"] if "loss" in h]
+    assert len(losses) >= 5 and losses[-1] < losses[0], losses
+
+    # the adapters load onto the base model with peft and change what it predicts
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base_dir = "/var/lib/slurm-gpu-local/scratch/tiny/model"  # /scratch/tiny/model inside the hosts
+    tok = AutoTokenizer.from_pretrained(base_dir)
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    ids = tok("### Instruction:\nWhat is the capital of Peru?\n\n### Response:\n", return_tensors="pt")
+    with torch.no_grad():
+        before = base(**ids).logits.clone()
+        tuned = PeftModel.from_pretrained(base, str(run)).eval()
+        after = tuned(**ids).logits
+    assert (after - before).abs().max().item() > 1e-3
+
+
+def test_second_run_skips_key_and_survives_ctrl_c(local_cluster, runs_dir):
+    inv, job_dirs = local_cluster
+    env = {**os.environ, "SLURM_GPU_RUNS": str(runs_dir)}
+    proc = subprocess.Popen([FAB, "train", "--target", "local", "--examples", "96"], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = ""
+    deadline = time.monotonic() + 240
+    for line in proc.stdout:  # read until the job is submitted, then press Ctrl-C
+        out += line
+        if "submitted job" in line or time.monotonic() > deadline:
+            break
+    proc.send_signal(signal.SIGINT)
+    rest, _ = proc.communicate(timeout=60)
+    out += rest
+    assert proc.returncode != 0
+    job_id, job_dir = submitted(out)
+    job_dirs.append(job_dir)
+    assert "[2/7] munge key: skipped every node (gpu-node-01, gpu-node-02 already match" in out, out
+    assert f"Reattach with `fab logs --target local --job {job_id}`" in out, out
+
+    # the job kept running: reattach and let it finish
+    rc, logs_out = fab(runs_dir, "logs", "--target", "local", "--job", job_id)
+    assert rc == 0, logs_out
+    assert f"job {job_id}: completed" in logs_out
+    assert (runs_dir / job_id / "adapter_model.safetensors").is_file()

@@ -1,0 +1,122 @@
+"""The sbatch templates rendered for AWS (L4 and H100) and the local cluster, checked by bash and shellcheck."""
+
+import re
+import shutil
+import subprocess
+
+import jinja2
+import pytest
+
+from ops import jobs
+from ops.inventory import Inventory, Node
+
+
+def inventory(target="aws", gpu_type="l4", nvlink=False, gpus=4, nodes=2):
+    return Inventory(
+        target=target, cluster_name="mini", ssh_user="ubuntu" if target == "aws" else "root",
+        controller=Node("controller", "10.213.0.10", "controller", "10.213.0.10"),
+        gpu_nodes=tuple(Node(f"gpu-node-{i:02d}", f"10.213.0.{10 + i}", "gpu") for i in range(1, nodes + 1)),
+        gpus_per_node=gpus, gpu_type=gpu_type, nvlink=nvlink, efa=target == "aws",
+        python="/opt/slurm-gpu/venv/bin/python" if target == "aws" else "/work/main/.venv/bin/python",
+        service_cmd="sudo systemctl {action} {service}",
+    )
+
+
+def finetune(inv, nodes=2, gpus=None):
+    spec = jobs.base_spec(
+        inv, jobs.FINETUNE_NAME, nodes, gpus or inv.gpus_per_node, "/scratch/slurm-gpu/jobs/20260101-abc",
+        config="/scratch/slurm-gpu/jobs/20260101-abc/config.yaml",
+        output_dir="/scratch/slurm-gpu/jobs/20260101-abc/output",
+        train_args=jobs.train_flags({"model_name_or_path": "/scratch/my model", "n_examples": 64, "x": None}),
+    )
+    return jobs.render_finetune(spec)
+
+
+def env_exports(script):
+    return dict(re.findall(r"^export (\w+)=(.*)$", script, re.M))
+
+
+def test_aws_l4_disables_p2p_and_sets_efa():
+    s = finetune(inventory(gpu_type="l4", nvlink=False))
+    env = env_exports(s)
+    assert env["NCCL_P2P_DISABLE"] == "1"
+    assert env["FI_PROVIDER"] == "efa"
+    assert env["FI_EFA_USE_HUGE_PAGE"] == "0" and env["FI_EFA_FORK_SAFE"] == "1"
+    assert env["LD_LIBRARY_PATH"].startswith("/opt/amazon/ofi-nccl/lib:/opt/amazon/efa/lib")
+    assert env["NCCL_SOCKET_IFNAME"] == "^docker,lo,veth"
+    assert env["NCCL_DEBUG"] == "INFO"
+    assert env["HF_HOME"] == "/scratch/hf-cache"
+    assert "#SBATCH --gres=gpu:4\n" in s
+    assert "--nproc_per_node=4 " in s
+
+
+def test_aws_h100_keeps_p2p_with_efa():
+    s = finetune(inventory(gpu_type="h100", nvlink=True, gpus=8), gpus=8)
+    env = env_exports(s)
+    assert "NCCL_P2P_DISABLE" not in s
+    assert env["FI_PROVIDER"] == "efa" and env["NCCL_DEBUG"] == "INFO"
+    assert "#SBATCH --gres=gpu:8\n" in s and "--nproc_per_node=8 " in s
+
+
+def test_local_has_no_efa_or_nccl():
+    s = finetune(inventory(target="local", gpu_type="cpu", gpus=2), gpus=2)
+    env = env_exports(s)
+    for var in ("FI_PROVIDER", "NCCL_DEBUG", "NCCL_P2P_DISABLE", "NCCL_SOCKET_IFNAME", "LD_LIBRARY_PATH"):
+        assert var not in env
+    assert "/opt/amazon" not in s
+    assert env["OMP_NUM_THREADS"] == "1" and env["HF_HUB_OFFLINE"] == "1"
+    assert "#SBATCH --gres=gpu:2\n" in s
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_common_directives_and_launch(nodes):
+    s = finetune(inventory(), nodes=nodes)
+    for line in (f"--nodes={nodes}", "--ntasks-per-node=1", "--exclusive", "--requeue",
+                 "--output=/scratch/logs/%x-%j.out", "--job-name=slurm-gpu-finetune", "--wait-all-nodes=1"):
+        assert f"#SBATCH {line}\n" in s
+    assert 'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in s
+    assert "srun -K1 -l --gres=gpu:4 /opt/slurm-gpu/venv/bin/python -m torch.distributed.run" in s
+    assert '--rdzv_backend=c10d' in s and '--rdzv_id="$SLURM_JOB_ID"' in s
+    assert '--rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT"' in s and "MASTER_PORT=29500" in s
+    assert "-m training.train" in s and "--config /scratch/slurm-gpu/jobs/20260101-abc/config.yaml" in s
+    # flags are shell-quoted and None values dropped
+    assert "--model_name_or_path '/scratch/my model'" in s and "--n_examples 64" in s and "--x " not in s
+    # bounded requeue
+    assert '[ "$restart" -gt 3 ]' in s and "SLURM_RESTART_COUNT" in s
+
+
+def test_strict_undefined():
+    with pytest.raises(jinja2.UndefinedError):
+        jobs._env.get_template("finetune.sbatch.j2").render(target="aws")
+
+
+def test_sanity_aws_counts_nvidia_smi_and_local_checks_standins():
+    aws = jobs.render_sanity(jobs.base_spec(inventory(), jobs.SANITY_NAME, 2, 4, "/scratch/j",
+                                            script_path="/scratch/j/sanity.sbatch"))
+    assert "nvidia-smi -L" in aws and "gpu-standin" not in aws
+    assert "exec srun -K1 -l --gres=gpu:4 bash /scratch/j/sanity.sbatch --task" in aws
+    local = jobs.render_sanity(jobs.base_spec(inventory(target="local", gpus=2), jobs.SANITY_NAME, 2, 2,
+                                              "/scratch/j", script_path="/scratch/j/sanity.sbatch"))
+    assert "nvidia-smi" not in local and '"/var/lib/slurm/gpu-standin/nvidia$i"' in local
+    assert "#SBATCH --gres=gpu:2\n" in local and "#SBATCH --nodes=2\n" in local
+
+
+def rendered_scripts():
+    out = {}
+    for name, inv, gpus in (("aws-l4", inventory(), 4), ("aws-h100", inventory(gpu_type="h100", nvlink=True, gpus=8), 8),
+                            ("local", inventory(target="local", gpus=2), 2)):
+        out[f"finetune-{name}"] = finetune(inv, gpus=gpus)
+        out[f"sanity-{name}"] = jobs.render_sanity(jobs.base_spec(inv, jobs.SANITY_NAME, 2, gpus, "/scratch/j",
+                                                                  script_path="/scratch/j/sanity.sbatch"))
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(rendered_scripts()))
+def test_bash_and_shellcheck(name, tmp_path):
+    path = tmp_path / f"{name}.sbatch"
+    path.write_text(rendered_scripts()[name])
+    subprocess.run(["bash", "-n", str(path)], check=True)
+    if not shutil.which("shellcheck"):
+        pytest.fail("shellcheck is not installed (scripts/setup.sh installs it)")
+    res = subprocess.run(["shellcheck", "-s", "bash", str(path)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout

@@ -1,0 +1,87 @@
+"""`fab train` flags: every bad value is refused with the flag's name and a fix, before any host is touched."""
+
+import subprocess
+
+import pytest
+
+from ops import options
+from ops.inventory import Inventory, Node
+from tests.test_ops_units import REPO
+
+INV = Inventory(
+    target="local", cluster_name="local", ssh_user="root",
+    controller=Node("controller", "10.213.0.10", "controller", "10.213.0.10"),
+    gpu_nodes=(Node("gpu-node-01", "10.213.0.11", "gpu"), Node("gpu-node-02", "10.213.0.12", "gpu")),
+    gpus_per_node=2, gpu_type="sim", nvlink=False, efa=False, python="/usr/bin/python3",
+    service_cmd="hostctl {action} {service}",
+)
+
+
+@pytest.fixture
+def bad_yaml(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("learning_rate: [1, 2\n")
+    return str(p)
+
+
+@pytest.fixture
+def list_yaml(tmp_path):
+    p = tmp_path / "list.yaml"
+    p.write_text("- a\n- b\n")
+    return str(p)
+
+
+BAD = [
+    ({"target": "gcp"}, "--target"),
+    ({"target": "local", "stack": "dev"}, "--stack"),
+    ({"target": "local", "nodes": "two"}, "--nodes"),
+    ({"target": "local", "nodes": "0"}, "--nodes"),
+    ({"target": "local", "gpus_per_node": "-1"}, "--gpus-per-node"),
+    ({"target": "local", "examples": "1.5"}, "--examples"),
+    ({"target": "local", "config": "/nonexistent/x.yaml"}, "--config"),
+    ({"target": "local", "model": "Qwen/Qwen3-4B"}, "--model"),
+    ({"target": "local", "data": "tatsu-lab/alpaca"}, "--data"),
+    ({"target": "aws", "model": "not a model id"}, "--model"),
+    ({"target": "aws", "data": "../data.jsonl"}, "--data"),
+    ({"target": "aws", "model": "  "}, "--model"),
+    ({"target": "local", "identity": "/nonexistent/id_ed25519"}, "--identity"),
+]
+
+
+@pytest.mark.parametrize("kwargs,flag", BAD, ids=[f for _, f in BAD])
+def test_bad_flag_names_itself(kwargs, flag):
+    with pytest.raises(options.OptionError) as err:
+        options.parse(**kwargs)
+    assert flag in str(err.value)
+
+
+def test_bad_config_files(bad_yaml, list_yaml):
+    for path in (bad_yaml, list_yaml):
+        with pytest.raises(options.OptionError, match="--config"):
+            options.parse(target="local", config=path)
+
+
+def test_counts_checked_against_inventory():
+    with pytest.raises(options.OptionError, match=r"--nodes 3: .* has 2 GPU node\(s\); pass --nodes 2"):
+        options.check_against(options.parse(target="local", nodes="3"), INV)
+    with pytest.raises(options.OptionError, match="--gpus-per-node 4"):
+        options.check_against(options.parse(target="local", gpus_per_node="4"), INV)
+    assert options.check_against(options.parse(target="local"), INV) == (2, 2)
+    assert options.check_against(options.parse(target="local", nodes="1", gpus_per_node="1"), INV) == (1, 1)
+
+
+def test_good_flags_and_defaults():
+    o = options.parse(target="aws", model="Qwen/Qwen3-4B", data="/scratch/d.jsonl", examples="64")
+    assert o.config.name == "qwen3-4b-lora.yaml" and o.examples == 64
+    assert o.model == "Qwen/Qwen3-4B" and o.data == "/scratch/d.jsonl"
+    assert options.parse(target="local").config.name == "local-tiny.yaml"
+    assert options.parse().target == "aws"  # the current Pulumi stack by default
+
+
+def test_cli_refuses_before_touching_hosts():
+    # The flag error comes before the inventory is even read, with no traceback.
+    res = subprocess.run([str(REPO / ".venv/bin/fab"), "train", "--target", "local", "--nodes", "x"],
+                         cwd=REPO, capture_output=True, text=True)
+    assert res.returncode == 1
+    assert "--nodes must be a whole number" in res.stderr + res.stdout
+    assert "Traceback" not in res.stderr

@@ -1,0 +1,134 @@
+"""Parsers of ops/: sinfo/scontrol output, cloud-init status, job log progress, summary and loss curve."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ops import cloudinit, joblog, slurm, summary
+from ops.remote import HostError, each
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_sinfo_states_and_health_drain():
+    nodes = slurm.parse_sinfo(
+        "gpu-node-01|idle|none\n"
+        "gpu-node-02|down*|Not responding\n"
+        "gpu-node-03|drained|gpu-health: /dev/nvidia1 missing\n"
+        "gpu-node-04|drained|Kill task failed\n"
+        "gpu-node-01|idle|none\n"
+    )
+    assert list(nodes) == ["gpu-node-01", "gpu-node-02", "gpu-node-03", "gpu-node-04"]
+    assert nodes["gpu-node-01"].idle and not nodes["gpu-node-01"].needs_resume
+    assert nodes["gpu-node-02"].needs_resume
+    assert nodes["gpu-node-03"].health_drained and not nodes["gpu-node-03"].needs_resume
+    assert nodes["gpu-node-04"].needs_resume and not nodes["gpu-node-04"].health_drained
+
+
+def test_scontrol_job_fields():
+    line = ("JobId=42 JobName=slurm-gpu-finetune UserId=root(0) JobState=COMPLETED Reason=None "
+            "Dependency=(null) Requeue=1 Restarts=1 BatchFlag=1 ExitCode=0:0 RunTime=00:01:05 "
+            "NodeList=gpu-node-[01-02] StdOut=/scratch/logs/slurm-gpu-finetune-42.out")
+    job = slurm.job_from_fields(slurm.parse_scontrol_job(line))
+    assert (job.id, job.state, job.restarts, job.run_time) == ("42", "COMPLETED", 1, "00:01:05")
+    assert job.ok and job.finished and job.nodes == "gpu-node-[01-02]"
+    pending = slurm.job_from_fields(slurm.parse_scontrol_job("JobId=43 JobState=REQUEUED Reason=NodeDown"))
+    assert not pending.finished and not pending.ok
+
+
+@pytest.mark.parametrize("status,verdict", [
+    ({"status": "running", "errors": []}, None),
+    ({"status": "not run"}, None),
+    ({"status": "done", "errors": []}, ""),
+    ({"status": "error", "errors": ["('scripts_user', RuntimeError('1'))"]}, "scripts_user"),
+    ({"status": "done", "errors": ["boom"]}, "boom"),
+    ({"status": "disabled"}, "disabled"),
+])
+def test_cloud_init_status(status, verdict):
+    got = cloudinit.interpret(json.dumps(status))
+    if verdict in (None, ""):
+        assert got == verdict
+    else:
+        assert verdict in got and "cloud-init-output.log" in got or "disabled" in got
+
+
+def test_cloud_init_status_from_real_cli():
+    # This machine's cloud-init never ran: the real CLI's JSON must read as "not yet".
+    import shutil
+    import subprocess
+    if not shutil.which("cloud-init"):
+        pytest.fail("cloud-init is not installed (scripts/setup.sh installs it)")
+    out = subprocess.run(["cloud-init", "status", "--format", "json"], capture_output=True, text=True).stdout
+    assert cloudinit.interpret(out) is None
+
+
+def test_each_reports_every_failing_host():
+    def fn(name, conn):
+        if name != "a":
+            raise RuntimeError(f"{name} broke")
+        return 1
+
+    with pytest.raises(HostError) as err:
+        each("step x", {"a": object(), "b": object(), "c": object()}, fn)
+    assert err.value.failures == {"b": "RuntimeError: b broke", "c": "RuntimeError: c broke"}
+    assert "step x failed on b, c" in str(err.value)
+
+
+LOG = (
+    'SLURM_GPU_JOB {"job_id": "7", "restart": 0, "job_dir": "/scratch/slurm-gpu/jobs/x", "nodes": "gpu-node-[01-02]"}\n'
+    "0: gpu-node-01:1:1 [0] NCCL INFO Channel 00 : 0[0] -> 1[1] via SHM/direct/direct\n"
+    "0: Training:  40%|####      | 2/5 [00:01<00:02,  1.2it/s]\r"
+    "0: SLURM_GPU_LOG {\"step\": 1, \"max_steps\": 5, \"loss\": 2.5, \"num_tokens\": 1000.0, \"mean_token_accuracy\": 0.2, \"epoch\": 0.2}\n"
+    "0: {'loss': '2.5', 'grad_norm': '1.1', 'learning_rate': '0.003', 'epoch': '0.2'}\n"
+    "0: SLURM_GPU_LOG {\"step\": 2, \"max_steps\": 5, \"loss\": 2.0, \"num_tokens\": 3000.0, \"mean_token_accuracy\": 0.3, \"epoch\": 0.4}\n"
+    "0: SLURM_GPU_LOG {\"step\": 2, \"max_steps\": 5, \"train_runtime\": 3.0}\n"
+    'SLURM_GPU_JOB {"job_id": "7", "restart": 1, "job_dir": "/scratch/slurm-gpu/jobs/x", "nodes": "gpu-node-[01-02]"}\n'
+    '0: SLURM_GPU_RESUMED {"checkpoint": "/scratch/slurm-gpu/jobs/x/output/checkpoint-2", "step": 2}\n'
+    '0: SLURM_GPU_METRICS {"train_runtime": 3.0, "train_steps": 5, "mean_token_accuracy": 0.5, "tokens_per_s": 900.0}\n'
+)
+
+
+def test_job_log_events_in_pieces():
+    log = joblog.JobLog()
+    events = []
+    # fed in awkward chunks (a line split across reads) with a growing clock
+    for i in range(0, len(LOG), 37):
+        events += log.feed(LOG[i:i + 37], now=float(i))
+    events += log.feed("\n", now=float(len(LOG)))
+    kinds = [e.kind for e in events]
+    assert kinds == ["start", "step", "step", "start", "resumed", "metrics"]
+    assert [s["loss"] for s in log.steps] == [2.5, 2.0]  # the HF dict duplicate is ignored
+    assert log.max_steps == 5 and log.restarts == 1 and log.resumed_from == 2
+    assert log.job_dir == "/scratch/slurm-gpu/jobs/x" and log.metrics["train_steps"] == 5
+    assert len(log.nccl_lines) == 1
+    line = log.progress(log.steps[1])
+    assert line.startswith("step 2/5  loss 2.0000  acc 0.300") and "tok/s" in line
+    assert "requeue (restart 1)" in log.describe(events[3])
+    assert "resumed from checkpoint step 2" in log.describe(events[4])
+
+
+def test_hf_dicts_alone_give_progress():
+    log = joblog.JobLog()
+    log.feed("0: {'loss': '1.9', 'grad_norm': '0.5', 'epoch': '0.5'}\n0: {'loss': 1.7, 'epoch': 1.0}\n", now=1.0)
+    assert [s["loss"] for s in log.steps] == [1.9, 1.7] and [s["step"] for s in log.steps] == [1, 2]
+
+
+def test_summary_and_loss_png(tmp_path):
+    history = [{"loss": 2.5, "step": 1}, {"loss": 2.0, "step": 2}, {"loss": 1.5, "step": 3},
+               {"train_runtime": 3.0, "step": 3}]
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"global_step": 3, "log_history": history}))
+    (tmp_path / "metrics.json").write_text(json.dumps({
+        "train_runtime": 3.25, "train_steps": 3, "mean_token_accuracy": 0.61, "tokens_per_s": 1234.5,
+        "train_loss": 2.0, "world_size": 4}))
+    log = joblog.JobLog()
+    log.feed(LOG, now=0.0)
+    run = summary.build("7", "00:00:09", log, tmp_path)
+    text = "\n".join(run.lines())
+    assert "job 7: completed" in text and "3.2 s training, 00:00:09 in Slurm" in text
+    assert "2.5000 first -> 1.5000 last" in text and "0.610" in text and "1,234" in text
+    assert "steps         3 (world size 4)" in text and "requeued      1 time(s); resumed from step 2" in text
+    assert "1 links inside a node (SHM 1)" in text
+    png = summary.plot_loss(run.losses, tmp_path / "loss.png", "t")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert summary.plot_loss([], tmp_path / "none.png", "t") is None
