@@ -179,6 +179,39 @@ def ensure_tiny(cl: Cluster, job_dir: str, say: Say) -> tuple[str, str]:
     return model, data
 
 
+# training.data's validation, run on a GPU node before training/ is uploaded anywhere.
+_CHECK_DATA = """
+import sys
+try:
+    print(len(load_local_rows(sys.argv[1])))
+except DataError as exc:
+    print(exc, file=sys.stderr)
+    sys.exit(3)
+"""
+
+
+def check_inputs(cl: Cluster, opts: TrainOptions, say: Say) -> None:
+    """--model/--data paths exist on the cluster and a --data file is valid training data.
+
+    Runs before anything is written to /scratch or submitted, so a bad path or data
+    file leaves no job directory and no job behind.
+    """
+    inv, ctl = cl.inventory, cl.controller
+    for flag, value in (("model", opts.model), ("data", opts.data)):
+        if value and value.startswith("/") and not _exists(ctl, value):
+            raise TrainError(f"--{flag} {value}: no such path on the cluster (checked on the controller); "
+                             f"copy it under {inv.scratch} first or fix the path")
+    if opts.data and opts.data.startswith("/"):
+        name = inv.gpu_nodes[0].name
+        code = (TRAINING_DIR / "data.py").read_text() + _CHECK_DATA
+        res = cl.nodes[name].run(f"{shlex.quote(inv.python)} -c {shlex.quote(code)} {shlex.quote(opts.data)}",
+                                 hide=True, warn=True, in_stream=False)
+        if not res.ok:
+            why = (res.stderr or res.stdout).strip().splitlines() or [f"exit {res.exited}"]
+            raise TrainError(f"--data {opts.data}: {why[-1]} (checked on {name} before uploading anything)")
+        say(f"      --data {opts.data}: {res.stdout.strip()} valid rows")
+
+
 def launch(cl: Cluster, opts: TrainOptions, nodes: int, gpus: int, say: Say,
            submitted: list[str] | None = None) -> tuple[str, str, str]:
     """Upload code, config and script; submit. Returns (job id, job dir, log path).
@@ -188,11 +221,6 @@ def launch(cl: Cluster, opts: TrainOptions, nodes: int, gpus: int, say: Say,
     """
     inv, ctl = cl.inventory, cl.controller
     q = shlex.quote
-    # Paths named by the user must exist on the cluster: check before anything is written.
-    for flag, value in (("model", opts.model), ("data", opts.data)):
-        if value and value.startswith("/") and not _exists(ctl, value):
-            raise TrainError(f"--{flag} {value}: no such path on the cluster (checked on the controller); "
-                             f"copy it under {inv.scratch} first or fix the path")
     job_dir = new_job_dir(inv)
     ctl.run(f"mkdir -p {q(job_dir)} {q(inv.scratch)}/logs", hide=True)
     ctl.put(io.BytesIO(training_tarball()), remote=f"{job_dir}/training.tar.gz")
@@ -291,6 +319,7 @@ def failure(job_id: str, followed: stream.Followed, log_path: str) -> TrainError
 def run(cl: Cluster, opts: TrainOptions, nodes: int, gpus: int, say: Say = print,
         raw: bool = False) -> summary.RunSummary:
     wait_cloud_init(cl, say)
+    check_inputs(cl, opts, say)
     changed = sync_munge_key(cl, say)
     nodes_to_service(cl, changed, say)
     sanity(cl, say)
