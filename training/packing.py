@@ -179,6 +179,14 @@ def prepare_args(train_args):
         train_args.padding_free = False
     # Keep the prepared columns (input_ids, labels) for the collator.
     train_args.remove_unused_columns = False
+    # No host<->device sync inside a step, so the CPU queues the next step while the GPU works:
+    # the Trainer's NaN filter of the logged loss reads the loss every step (a sync), and a blocking
+    # copy of the batch waits for the previous step's kernels.
+    train_args.logging_nan_inf_filter = False
+    train_args.dataloader_pin_memory = True
+    config = getattr(train_args, "accelerator_config", None)
+    if config is not None and hasattr(config, "non_blocking"):
+        config.non_blocking = True
     return train_args
 
 
