@@ -45,6 +45,11 @@ class ClusterFacts:
     gpu_device_prefix: str = "/dev/nvidia"
     efa: bool = True
     nvlink: bool = False
+    # Seconds before slurmctld marks a silent slurmd DOWN (and requeues its --requeue jobs), and
+    # how long a requeued job waits before it may start again (AuthInfo=cred_expire). AWS keeps
+    # Slurm's defaults; the local cluster shortens both so a node-loss test takes seconds.
+    slurmd_timeout: int = 180
+    cred_expire: int = 120
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property

@@ -109,6 +109,8 @@ def _context(facts: ClusterFacts) -> dict:
         raise ValueError(f"gpu_count must be >= 1 (got {shape.gpu_count})")
     if shape.cpus < 1 or shape.real_memory_mib < 1:
         raise ValueError("NodeShape cpus and real_memory_mib must be positive")
+    if facts.slurmd_timeout < 1 or facts.cred_expire < 5:  # Slurm ignores cred_expire < 5
+        raise ValueError("slurmd_timeout must be >= 1 and cred_expire >= 5 seconds")
     last = shape.gpu_count - 1
     prefix = facts.gpu_device_prefix
     gpu_files = f"{prefix}0" if last == 0 else f"{prefix}[0-{last}]"

@@ -136,6 +136,11 @@ def cluster_facts(nodes: int, gpus: int) -> ClusterFacts:
         cluster_name=layout.CLUSTER_NAME, controller=ctl, gpu_nodes=gpu_hosts,
         shape=machine_shape(gpus), subnet_cidr=layout.SUBNET, ssh_user="root",
         scratch="/scratch", gpu_device_prefix=layout.GPU_DEVICE_PREFIX, efa=False, nvlink=False,
+        # A lost host is marked DOWN (and its job requeued) in seconds, not AWS's 180 s. The
+        # requeued job waits cred_expire before it starts again; it must stay above slurmctld's
+        # 60 s retry of the terminate request to the lost node, or that late retry kills the new
+        # attempt (same job id) when the node is back.
+        slurmd_timeout=15, cred_expire=70,
     )
 
 
@@ -301,13 +306,14 @@ def _create(nodes: int, gpus: int, fresh_keys: bool, out: Out) -> Inventory:
     _write(layout.INVENTORY, inventory.to_json() + "\n", 0o600)
     if not fresh_keys:
         # Exactly what `fab train` does on AWS: the controller's key to every node.
+        from ops import remote
         from ops.munge import distribute_key
 
-        controller, node_conns = connect(inventory)
+        conns = remote.connect(inventory)
         try:
-            sync = distribute_key(controller, node_conns, inventory.service_cmd)
+            sync = distribute_key(conns.controller, conns.nodes, inventory.service_cmd)
         finally:
-            close(controller, node_conns)
+            conns.close()
         out(f"  munge key installed on {', '.join(sync.installed) or 'no host'} "
             f"({time.monotonic() - t0:.1f} s)")
 
@@ -338,25 +344,6 @@ def make_inventory(nodes: int, gpus: int) -> Inventory:
 
 def load_inventory() -> Inventory:
     return Inventory.from_dict(json.loads(layout.INVENTORY.read_text()))
-
-
-def connect(inventory: Inventory):
-    """Fabric connections as `fab` makes them: the controller direct, nodes through it."""
-    from fabric import Connection
-
-    kwargs = {"key_filename": inventory.ssh_key_file, "look_for_keys": False, "allow_agent": False,
-              "timeout": 10}
-    ctl_ip = inventory.controller.public_ip or inventory.controller.private_ip
-    controller = Connection(ctl_ip, user=inventory.ssh_user, connect_kwargs=dict(kwargs))
-    nodes = {n.name: Connection(n.private_ip, user=inventory.ssh_user, gateway=controller,
-                                connect_kwargs=dict(kwargs)) for n in inventory.gpu_nodes}
-    return controller, nodes
-
-
-def close(controller, nodes: dict) -> None:
-    for c in nodes.values():
-        c.close()
-    controller.close()
 
 
 # ---------------------------------------------------------------- health and status

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
-from fabric import Connection
+from fabric import Config, Connection
 
 from ops.inventory import Inventory
 
@@ -43,6 +43,12 @@ class Cluster:
             c.close()
 
 
+def _config() -> Config:
+    # Remote commands never read the user's terminal: nothing we run is interactive, and a
+    # forwarded stdin breaks under pytest or cron. (The munge key goes in by explicit in_stream.)
+    return Config(overrides={"run": {"in_stream": False}})
+
+
 def connect(inv: Inventory, identity: str | None = None) -> Cluster:
     """Connections for `inv` (nothing is opened until the first command)."""
     key = identity or inv.ssh_key_file
@@ -50,9 +56,9 @@ def connect(inv: Inventory, identity: str | None = None) -> Cluster:
     kwargs = {"key_filename": [key], "look_for_keys": False, "allow_agent": False} if key else {}
     ctl_ip = inv.controller.public_ip or inv.controller.private_ip
     ctl = Connection(ctl_ip, user=inv.ssh_user, connect_kwargs=dict(kwargs),
-                     connect_timeout=CONNECT_TIMEOUT_S)
+                     connect_timeout=CONNECT_TIMEOUT_S, config=_config())
     nodes = {
-        n.name: Connection(n.private_ip, user=inv.ssh_user, gateway=ctl,
+        n.name: Connection(n.private_ip, user=inv.ssh_user, gateway=ctl, config=_config(),
                            connect_kwargs=dict(kwargs), connect_timeout=CONNECT_TIMEOUT_S)
         for n in inv.gpu_nodes
     }

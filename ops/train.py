@@ -238,10 +238,18 @@ def launch(cl: Cluster, opts: TrainOptions, nodes: int, gpus: int, say: Say,
                           script_path=f"{job_dir}/finetune.sbatch", config=f"{job_dir}/config.yaml",
                           output_dir=f"{job_dir}/output", train_args=jobs.train_flags(flags))
     put_text(ctl, jobs.render_finetune(spec), spec.script_path, 0o755)
-    job_id = slurm.submit(ctl, spec.script_path)
+    # Held until a stale log of the same name is gone: job ids start again at 1 on a new local
+    # cluster while /scratch/logs stays, and the job appends to its log (--open-mode=append, so a
+    # requeued attempt keeps the first one's lines): an old file would be streamed as this job's.
+    job_id = slurm.submit(ctl, spec.script_path, "--hold")
     if submitted is not None:
         submitted.append(job_id)
     log_path = f"{inv.scratch}/logs/{jobs.FINETUNE_NAME}-{job_id}.out"
+    released = ctl.run(f"rm -f {q(log_path)} && scontrol release {q(job_id)}", hide=True, warn=True)
+    if not released.ok:
+        raise TrainError(f"job {job_id} is held and could not be released: "
+                         f"{(released.stderr or released.stdout).strip()}; "
+                         f"run `scontrol release {job_id}` on the controller or `fab cancel --job {job_id}`")
     step(say, 5, f"submitted job {job_id}: {nodes} node(s) x {gpus} rank(s), code and config in {job_dir}; "
                  f"log {log_path}")
     return job_id, job_dir, log_path

@@ -19,7 +19,7 @@ import pytest
 
 from bootstrap import render
 from localcluster import cluster, hosts, layout, netns
-from ops import munge
+from ops import munge, remote
 
 LOCK = "/tmp/slurm-gpu-cluster.lock"
 NODES, GPUS = 2, 2
@@ -34,9 +34,9 @@ def lc():
         cluster.down(out=lambda _m: None)  # start clean (also from an earlier crash)
         try:
             inventory = cluster.up(nodes=NODES, gpus=GPUS, fresh_keys=True, out=lambda _m: None)
-            controller, nodes = cluster.connect(inventory)
-            yield inventory, controller, nodes
-            cluster.close(controller, nodes)
+            conns = remote.connect(inventory)
+            yield inventory, conns.controller, conns.nodes
+            conns.close()
         finally:
             cluster.down(out=lambda _m: None)
 
