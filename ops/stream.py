@@ -66,7 +66,8 @@ def follow(ctl: Connection, job_id: str, log_path: str, say: Callable[[str], Non
                     "it resumes from its last checkpoint when nodes are back")
                 last_restarts = job.restarts
             if job.state != last_state and job.state not in ("RUNNING", "COMPLETING") and not job.finished:
-                say(f"job {job_id} is {job.state} ({job.reason})")
+                why = f" ({job.reason})" if job.reason and job.reason != "None" else ""
+                say(f"job {job_id} is {job.state}{why}")
             last_state = job.state
         if job is None or job.finished:
             # One last read: the final lines land after the state change.

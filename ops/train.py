@@ -282,12 +282,25 @@ def download(ctl: Connection, output_dir: str, dest: Path) -> list[str]:
     return sorted(got)
 
 
+def run_dir(job_id: str, job_dir: str | None) -> Path:
+    """runs/<job-id>/, unless it holds another job's run (a new local cluster numbers its jobs
+    from 1 again): then runs/<job-id>-<job dir name>/, so no earlier run is overwritten."""
+    dest = RUNS / job_id
+    marker = dest / "job_dir"
+    if job_dir and dest.exists() and (not marker.exists() or marker.read_text().strip() != job_dir):
+        dest = RUNS / f"{job_id}-{posixpath.basename(job_dir)}"
+    if job_dir:
+        dest.mkdir(parents=True, exist_ok=True)
+        (dest / "job_dir").write_text(job_dir + "\n")
+    return dest
+
+
 def finish(cl: Cluster, job_id: str, followed: stream.Followed, say: Say,
            job_dir: str | None = None, log_path: str | None = None) -> summary.RunSummary:
     """Print the summary and bring the run home to runs/<job-id>/."""
     log, job = followed.log, followed.job
     job_dir = job_dir or log.job_dir
-    dest = RUNS / job_id
+    dest = run_dir(job_id, job_dir)
     got: list[str] = []
     if job_dir:
         got = download(cl.controller, f"{job_dir}/output", dest)

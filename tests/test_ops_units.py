@@ -132,3 +132,18 @@ def test_summary_and_loss_png(tmp_path):
     png = summary.plot_loss(run.losses, tmp_path / "loss.png", "t")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert summary.plot_loss([], tmp_path / "none.png", "t") is None
+
+
+def test_run_dir_never_overwrites_another_jobs_run(tmp_path, monkeypatch):
+    from ops import train as flow
+
+    monkeypatch.setattr(flow, "RUNS", tmp_path)
+    first = flow.run_dir("2", "/scratch/slurm-gpu/jobs/20261203-091312-aaaaaa")
+    (first / "metrics.json").write_text("{}")
+    assert first == tmp_path / "2"
+    # The same job again (fab logs --job 2) comes home to the same place.
+    assert flow.run_dir("2", "/scratch/slurm-gpu/jobs/20261203-091312-aaaaaa") == first
+    # A new local cluster's job 2 is another run: it must not land on the first one.
+    other = flow.run_dir("2", "/scratch/slurm-gpu/jobs/20261203-101500-bbbbbb")
+    assert other != first and other.name == "2-20261203-101500-bbbbbb"
+    assert (first / "metrics.json").exists()
