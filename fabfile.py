@@ -101,7 +101,11 @@ def status(c, target=None, stack=None, identity=None):
         try:
             up = each("ssh", conns, lambda n, conn: conn.run("uptime -p || true", hide=True).stdout.strip())
         except HostError as exc:
-            up = {n: f"UNREACHABLE: {exc.failures[n]}" if n in exc.failures else "up" for n in conns}
+            # A jump host (the controller) that cannot be reached is reported under its own key,
+            # before any host ran anything: then no host is reachable.
+            jump = next((why for host, why in exc.failures.items() if host not in conns), None)
+            up = {n: f"UNREACHABLE: {exc.failures.get(n, jump)}" if n in exc.failures or jump else "up"
+                  for n in conns}
         for node in inv.nodes:
             addr = node.public_ip or node.private_ip
             print(f"  {node.name:<14} {node.role:<10} {addr:<16} {up.get(node.name, '?')}")

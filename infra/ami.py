@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import pulumi_aws as aws
 
 from infra.config import ConfigError, StackConfig
+from infra.facts import ARCH
 
 DLAMI_NAME = "Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04) *"
 AMAZON = "amazon"
@@ -37,7 +38,7 @@ def resolve_ami(cfg: StackConfig) -> Ami:
     else:
         filters = [
             {"name": "name", "values": [DLAMI_NAME]},
-            {"name": "architecture", "values": ["x86_64"]},
+            {"name": "architecture", "values": [ARCH]},
             {"name": "state", "values": ["available"]},
         ]
         owners = [AMAZON]
@@ -49,8 +50,8 @@ def resolve_ami(cfg: StackConfig) -> Ami:
             f"could not find {what} in this region ({exc}); set an AMI with "
             f"`pulumi config set slurm-gpu:amiId ami-...`"
         ) from exc
-    if res.architecture and res.architecture != "x86_64":
-        raise ConfigError(f"slurm-gpu:amiId {res.id} is {res.architecture}; the cluster needs x86_64")
+    if res.architecture and res.architecture != ARCH:
+        raise ConfigError(f"slurm-gpu:amiId {res.id} is {res.architecture}; the cluster needs {ARCH}")
     root = next((m for m in res.block_device_mappings or []
                  if m.device_name == res.root_device_name), None)
     size = None

@@ -7,14 +7,13 @@ from dataclasses import asdict
 import pulumi
 
 from bootstrap.facts import ClusterFacts
+from bootstrap.render import TRAINING_PYTHON
 from infra.config import StackConfig
 from infra.network import NetworkComponent
 from infra.nodes import NodesComponent
 from infra.security import SecurityComponent
 from ops.inventory import Inventory, Node
 
-# Where the GPU nodes' bootstrap installs the training stack (bootstrap/).
-GPU_PYTHON = "/opt/slurm-gpu/venv/bin/python"
 SERVICE_CMD = "sudo systemctl {action} {service}"
 
 
@@ -33,7 +32,7 @@ def build_inventory(facts: ClusterFacts, controller_public_ip: str | None,
         gpu_type=facts.shape.gpu_type,
         nvlink=facts.nvlink,
         efa=facts.efa,
-        python=GPU_PYTHON,
+        python=TRAINING_PYTHON,  # where the GPU nodes' bootstrap installs the training stack
         service_cmd=SERVICE_CMD,
         scratch=facts.scratch,
         extra={"region": region} if region else {},

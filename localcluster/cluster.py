@@ -30,9 +30,6 @@ from ops.inventory import Inventory, Node
 
 REPO = Path(__file__).resolve().parent.parent
 HOSTCTL_SRC = Path(__file__).resolve().parent / "hostctl.sh"
-# The bootstrap steps a namespace host cannot run (no apt, no kernel NFS server,
-# no systemd; the training stack is this repo's .venv, shared by all hosts).
-SKIP_STEPS = {"controller": "packages nfs services", "gpu": "packages nfs training services"}
 REQUIRED_TOOLS = {
     "ip": "iproute2", "nsenter": "util-linux", "unshare": "util-linux", "runuser": "util-linux",
     "munged": "munge", "slurmctld": "slurm-wlm", "slurmd": "slurm-wlm", "sshd": "openssh-server",
@@ -282,7 +279,7 @@ def _create(nodes: int, gpus: int, fresh_keys: bool, out: Out) -> Inventory:
     # The same bootstrap scripts as AWS; the controller first (it makes /scratch/logs,
     # which the GPU hosts' scratch step waits for).
     def bootstrap(s: HostSpec) -> None:
-        hosts.run(pids[s.name], ["env", f"SLURM_GPU_SKIP_STEPS={SKIP_STEPS[s.role]}",
+        hosts.run(pids[s.name], ["env", f"SLURM_GPU_SKIP_STEPS={' '.join(render.LOCAL_SKIP_STEPS[s.role])}",
                                  "bash", render.BOOTSTRAP_PATH], host=s.name, timeout=120)
 
     bootstrap(ctl)

@@ -154,6 +154,3 @@ class JobLog:
         if ev.kind == "metrics":
             return "training finished; final metrics written"
         return None
-
-    def losses(self) -> list[float]:
-        return [s["loss"] for s in self.steps if isinstance(s.get("loss"), (int, float))]

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import jinja2
 
+# gres.conf File= prefix on the local cluster (its GPUs are stand-in files); AWS uses /dev/nvidia.
+from localcluster.layout import GPU_DEVICE_PREFIX as LOCAL_DEVICE_PREFIX
 from ops.inventory import Inventory
 
 JOBS_DIR = Path(__file__).resolve().parent.parent / "jobs"
@@ -19,8 +21,6 @@ FINETUNE_NAME = "slurm-gpu-finetune"
 SANITY_NAME = "slurm-gpu-sanity"
 RDZV_PORT = 29500
 MAX_RESTARTS = 3
-# Where gres.conf points when there are no GPUs (the local cluster's stand-in files).
-LOCAL_DEVICE_PREFIX = "/var/lib/slurm/gpu-standin/nvidia"
 
 _env = jinja2.Environment(
     loader=jinja2.FileSystemLoader(str(JOBS_DIR)),

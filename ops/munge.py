@@ -17,6 +17,8 @@ from typing import Mapping, Sequence
 
 from fabric import Connection
 
+from ops.remote import sudo
+
 KEY_PATH = "/etc/munge/munge.key"
 # unmunge pads the field: "STATUS:          Success (0)".
 SUCCESS = re.compile(r"^STATUS:\s+Success \(0\)", re.M)
@@ -34,22 +36,15 @@ class KeySync:
     skipped: list[str] = field(default_factory=list)
 
 
-def _root(c: Connection, cmd: str, **kwargs):
-    """Run as root: plainly when we log in as root, else through sudo."""
-    kwargs.setdefault("hide", True)
-    kwargs.setdefault("echo_stdin", False)
-    kwargs.setdefault("in_stream", False)  # never forward the user's terminal
-    if c.user == "root":
-        return c.run(cmd, **kwargs)
-    return c.sudo(cmd, **kwargs)
-
-
 def read_key(c: Connection) -> bytes:
     """The controller's key, in memory."""
     import base64
 
-    out = _root(c, f"base64 -w0 {KEY_PATH}").stdout.strip()
-    key = base64.b64decode(out)
+    # warn=True: a failure is reported without the command's output (which would be the key).
+    r = sudo(c, f"base64 -w0 {KEY_PATH}", warn=True)
+    if not r.ok:
+        raise MungeKeyError(c.host, f"cannot read {KEY_PATH} (exit {r.exited}): {r.stderr.strip()}")
+    key = base64.b64decode(r.stdout.strip())
     if len(key) < 32:
         raise MungeKeyError(c.host, f"{KEY_PATH} is too short ({len(key)} bytes)")
     return key
@@ -57,7 +52,7 @@ def read_key(c: Connection) -> bytes:
 
 def key_digest(c: Connection) -> str | None:
     """sha256 of a host's key, or None when it has none."""
-    r = _root(c, f"sha256sum {KEY_PATH}", warn=True)
+    r = sudo(c, f"sha256sum {KEY_PATH}", warn=True)
     return r.stdout.split()[0] if r.ok and r.stdout.strip() else None
 
 
@@ -71,7 +66,7 @@ def install_key(c: Connection, key: bytes, service_cmd: str) -> None:
 
     tmp = f"{KEY_PATH}.new"
     restart = service_cmd.format(action="restart", service="munge")
-    _root(
+    sudo(
         c,
         f"sh -c 'base64 -d | install -o munge -g munge -m 0400 /dev/stdin {tmp}"
         f" && mv -f {tmp} {KEY_PATH} && {restart}'",
@@ -80,12 +75,12 @@ def install_key(c: Connection, key: bytes, service_cmd: str) -> None:
 
 
 def make_credential(c: Connection) -> str:
-    return _root(c, "munge -n").stdout.strip()
+    return sudo(c, "munge -n").stdout.strip()
 
 
 def decodes(c: Connection, credential: str) -> tuple[bool, str]:
     """Whether this host's munged decodes `credential`; with unmunge's STATUS line."""
-    r = _root(c, "unmunge", in_stream=io.StringIO(credential + "\n"), warn=True)
+    r = sudo(c, "unmunge", in_stream=io.StringIO(credential + "\n"), warn=True)
     status = next((l for l in (r.stdout + r.stderr).splitlines() if "STATUS" in l or "unmunge:" in l), "")
     return bool(r.ok and SUCCESS.search(r.stdout)), " ".join(status.split())
 

@@ -68,6 +68,8 @@ def connect(inv: Inventory, identity: str | None = None) -> Cluster:
 def sudo(c: Connection, cmd: str, **kwargs):
     """Run `cmd` as root: directly when we log in as root (local cluster), else with sudo."""
     kwargs.setdefault("hide", True)
+    kwargs.setdefault("echo_stdin", False)
+    kwargs.setdefault("in_stream", False)  # never forward the user's terminal
     if c.user == "root":
         return c.run(cmd, **kwargs)
     return c.sudo(cmd, **kwargs)

@@ -175,7 +175,7 @@ def wait_job(ctl: Connection, job_id: str, timeout_s: float, poll_s: float = 1.0
             return j
         if time.monotonic() >= deadline:
             raise SlurmError(f"job {job_id} still {j.state} after {timeout_s:.0f} s "
-                             f"(reason: {j.reason}); cancel it with `fab cancel {job_id}`")
+                             f"(reason: {j.reason}); cancel it with `fab cancel --job {job_id}`")
         time.sleep(poll_s)
 
 

@@ -1,7 +1,7 @@
 """Following a job on the controller: its log (over SFTP, by byte offset) and its Slurm state.
 
 The log is read from where the last read stopped, so nothing is printed twice and a
-reattach (`fab logs JOB`) starts from the top. Slurm state changes (pending, requeued)
+reattach (`fab logs --job JOB`) starts from the top. Slurm state changes (pending, requeued)
 are reported as they happen; the loop ends when Slurm says the job has finished.
 """
 

@@ -390,10 +390,6 @@ def _is_binary(data: bytes) -> bool:
 
 # ------------------------------------------------------ stack policies
 
-def _id_of(res: Any) -> tuple[bool, Any]:
-    return _known(res.props, "id")
-
-
 def _refers_to(res: Any, prop: str, value: Any, target: Any, target_keys: Sequence[str] = ("id",)) -> bool:
     """Does `res.props[prop]` (whose value is `value`, None when unknown) point at `target`?
     By value when both sides are known, else by the engine's property dependencies."""
