@@ -11,6 +11,7 @@ import shlex
 
 from invoke import Collection, task
 from invoke.exceptions import Exit
+from paramiko.ssh_exception import NoValidConnectionsError, SSHException
 
 from localcluster.tasks import ns as local_ns
 from ops import inventory, jobs, munge, options, slurm, stream
@@ -31,6 +32,10 @@ def _clean_errors(fn):
             return fn(c, *args, **kwargs)
         except _USER_ERRORS as exc:
             raise Exit(f"fab {fn.__name__}: {exc}", code=1) from None
+        except (NoValidConnectionsError, SSHException, TimeoutError) as exc:
+            raise Exit(f"fab {fn.__name__}: cannot reach the cluster ({exc}). Is it up (`fab status`, "
+                       "`fab local.up`, `pulumi up`), and is your address inside slurm-gpu:adminCidr?",
+                       code=1) from None
         except KeyboardInterrupt:
             raise Exit(code=130) from None
 

@@ -147,3 +147,28 @@ def test_run_dir_never_overwrites_another_jobs_run(tmp_path, monkeypatch):
     other = flow.run_dir("2", "/scratch/slurm-gpu/jobs/20261203-101500-bbbbbb")
     assert other != first and other.name == "2-20261203-101500-bbbbbb"
     assert (first / "metrics.json").exists()
+
+
+@pytest.mark.parametrize("task", ["logs", "cancel", "status"])
+def test_unreachable_controller_is_a_clear_error_not_a_traceback(task, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from ops.inventory import Inventory, Node
+
+    # An inventory whose controller is a loopback address with no sshd behind it.
+    inv = Inventory(target="local", cluster_name="gone", ssh_user="root",
+                    controller=Node("controller", "127.0.0.1", "controller", public_ip="127.0.0.1"),
+                    gpu_nodes=(Node("gpu-node-01", "127.0.0.2", "gpu"),), gpus_per_node=1,
+                    gpu_type="sim", nvlink=False, efa=False, python="python3",
+                    service_cmd="true {action} {service}")
+    (tmp_path / "inventory.json").write_text(inv.to_json())
+    fab = Path(sys.executable).with_name("fab")
+    res = subprocess.run([str(fab), task, "--target", "local"], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "SLURM_GPU_LOCAL_STATE": str(tmp_path)},
+                         stdin=subprocess.DEVNULL, cwd=Path(__file__).resolve().parent.parent)
+    assert res.returncode == 1, res.stdout + res.stderr
+    out = res.stdout + res.stderr
+    assert "Traceback" not in out
+    assert "controller" in out or "cannot reach" in out
