@@ -12,7 +12,6 @@ tests/test_healthcheck_cluster.py, which has a cluster up.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import subprocess
 from pathlib import Path
@@ -24,10 +23,10 @@ from localcluster import cluster, layout
 from ops import options
 from tests.test_infra_mocks import ADMIN_CIDR, SSH_KEY, ClusterMocks, run_program, stack_config
 from training.data import DataError, load_local_rows
+from tests.localcluster_fixture import cluster_lock
 
 REPO = Path(__file__).resolve().parent.parent
 FAB = str(REPO / ".venv" / "bin" / "fab")
-LOCK = "/tmp/slurm-gpu-cluster.lock"
 DAEMONS = {"slurmd", "slurmctld", "munged", "sshd"}
 GOOD = {"adminCidr": ADMIN_CIDR, "sshPublicKey": SSH_KEY}
 FIX = "`pulumi config set slurm-gpu:"
@@ -175,8 +174,7 @@ def _made(before: dict, after: dict) -> dict:
 @pytest.fixture(scope="module")
 def no_cluster():
     """Hold the local-cluster lock: no cluster is made or removed by others while we look."""
-    with open(LOCK, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with cluster_lock():
         yield
 
 

@@ -8,7 +8,6 @@ overlays, so the machine itself is not changed.
 """
 
 import os
-import stat
 import subprocess
 from dataclasses import replace
 

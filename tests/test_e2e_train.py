@@ -7,11 +7,9 @@ while it streams (the job must keep running) and finished with `fab logs --job J
 must skip every node.
 """
 
-import fcntl
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import time
@@ -19,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.localcluster_fixture import fresh_cluster
+
 REPO = Path(__file__).resolve().parent.parent
 FAB = str(REPO / ".venv" / "bin" / "fab")
-LOCK = "/tmp/slurm-gpu-cluster.lock"
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -33,23 +32,9 @@ def runs_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def local_cluster():
-    from localcluster import cluster, layout
-
-    lock = open(LOCK, "w")
-    fcntl.flock(lock, fcntl.LOCK_EX)
-    job_dirs: list[str] = []
-    try:
-        cluster.down(out=lambda _m: None)  # a fresh cluster: GPU hosts with their own keys
-        inv = cluster.up(nodes=2, gpus=2, fresh_keys=True, out=lambda _m: None)
+    # A fresh cluster whose GPU hosts have their own keys, as new EC2 nodes do.
+    with fresh_cluster(nodes=2, gpus=2, fresh_keys=True) as (inv, job_dirs):
         yield inv, job_dirs
-    finally:
-        try:
-            cluster.down(out=lambda _m: None)
-        finally:
-            for d in job_dirs:  # this test's job directories on the shared /scratch
-                shutil.rmtree(layout.SCRATCH / Path(d).relative_to("/scratch"), ignore_errors=True)
-            fcntl.flock(lock, fcntl.LOCK_UN)
-            lock.close()
 
 
 def fab(runs_dir, *args, timeout=300):

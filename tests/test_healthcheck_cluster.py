@@ -17,7 +17,6 @@ rendered script in tests/test_bootstrap_scripts.py.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import re
 import shutil
@@ -28,14 +27,14 @@ from pathlib import Path
 
 import pytest
 
-from localcluster import cluster, layout
+from localcluster import layout
 from ops import remote
+from tests.localcluster_fixture import fresh_cluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parent.parent
 FAB = str(REPO / ".venv" / "bin" / "fab")
-LOCK = "/tmp/slurm-gpu-cluster.lock"
 NODE = "gpu-node-01"
 OTHER = "gpu-node-02"
 DEVICE = f"{layout.GPU_DEVICE_PREFIX}1"  # inside every GPU host
@@ -45,18 +44,12 @@ REASON = f"slurm-gpu-healthcheck: missing {DEVICE}"
 @pytest.fixture(scope="module")
 def lc():
     """(inventory, ops.remote.Cluster) of a running cluster; torn down afterwards whatever happens."""
-    with open(LOCK, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one local cluster per machine
-        cl = None
+    with fresh_cluster(nodes=2, gpus=2) as (inv, _):
+        cl = remote.connect(inv)
         try:
-            cluster.down(out=lambda _m: None)  # start clean (also after an earlier crash)
-            inv = cluster.up(nodes=2, gpus=2, out=lambda _m: None)
-            cl = remote.connect(inv)
             yield inv, cl
         finally:
-            if cl is not None:
-                cl.close()
-            cluster.down(out=lambda _m: None)
+            cl.close()
 
 
 def run(c, cmd: str, **kwargs):

@@ -9,7 +9,6 @@ Slurm, idempotent `up`, `down` leaving nothing, and a failed `up` cleaning up.
 
 from __future__ import annotations
 
-import fcntl
 import io
 import re
 import subprocess
@@ -20,8 +19,8 @@ import pytest
 from bootstrap import render
 from localcluster import cluster, hosts, layout, netns
 from ops import munge, remote
+from tests.localcluster_fixture import fresh_cluster
 
-LOCK = "/tmp/slurm-gpu-cluster.lock"
 NODES, GPUS = 2, 2
 NODE_NAMES = ["gpu-node-01", "gpu-node-02"]
 
@@ -29,16 +28,10 @@ NODE_NAMES = ["gpu-node-01", "gpu-node-02"]
 @pytest.fixture(scope="module")
 def lc():
     """The running cluster: (inventory, controller Connection, {name: node Connection})."""
-    with open(LOCK, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one local cluster per machine
-        cluster.down(out=lambda _m: None)  # start clean (also from an earlier crash)
-        try:
-            inventory = cluster.up(nodes=NODES, gpus=GPUS, fresh_keys=True, out=lambda _m: None)
-            conns = remote.connect(inventory)
-            yield inventory, conns.controller, conns.nodes
-            conns.close()
-        finally:
-            cluster.down(out=lambda _m: None)
+    with fresh_cluster(nodes=NODES, gpus=GPUS, fresh_keys=True) as (inventory, _):
+        conns = remote.connect(inventory)
+        yield inventory, conns.controller, conns.nodes
+        conns.close()
 
 
 def run(c, cmd: str, **kwargs):

@@ -13,7 +13,6 @@ The local cluster renders slurm.conf with SlurmdTimeout=15 and cred_expire=70 (A
 so Slurm notices the loss within seconds and restarts the job about a minute later.
 """
 
-import fcntl
 import json
 import math
 import os
@@ -29,9 +28,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.localcluster_fixture import fresh_cluster
+
 REPO = Path(__file__).resolve().parent.parent
 FAB = str(REPO / ".venv" / "bin" / "fab")
-LOCK = "/tmp/slurm-gpu-cluster.lock"
 # Processes that are part of the host, not of Slurm or the job: they survive the "crash", so the
 # host can be reached again (as a rebooted node would be).
 KEEP = {"munged", "sshd", "sleep"}
@@ -42,23 +42,8 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 @pytest.fixture(scope="module")
 def local_cluster():
     """A healthy cluster (every host has the controller's key), torn down at the end."""
-    from localcluster import cluster, layout
-
-    lock = open(LOCK, "w")
-    fcntl.flock(lock, fcntl.LOCK_EX)  # one local cluster per machine, for this whole module
-    job_dirs: list[str] = []
-    try:
-        cluster.down(out=lambda _m: None)
-        inv = cluster.up(nodes=2, gpus=2, fresh_keys=False, out=lambda _m: None)
+    with fresh_cluster(nodes=2, gpus=2, fresh_keys=False) as (inv, job_dirs):
         yield inv, job_dirs
-    finally:
-        try:
-            cluster.down(out=lambda _m: None)
-        finally:
-            for d in job_dirs:  # this module's job directories on the shared /scratch
-                shutil.rmtree(layout.SCRATCH / Path(d).relative_to("/scratch"), ignore_errors=True)
-            fcntl.flock(lock, fcntl.LOCK_UN)
-            lock.close()
 
 
 def holder(name: str) -> int:

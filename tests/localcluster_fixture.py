@@ -1,0 +1,44 @@
+"""One local cluster per machine: the lock every cluster test holds, and a fresh cluster
+that is always taken down (and this test's job directories removed) afterwards."""
+
+from __future__ import annotations
+
+import fcntl
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+
+LOCK = "/tmp/slurm-gpu-cluster.lock"
+
+
+def _quiet(_msg: str) -> None:
+    pass
+
+
+@contextmanager
+def cluster_lock():
+    """Hold the machine's local-cluster lock (nobody makes or removes a cluster meanwhile)."""
+    with open(LOCK, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@contextmanager
+def fresh_cluster(nodes: int = 2, gpus: int = 2, fresh_keys: bool = False):
+    """Yield (inventory, job_dirs) of a new cluster; job_dirs collects /scratch paths to remove."""
+    from localcluster import cluster, layout
+
+    job_dirs: list[str] = []
+    with cluster_lock():
+        try:
+            cluster.down(out=_quiet)  # start clean (also after an earlier crash)
+            yield cluster.up(nodes=nodes, gpus=gpus, fresh_keys=fresh_keys, out=_quiet), job_dirs
+        finally:
+            try:
+                cluster.down(out=_quiet)
+            finally:
+                for d in job_dirs:
+                    shutil.rmtree(layout.SCRATCH / Path(d).relative_to("/scratch"), ignore_errors=True)
