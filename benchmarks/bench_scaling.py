@@ -42,7 +42,6 @@ import datetime as dt
 import hashlib
 import json
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -527,16 +526,13 @@ def main(argv: list[str] | None = None) -> dict | None:
         print(f"{r['gpus']:>3} {r['tokens_per_s']:10.0f} {r['tokens_per_s_per_gpu']:10.0f} {eff:>6} "
               f"{r['step_ms']:8.1f} {ar:>17} {calls:10.1f}  {r['nccl_transport']}")
     path = args.output
+    from benchmarks import bench_train
+
     if path is None and args.device == "cuda" and not args.no_write:
-        slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-") + ("-tiny" if args.tiny else "")
+        slug = bench_train.gpu_slug(gpu, args.tiny)
         path = REPO / "benchmarks" / "results" / f"{results['date']}-{slug}-scaling.json"
     if path and not args.no_write:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(results, indent=2) + "\n")
-        print(f"results: {path}")
-        out = os.environ.get("OUT")
-        if out:
-            Path(out, path.name).write_text(path.read_text())
+        bench_train.write_results(results, path)
     return results
 
 

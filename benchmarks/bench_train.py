@@ -345,15 +345,22 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"speedup (steady) {by['project']['speedup']:.1f}x, incl. warmup "
               f"{by['project']['speedup_incl_warmup']:.1f}x on {gpu}")
     if not args.no_write:
-        args.results_dir.mkdir(parents=True, exist_ok=True)
-        slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-") + ("-tiny" if args.tiny else "")
-        path = args.results_dir / f"{results['date']}-{slug}.json"
-        path.write_text(json.dumps(results, indent=2) + "\n")
-        print(f"results: {path}")
-        out = os.environ.get("OUT")
-        if out:
-            Path(out, path.name).write_text(path.read_text())
+        write_results(results, args.results_dir / f"{results['date']}-{gpu_slug(gpu, args.tiny)}.json")
     return results
+
+
+def gpu_slug(gpu: str, tiny: bool) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-") + ("-tiny" if tiny else "")
+
+
+def write_results(results: dict, path: Path) -> None:
+    """The results file, and a copy under $OUT when run through the GPU machine's tool."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"results: {path}")
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, path.name).write_text(path.read_text())
 
 
 if __name__ == "__main__":
