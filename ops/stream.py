@@ -41,6 +41,20 @@ def read_from(sftp, path: str, offset: int) -> tuple[bytes, int]:
     return data, offset + len(data)
 
 
+def _report(log: JobLog, data: bytes, say: Callable[[str], None], raw: bool, final: bool = False) -> None:
+    """Feed new log bytes to the parser and say them (raw, or as compact progress lines)."""
+    if not data:
+        return
+    text = data.decode("utf-8", errors="replace")
+    events = log.feed(text + "\n" if final else text)  # the last read may end mid-line
+    if raw:
+        say(text.rstrip("\n"))
+        return
+    for ev in events:
+        if line := log.describe(ev):
+            say(line)
+
+
 def follow(ctl: Connection, job_id: str, log_path: str, say: Callable[[str], None] = print,
            raw: bool = False, poll_s: float = 1.0, log: JobLog | None = None) -> Followed:
     """Stream `log_path` until job `job_id` has finished; report progress through `say`."""
@@ -50,16 +64,7 @@ def follow(ctl: Connection, job_id: str, log_path: str, say: Callable[[str], Non
     while True:
         job = slurm.job(ctl, job_id)
         data, offset = read_from(sftp, log_path, offset)
-        if data:
-            text = data.decode("utf-8", errors="replace")
-            events = log.feed(text)
-            if raw:
-                say(text.rstrip("\n"))
-            else:
-                for ev in events:
-                    line = log.describe(ev)
-                    if line:
-                        say(line)
+        _report(log, data, say, raw)
         if job is not None:
             if job.restarts > last_restarts:
                 say(f"job {job_id} was requeued by Slurm (restart {job.restarts}): {job.reason}; "
@@ -72,14 +77,6 @@ def follow(ctl: Connection, job_id: str, log_path: str, say: Callable[[str], Non
         if job is None or job.finished:
             # One last read: the final lines land after the state change.
             data, offset = read_from(sftp, log_path, offset)
-            if data:
-                text = data.decode("utf-8", errors="replace")
-                events = log.feed(text + "\n")
-                if raw:
-                    say(text.rstrip("\n"))
-                else:
-                    for ev in events:
-                        if line := log.describe(ev):
-                            say(line)
+            _report(log, data, say, raw, final=True)
             return Followed(job, log)
         time.sleep(poll_s)
