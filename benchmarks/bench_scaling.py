@@ -193,7 +193,7 @@ class CommProbe:
         steady_steps = max(steps - warmup, 0)
         hook_calls = len(self.buckets)
         other = Counter()
-        for step, counts in self.collectives.items():
+        for _step, counts in self.collectives.items():
             other.update(counts)
         other["all_reduce"] -= hook_calls  # the hook's own all-reduces are counted above
         return {
@@ -483,8 +483,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         parser.error("--global-batch must be at least 1")
     counts = parse_counts(args.counts, torch.cuda.device_count() if args.device == "cuda" else None,
                           args.global_batch)
-    worker_args = ["--device", args.device, "--global-batch", str(args.global_batch), "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps),
-                   "--logging-steps", str(args.logging_steps)]
+    worker_args = ["--device", args.device, "--global-batch", str(args.global_batch), "--steps", str(args.steps),
+                   "--warmup-steps", str(args.warmup_steps), "--logging-steps", str(args.logging_steps)]
     for flag, value in (("--examples", args.examples), ("--token-budget", args.token_budget),
                         ("--bucket-cap-mb", args.bucket_cap_mb),
                         ("--lora-dropout", args.lora_dropout), ("--profile", args.profile)):
@@ -496,7 +496,9 @@ def main(argv: list[str] | None = None) -> dict | None:
 
     cfg = bench_train.TINY if args.tiny else bench_train.QWEN3_4B
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    import transformers, trl, peft  # noqa: E401
+    import peft
+    import transformers  # noqa: E401
+    import trl
     results = {"date": dt.date.today().isoformat(), "gpu": gpu, "device": args.device,
                "kind": "performance" if args.device == "cuda" else "cpu code-path check (not a performance figure)",
                "torch": torch.__version__, "versions": {"transformers": transformers.__version__,

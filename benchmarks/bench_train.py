@@ -65,7 +65,7 @@ def make_workload(n: int, vocab: int, seed: int = 0, max_length: int = 1024, pro
     prompts = np.maximum(4, np.round(rng.lognormal(math.log(prompt_median), 0.5, n))).astype(int)
     responses = np.maximum(4, np.round(rng.lognormal(math.log(response_median), 0.7, n))).astype(int)
     rows = []
-    for p, r in zip(prompts, responses):
+    for p, r in zip(prompts, responses, strict=False):
         p = min(int(p), max_length - 4)
         r = min(int(r), max_length - p)
         ids = rng.integers(2, vocab, p + r).tolist()
@@ -175,7 +175,7 @@ class StepClock:
             per = (inputs["labels"][:, 1:] != -100).sum(1).tolist()
         self.tokens += sum(lengths)
         self.flops += sum(example_flops(n, None, self.counts) for n in lengths)
-        self.flops_scored_head += sum(example_flops(n, s, self.counts) for n, s in zip(lengths, per))
+        self.flops_scored_head += sum(example_flops(n, s, self.counts) for n, s in zip(lengths, per, strict=False))
 
 
 def ProfileSteps(first: int, last: int):
@@ -215,9 +215,9 @@ def run_recipe(name: str, rows: list[dict], cfg: dict, device: str, steps: int, 
                compile_model: bool | None, logging_steps: int, profile: tuple[int, int] | None = None) -> dict:
     from datasets import Dataset
 
+    from training import packing
     from training.args import ModelArguments, TrainConfig
     from training.train import build_trainer
-    from training import packing
 
     project = name == "project"
     attn = packing.ATTN_IMPLEMENTATION if project else "sdpa"
@@ -239,7 +239,8 @@ def run_recipe(name: str, rows: list[dict], cfg: dict, device: str, steps: int, 
         raise SystemExit("set --compile before the trainer is built (PackedSFTTrainer compiles on GPU)")
     if project:
         first = packing.pack_examples(
-            [{"input_ids": r["input_ids"], "labels": r["input_ids"]} for r in rows[:EFFECTIVE_BATCH[0] * EFFECTIVE_BATCH[1]]],
+            [{"input_ids": r["input_ids"], "labels": r["input_ids"]}
+             for r in rows[:EFFECTIVE_BATCH[0] * EFFECTIVE_BATCH[1]]],
             pad_token_id=1)
         mask = packing.attention_mask_for(model, first["document_ids"].to(device))
         if hasattr(mask, "sparsity"):
@@ -313,7 +314,9 @@ def main(argv: list[str] | None = None) -> dict:
     results = {"date": dt.date.today().isoformat(), "gpu": gpu, "torch": torch.__version__,
                "model": "tiny-qwen3" if args.tiny else "Qwen3-4B architecture, random weights",
                "workload": workload_stats(rows), "peak_flops": PEAK_FLOPS, "rows": []}
-    import transformers, trl, peft  # noqa: E401
+    import peft
+    import transformers  # noqa: E401
+    import trl
     results["versions"] = {"transformers": transformers.__version__, "trl": trl.__version__,
                            "peft": peft.__version__}
     with tempfile.TemporaryDirectory() as tmp:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import pulumi
 
@@ -87,7 +88,7 @@ class StackConfig:
     efa: bool
 
     @classmethod
-    def from_mapping(cls, raw: Mapping[str, Any]) -> "StackConfig":
+    def from_mapping(cls, raw: Mapping[str, Any]) -> StackConfig:
         """Parse and validate settings given without the namespace (`adminCidr`, ...).
 
         Values may be strings (as `pulumi config set` stores them) or YAML scalars.

@@ -18,10 +18,10 @@ import os
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from bootstrap import render
 from bootstrap.facts import ClusterFacts, NodeShape, plan_hosts
@@ -121,8 +121,8 @@ def op_lock():
 
 def machine_shape(gpus: int) -> NodeShape:
     """What every GPU host reports: this machine's CPUs, memory a little under its own."""
-    mem_kib = next(int(l.split()[1]) for l in Path("/proc/meminfo").read_text().splitlines()
-                   if l.startswith("MemTotal:"))
+    mem_kib = next(int(ln.split()[1]) for ln in Path("/proc/meminfo").read_text().splitlines()
+                   if ln.startswith("MemTotal:"))
     return NodeShape(cpus=os.cpu_count() or 1, real_memory_mib=int(mem_kib / 1024 * 0.9),
                      gpu_count=gpus, gpu_type=layout.GPU_TYPE)
 

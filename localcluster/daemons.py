@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterable
 
 from localcluster import hosts, layout
 

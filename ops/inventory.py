@@ -56,7 +56,7 @@ class Inventory:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Inventory":
+    def from_dict(cls, data: dict) -> Inventory:
         try:
             ctl = Node(**data["controller"])
             nodes = tuple(Node(**n) for n in data["gpu_nodes"])

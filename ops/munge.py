@@ -11,9 +11,9 @@ import hashlib
 import io
 import re
 import time
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
 from fabric import Connection
 
@@ -81,7 +81,7 @@ def make_credential(c: Connection) -> str:
 def decodes(c: Connection, credential: str) -> tuple[bool, str]:
     """Whether this host's munged decodes `credential`; with unmunge's STATUS line."""
     r = sudo(c, "unmunge", in_stream=io.StringIO(credential + "\n"), warn=True)
-    status = next((l for l in (r.stdout + r.stderr).splitlines() if "STATUS" in l or "unmunge:" in l), "")
+    status = next((ln for ln in (r.stdout + r.stderr).splitlines() if "STATUS" in ln or "unmunge:" in ln), "")
     return bool(r.ok and SUCCESS.search(r.stdout)), " ".join(status.split())
 
 
@@ -121,7 +121,7 @@ def distribute_key(
     with ThreadPoolExecutor(max_workers=max(1, min(8, len(named)))) as pool:
         for name, installed in pool.map(sync, named.items()):
             (result.installed if installed else result.skipped).append(name)
-    del key
+    key = b""  # drop our reference to the secret
     return result
 
 

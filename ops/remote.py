@@ -9,9 +9,10 @@ host that failed in one error instead of stopping at the first.
 from __future__ import annotations
 
 import shlex
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 from fabric import Config, Connection
 
@@ -110,7 +111,8 @@ def each(step: str, conns: dict[str, Connection], fn: Callable[[str, Connection]
             try:
                 gw.open()
             except Exception as exc:  # noqa: BLE001
-                raise HostError(step, {f"controller ({gw.host})": f"cannot reach the jump host: {reason(exc)}"}) from exc
+                why = f"cannot reach the jump host: {reason(exc)}"
+                raise HostError(step, {f"controller ({gw.host})": why}) from exc
     if parallel and len(conns) > 1:
         with ThreadPoolExecutor(max_workers=min(8, len(conns))) as pool:
             list(pool.map(one, conns.items()))

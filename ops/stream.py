@@ -8,8 +8,8 @@ are reported as they happen; the loop ends when Slurm says the job has finished.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from fabric import Connection
 

@@ -92,7 +92,7 @@ def plot_loss(losses: list[tuple[int, float]], path: Path, title: str) -> Path |
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps, values = zip(*losses)
+    steps, values = zip(*losses, strict=False)
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
     ax.plot(steps, values, marker="o", markersize=3)
     ax.set_xlabel("optimizer step")

@@ -15,8 +15,8 @@ import stat
 import tarfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from fabric import Connection
 

@@ -22,8 +22,8 @@ import binascii
 import gzip
 import ipaddress
 import re
-from collections.abc import Mapping, Sequence
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import yaml
 from pulumi_policy import (
@@ -56,8 +56,8 @@ TCP = ("tcp", "6")
 # create-munge-key wrote 1024): as base64 that is a run of >= 172 characters,
 # as hex >= 256. Nothing else the project puts in user-data looks like that.
 MIN_KEY_BYTES = 128
-B64_BLOB = re.compile(r"[A-Za-z0-9+/]{%d,}={0,2}" % (MIN_KEY_BYTES * 4 // 3))
-HEX_BLOB = re.compile(r"\b[0-9a-fA-F]{%d,}\b" % (MIN_KEY_BYTES * 2))
+B64_BLOB = re.compile(r"[A-Za-z0-9+/]{" + str(MIN_KEY_BYTES * 4 // 3) + r",}={0,2}")
+HEX_BLOB = re.compile(r"\b[0-9a-fA-F]{" + str(MIN_KEY_BYTES * 2) + r",}\b")
 # An OpenSSH public key line carries a long base64 run that is not a secret.
 SSH_PUBLIC_KEY = re.compile(
     r"^(ssh-(rsa|ed25519|dss)|ecdsa-sha2-nistp(256|384|521)|sk-(ssh-ed25519|ecdsa-sha2-nistp256)@openssh\.com)"

@@ -21,9 +21,9 @@ import pytest
 from infra.config import ConfigError, StackConfig
 from localcluster import cluster, layout
 from ops import options
+from tests.localcluster_fixture import cluster_lock
 from tests.test_infra_mocks import ADMIN_CIDR, SSH_KEY, ClusterMocks, run_program, stack_config
 from training.data import DataError, load_local_rows
-from tests.localcluster_fixture import cluster_lock
 
 REPO = Path(__file__).resolve().parent.parent
 FAB = str(REPO / ".venv" / "bin" / "fab")

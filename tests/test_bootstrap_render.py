@@ -57,7 +57,7 @@ def test_slurm_conf_node_lines_match_facts(case):
     facts = FACTS[case]
     nodes = [kv(ln) for ln in conf_lines(render.render_slurm_conf(facts)) if ln.startswith("NodeName=")]
     assert len(nodes) == len(facts.gpu_nodes)
-    for node, host in zip(nodes, facts.gpu_nodes):
+    for node, host in zip(nodes, facts.gpu_nodes, strict=False):
         assert node == {
             "NodeName": host.name,
             "NodeAddr": host.ip,

@@ -14,8 +14,8 @@ from dataclasses import replace
 import pytest
 
 from bootstrap import render
-from tests.test_bootstrap_render import FACTS, make_facts
 from bootstrap.facts import NodeShape
+from tests.test_bootstrap_render import FACTS, make_facts
 
 
 def write_exe(path, text):

@@ -89,7 +89,7 @@ class RecordingMonitor(MockMonitor):
     """The SDK's mock monitor, also recording each resource's parent, dependencies and
     which components called register_outputs (MockResourceArgs carries neither)."""
 
-    def __init__(self, mocks: "ClusterMocks"):
+    def __init__(self, mocks: ClusterMocks):
         super().__init__(mocks)
         self.cluster_mocks = mocks
         self.outputs_registered: set[str] = set()

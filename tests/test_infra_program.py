@@ -21,7 +21,13 @@ from bootstrap.facts import ClusterFacts, Host, NodeShape, max_gpu_nodes
 from infra.config import ConfigError
 from ops.inventory import Inventory
 from tests.test_infra_mocks import (
-    ADMIN_CIDR, DLAMI_ID, SSH_KEY, ClusterMocks, Run, run_program, stack_config,
+    ADMIN_CIDR,
+    DLAMI_ID,
+    SSH_KEY,
+    ClusterMocks,
+    Run,
+    run_program,
+    stack_config,
 )
 
 
@@ -153,7 +159,7 @@ def test_node_count_types_and_fixed_ips(deployed):
     assert ctl["privateIp"] == case.ips[0]
     assert ctl["subnetId"] == _id(run.one("subnet"))
     got = [ctl["privateIp"]]
-    for node, ip in zip(gpus, case.ips[1:]):
+    for node, ip in zip(gpus, case.ips[1:], strict=False):
         assert node.inputs["instanceType"] == case.gpu_type
         eni = _eni_of(run, node)
         assert eni.inputs["privateIps"] == [ip]
@@ -197,7 +203,7 @@ def test_public_access(deployed):
     assert run.one("subnet").inputs.get("mapPublicIpOnLaunch") is False
     eips = run.of_type("eip")
     assert len(eips) == len(gpus)
-    for node, ip in zip(gpus, case.ips[1:]):
+    for node, ip in zip(gpus, case.ips[1:], strict=False):
         eni = _eni_of(run, node)
         (eip,) = [e for e in eips if e.inputs["networkInterface"] == _id(eni)]
         assert eip.inputs["domain"] == "vpc" and eip.inputs["associateWithPrivateIp"] == ip
@@ -214,7 +220,7 @@ def test_imdsv2_encrypted_gp3_roots_ami_key_and_tags(deployed):
     assert key.inputs["publicKey"] == SSH_KEY
     controller, gpus = _instances(run)
     names = ["controller"] + [f"gpu-node-{i:02d}" for i in range(1, len(gpus) + 1)]
-    for inst, name in zip(controller + gpus, names):
+    for inst, name in zip(controller + gpus, names, strict=False):
         i = inst.inputs
         assert i["metadataOptions"]["httpTokens"] == "required"
         assert i["metadataOptions"].get("httpEndpoint", "enabled") == "enabled"
@@ -331,7 +337,7 @@ def test_outputs(deployed):
     names = ["controller"] + [f"gpu-node-{i:02d}" for i in range(1, len(case.ips))]
     assert out["nodes"] == [
         {"name": n, "private_ip": ip, "role": "controller" if n == "controller" else "gpu"}
-        for n, ip in zip(names, case.ips)
+        for n, ip in zip(names, case.ips, strict=False)
     ]
 
 

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from infra.config import SETTINGS, ConfigError, StackConfig
-from tests.test_infra_mocks import ADMIN_CIDR, SSH_KEY, ClusterMocks, RecordingMonitor, REGION
+from tests.test_infra_mocks import ADMIN_CIDR, REGION, SSH_KEY, ClusterMocks, RecordingMonitor
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -167,9 +167,9 @@ def test_status_shows_hosts_and_node_table(lc):
     lines: list[str] = []
     assert cluster.status(out=lines.append)
     text = "\n".join(lines)
-    for name, ip in [("controller", "10.213.0.10"), *zip(NODE_NAMES, ["10.213.0.11", "10.213.0.12"])]:
-        assert any(l.split()[:3] == [name, ip, "up"] for l in lines if l.strip()), text
-    assert sum("idle" in l and f"gpu:sim:{GPUS}" in l for l in lines) == NODES, text
+    for name, ip in [("controller", "10.213.0.10"), *zip(NODE_NAMES, ["10.213.0.11", "10.213.0.12"], strict=False)]:
+        assert any(ln.split()[:3] == [name, ip, "up"] for ln in lines if ln.strip()), text
+    assert sum("idle" in ln and f"gpu:sim:{GPUS}" in ln for ln in lines) == NODES, text
 
 
 @pytest.mark.cluster
@@ -191,8 +191,8 @@ def assert_nothing_left(ns_ids: set[str]) -> None:
     assert [p for p in hosts.processes_in(ns_ids) if hosts.alive(p)] == []
     # Live daemons only: zombies (state Z) are already dead, waiting for PID 1 to reap them.
     ps = subprocess.run(["ps", "-eo", "stat=,args="], capture_output=True, text=True).stdout
-    daemons = [l for l in ps.splitlines() if not l.lstrip().startswith("Z") and
-               re.search(r"munged|slurmctld|slurmd|sshd -f /var/lib/slurm-gpu-local", l)]
+    daemons = [ln for ln in ps.splitlines() if not ln.lstrip().startswith("Z") and
+               re.search(r"munged|slurmctld|slurmd|sshd -f /var/lib/slurm-gpu-local", ln)]
     assert daemons == [], daemons
     mounts = subprocess.run(["findmnt", "-rn", "-o", "TARGET,SOURCE"], capture_output=True, text=True).stdout
     assert "slurm-gpu-local" not in mounts and "sgpu-" not in mounts, mounts

@@ -94,10 +94,10 @@ def test_packed_logits_match_separate_runs(attn, eager_flex):
 
 def _train(tmp_path, name: str, packed: bool, rows: list[dict], steps: int):
     from datasets import Dataset
-    from transformers import PreTrainedTokenizerFast
-    from tokenizers import Tokenizer, models
-    from trl import SFTConfig, SFTTrainer
     from peft import LoraConfig
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+    from trl import SFTConfig, SFTTrainer
 
     tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<eos>": 0, "<pad>": 1}, "<pad>")),
                                   eos_token="<eos>", pad_token="<pad>")
@@ -128,7 +128,7 @@ def test_packed_training_matches_padded(tmp_path):
     packed_losses, packed_w, trainer = _train(tmp_path, "packed", True, rows, steps)
     assert trainer.args.per_device_train_batch_size == 4 and trainer.args.gradient_accumulation_steps == 1
     assert len(padded_losses) == len(packed_losses) == steps
-    for a, b in zip(padded_losses, packed_losses):
+    for a, b in zip(padded_losses, packed_losses, strict=False):
         assert abs(a - b) <= 1e-3 * abs(a), (padded_losses, packed_losses)
     # The lr is large enough that the adapters move: identical weights mean identical gradients.
     assert padded_w.keys() == packed_w.keys() and padded_w

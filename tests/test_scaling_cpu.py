@@ -52,7 +52,7 @@ def test_one_allreduce_per_bucket_per_optimizer_step(rows):
         # every rank's every step ran as several micro-batches: without no_sync, each would all-reduce
         assert all(m >= 2 for rank in row["micro_batches_by_step"] for m in rank), row["micro_batches_by_step"]
         assert len(row["buckets_by_step"]) == STEPS
-        for step, (indices, calls) in enumerate(zip(row["buckets_by_step"], row["allreduce_calls_by_step"])):
+        for step, (indices, calls) in enumerate(zip(row["buckets_by_step"], row["allreduce_calls_by_step"], strict=False)):
             assert indices == list(range(len(indices))), (step, indices)  # each bucket exactly once
             assert calls == len(indices) >= 1
         # DDP re-buckets after its first step; from then on the small bucket cap gives several buckets
@@ -81,7 +81,7 @@ def test_ranks_split_each_step_of_the_single_rank_run(rows):
 def test_two_ranks_train_like_one(rows):
     one, two = rows[1], rows[2]
     assert len(one["losses"]) == len(two["losses"]) == STEPS
-    for a, b in zip(one["losses"] + one["grad_norms"], two["losses"] + two["grad_norms"]):
+    for a, b in zip(one["losses"] + one["grad_norms"], two["losses"] + two["grad_norms"], strict=False):
         assert b == pytest.approx(a, rel=1e-4)
     assert len(one["grad_norms"]) == STEPS
     assert two["lora_B_abs_sum"][0] == two["lora_B_abs_sum"][1]  # DDP keeps the replicas equal

@@ -102,7 +102,7 @@ def test_every_instance_requires_imdsv2_and_encrypts_its_root(run):
 @pytest.mark.parametrize("subnet", ["10.0.1.0/24", "172.31.64.0/20"])
 def test_scratch_exported_to_the_subnet_only_with_root_squash(subnet):
     facts = _facts(subnet)
-    lines = [l for l in render.render_exports(facts).splitlines() if l.strip() and not l.startswith("#")]
+    lines = [ln for ln in render.render_exports(facts).splitlines() if ln.strip() and not ln.startswith("#")]
     assert len(lines) == 1
     path, *clients = lines[0].split()
     assert path == "/scratch" and len(clients) == 1
@@ -218,7 +218,7 @@ def test_munge_key_absent_from_user_data_outputs_and_state(run, real_key, tmp_pa
     (MUNGE_KEY env, the working directory), render everything and run the program:
     no form of the key appears, and no user-data carries a key-sized blob or a
     write_files entry for the key."""
-    from policy.rules import _UserData, _key_blobs
+    from policy.rules import _key_blobs, _UserData
 
     (tmp_path / "munge.key").write_bytes(real_key)
     monkeypatch.chdir(tmp_path)

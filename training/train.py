@@ -281,13 +281,50 @@ def main(argv: list[str] | None = None) -> dict | None:
     return metrics
 
 
+# ---------------------------------------------------------------- clean exit of every rank
+
+class Terminated(SystemExit):
+    """SIGTERM (scancel, a requeue, torchrun stopping the other ranks) as an exception, so the
+    process group is torn down on the way out instead of dying with the interpreter."""
+
+
+def _raise_on_sigterm(signum, _frame) -> None:
+    raise Terminated(128 + signum)
+
+
+def teardown_process_group(success: bool) -> None:
+    """Destroy the default process group if one is alive.
+
+    Left alive, gloo's background threads are killed at interpreter exit and a rank can abort with
+    "terminate called without an active exception". On success every rank meets at a barrier
+    first, so no rank closes its connections while another still uses them.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        if success and dist.get_world_size() > 1:
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
 def cli(argv: list[str] | None = None) -> None:
-    """Entry point: a bad data set is a one-line error and exit status 2, not a traceback."""
+    """Entry point: a bad data set is a one-line error and exit status 2, not a traceback; every
+    exit (success, error, SIGTERM) destroys the process group first."""
+    import signal
+
+    signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    success = False
     try:
         main(argv)
+        success = True
     except DataError as e:
         print(f"training data error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    finally:
+        teardown_process_group(success)
 
 
 if __name__ == "__main__":
