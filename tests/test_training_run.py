@@ -154,6 +154,67 @@ def test_two_processes_over_gloo(tiny, tmp_path):
              if line.startswith(train.LOG_PREFIX) and '"loss"' in line]
     assert steps == [1, 2, 3, 4]
     assert (out / "adapter_model.safetensors").exists()
+    assert ABORT not in proc.stderr, proc.stderr[-3000:]
+
+
+# In a fresh interpreter: a live gloo process group, then cli() on success or on bad data; prints
+# whether the group is still alive afterwards.
+_TEARDOWN_PROBE = """
+import sys, torch.distributed as dist
+from training import train
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0, world_size=1)
+try:
+    train.cli(sys.argv[2:])
+except SystemExit as e:
+    print("exit", e.code)
+print("alive", dist.is_initialized())
+"""
+
+
+@pytest.mark.parametrize("case", ["success", "bad data"])
+def test_cli_destroys_the_process_group(tiny, tmp_path, case):
+    import socket
+
+    with socket.socket() as s:  # a free loopback port for the group's store
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = argv_for(tiny, tmp_path / "out", "--max_steps", "2")
+    if case == "bad data":
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text('{"no_instruction": 1}\n')
+        args[args.index("--dataset_name") + 1] = str(bad)
+    proc = subprocess.run([sys.executable, "-c", _TEARDOWN_PROBE, str(port), *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, **OFFLINE, "OMP_NUM_THREADS": "1"})
+    assert "alive False" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert ("exit 2" in proc.stdout) == (case == "bad data"), proc.stdout[-2000:]
+
+
+# What a rank prints when it dies with its gloo threads still running (the process group left alive).
+ABORT = "terminate called without an active exception"
+
+
+@pytest.mark.slow
+def test_sigterm_stops_every_rank_cleanly(tiny, tmp_path):
+    """scancel / a requeue sends SIGTERM: every rank tears its process group down and exits, none aborts."""
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "training.train", *argv_for(tiny, out, "--max_steps", "10000")]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **OFFLINE, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 300
+    for line in proc.stdout:  # wait until both ranks are inside the training loop
+        if line.startswith(train.LOG_PREFIX) or time.monotonic() > deadline:
+            break
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode != 0  # the run was stopped, not finished
+    assert ABORT not in stderr, stderr[-3000:]
+    # torchrun reports each worker's exit: 143 (SIGTERM turned into SystemExit), never a signal death.
+    assert "SIGABRT" not in stderr and "Signal 6" not in stderr, stderr[-3000:]
+    assert not (out / "metrics.json").exists()
 
 
 @pytest.mark.slow
