@@ -8,7 +8,7 @@ nothing else, so the AWS and the local cluster share the same rendered files.
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 # Host addresses inside the subnet: AWS reserves the first four and the last
 # one, so the controller sits at .10 and GPU node i (1-based) at .10 + i.
@@ -77,10 +77,29 @@ def host_ip(subnet_cidr: str, index: int) -> str:
     return str(net.network_address + CONTROLLER_OFFSET + index)
 
 
-def plan_hosts(subnet_cidr: str, gpu_node_count: int) -> tuple[Host, tuple[Host, ...]]:
-    """The controller and the GPU nodes with their fixed IPs."""
-    controller = Host("controller", host_ip(subnet_cidr, 0))
+def plan_hosts(subnet_cidr: str, gpu_node_count: int,
+               controller_subnet: str | None = None) -> tuple[Host, tuple[Host, ...]]:
+    """The controller and the GPU nodes with their fixed IPs. `controller_subnet`: where
+    the controller lives when it is not the GPU nodes' subnet (AWS: the public one)."""
+    controller = Host("controller", host_ip(controller_subnet or subnet_cidr, 0))
     nodes = tuple(
         Host(gpu_node_name(i), host_ip(subnet_cidr, i)) for i in range(1, gpu_node_count + 1)
     )
     return controller, nodes
+
+
+def facts_to_dict(facts: ClusterFacts) -> dict:
+    """Plain JSON-able form (the inventory carries it for `fab reconfigure`)."""
+    return asdict(facts)
+
+
+def facts_from_dict(data: dict) -> ClusterFacts:
+    try:
+        return ClusterFacts(**{
+            **data,
+            "controller": Host(**data["controller"]),
+            "gpu_nodes": tuple(Host(**h) for h in data["gpu_nodes"]),
+            "shape": NodeShape(**data["shape"]),
+        })
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"cluster facts are malformed ({exc})") from exc

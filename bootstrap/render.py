@@ -14,6 +14,7 @@ Layout:
 from __future__ import annotations
 
 import base64
+import dataclasses
 import gzip
 import re
 from pathlib import Path
@@ -33,6 +34,9 @@ SLURM_CONF = "/etc/slurm/slurm.conf"
 GRES_CONF = "/etc/slurm/gres.conf"
 EXPORTS_FILE = "/etc/exports.d/slurm-gpu.exports"
 HOSTS_BLOCK_FILE = "/etc/slurm-gpu/hosts.block"
+# Configless GPU nodes: slurmd's options (--conf-server) and the systemd drop-in that reads them.
+SLURMD_ENV_FILE = "/etc/slurm-gpu/slurmd.env"
+SLURMD_DROPIN = "/etc/systemd/system/slurmd.service.d/slurm-gpu.conf"
 HEALTHCHECK_PATH = "/usr/local/sbin/slurm-gpu-healthcheck"
 BOOTSTRAP_PATH = "/usr/local/sbin/slurm-gpu-bootstrap"
 ENV_PROFILE = "/etc/profile.d/slurm-gpu.sh"
@@ -132,6 +136,8 @@ def _context(facts: ClusterFacts) -> dict:
             "gres_conf": GRES_CONF,
             "exports": EXPORTS_FILE,
             "hosts_block": HOSTS_BLOCK_FILE,
+            "slurmd_env": SLURMD_ENV_FILE,
+            "slurmd_dropin": SLURMD_DROPIN,
             "healthcheck": HEALTHCHECK_PATH,
             "bootstrap": BOOTSTRAP_PATH,
             "env_profile": ENV_PROFILE,
@@ -176,6 +182,14 @@ def render_healthcheck(facts: ClusterFacts) -> str:
     return _SCRIPTS.get_template("healthcheck.sh.j2").render(**_context(facts))
 
 
+def render_slurmd_env(facts: ClusterFacts) -> str:
+    return _TEMPLATES.get_template("slurmd.env.j2").render(**_context(facts))
+
+
+def render_slurmd_dropin(facts: ClusterFacts) -> str:
+    return _TEMPLATES.get_template("slurmd-dropin.conf.j2").render(**_context(facts))
+
+
 def render_files(facts: ClusterFacts) -> dict[str, str]:
     """Absolute path on a node -> file text, for every file bootstrap installs.
 
@@ -187,16 +201,34 @@ def render_files(facts: ClusterFacts) -> dict[str, str]:
         EXPORTS_FILE: render_exports(facts),
         HOSTS_BLOCK_FILE: render_hosts(facts),
         HEALTHCHECK_PATH: render_healthcheck(facts),
+        SLURMD_ENV_FILE: render_slurmd_env(facts),
+        SLURMD_DROPIN: render_slurmd_dropin(facts),
     }
 
 
+# What each role does not get. GPU nodes run slurmd in configless mode: slurm.conf and
+# gres.conf come from slurmctld at start, so no GPU node file depends on the node list.
+NOT_FOR_ROLE = {
+    "controller": (HEALTHCHECK_PATH, SLURMD_ENV_FILE, SLURMD_DROPIN),
+    "gpu": (EXPORTS_FILE, SLURM_CONF, GRES_CONF),
+}
+
+
+def node_facts(facts: ClusterFacts, hostname: str) -> ClusterFacts:
+    """The facts one GPU node's files are made from: the controller and that node only,
+    so its user-data stays the same when other nodes are added or removed."""
+    host = next((h for h in facts.gpu_nodes if h.name == hostname), None)
+    if host is None:
+        raise ValueError(f"{hostname!r} is not a gpu host of cluster {facts.cluster_name!r}")
+    return dataclasses.replace(facts, gpu_nodes=(host,))
+
+
 def role_files(facts: ClusterFacts, role: str) -> dict[str, str]:
-    """The subset of `render_files` a role needs (the NFS export only on the controller,
-    the GPU health check only where slurmd runs)."""
+    """The subset of `render_files` a role needs (see NOT_FOR_ROLE)."""
     _check_role(role)
     files = render_files(facts)
-    drop = HEALTHCHECK_PATH if role == "controller" else EXPORTS_FILE
-    files.pop(drop)
+    for path in NOT_FOR_ROLE[role]:
+        files.pop(path)
     return files
 
 
@@ -235,6 +267,8 @@ def bootstrap_script(facts: ClusterFacts, role: str, hostname: str | None = None
 def user_data(facts: ClusterFacts, role: str, hostname: str | None = None) -> str:
     """The #cloud-config for a node of `role` ("controller" or "gpu").
 
+    A GPU node given by `hostname` gets files made from `node_facts` only (the controller
+    and itself): adding or removing other nodes leaves its user-data unchanged.
     The node names itself in the bootstrap script's `hostname` step: `hostname` if
     given (must be a host of that role), else the cluster host whose fixed IP this
     machine has. One user-data then serves every GPU node. cloud-init is told
@@ -251,6 +285,8 @@ def user_data(facts: ClusterFacts, role: str, hostname: str | None = None) -> st
         hostname = facts.controller.name
     if hostname is not None and hostname not in names:
         raise ValueError(f"{hostname!r} is not a {role} host of cluster {facts.cluster_name!r}")
+    if role == "gpu" and hostname is not None:
+        facts = node_facts(facts, hostname)
     contents = dict(role_files(facts, role))
     contents[BOOTSTRAP_PATH] = bootstrap_script(facts, role, hostname)
     ctx = _context(facts)

@@ -6,7 +6,7 @@ from dataclasses import asdict
 
 import pulumi
 
-from bootstrap.facts import ClusterFacts
+from bootstrap.facts import ClusterFacts, facts_to_dict
 from bootstrap.render import TRAINING_PYTHON
 from infra.config import StackConfig
 from infra.network import NetworkComponent
@@ -17,8 +17,7 @@ from ops.inventory import Inventory, Node
 SERVICE_CMD = "sudo systemctl {action} {service}"
 
 
-def build_inventory(facts: ClusterFacts, controller_public_ip: str | None,
-                    gpu_public_ips: list[str | None], region: str | None) -> dict:
+def build_inventory(facts: ClusterFacts, controller_public_ip: str | None, region: str | None) -> dict:
     """The `inventory` output: ops.inventory.Inventory as a plain dict."""
     inv = Inventory(
         target="aws",
@@ -26,8 +25,7 @@ def build_inventory(facts: ClusterFacts, controller_public_ip: str | None,
         ssh_user=facts.ssh_user,
         controller=Node(facts.controller.name, facts.controller.ip, "controller",
                         controller_public_ip),
-        gpu_nodes=tuple(Node(h.name, h.ip, "gpu", ip)
-                        for h, ip in zip(facts.gpu_nodes, gpu_public_ips, strict=True)),
+        gpu_nodes=tuple(Node(h.name, h.ip, "gpu") for h in facts.gpu_nodes),  # private only
         gpus_per_node=facts.shape.gpu_count,
         gpu_type=facts.shape.gpu_type,
         nvlink=facts.nvlink,
@@ -36,20 +34,23 @@ def build_inventory(facts: ClusterFacts, controller_public_ip: str | None,
         service_cmd=SERVICE_CMD,
         scratch=facts.scratch,
         extra={"region": region} if region else {},
+        facts=facts_to_dict(facts),  # what `fab reconfigure` renders slurm.conf from
     )
     return asdict(inv)
 
 
 class ClusterComponent(pulumi.ComponentResource):
     def __init__(self, name: str, *, cfg: StackConfig, facts: ClusterFacts, ami_id: str,
-                 availability_zone: str, user_data: dict[str, str], region: str | None = None,
+                 availability_zone: str, user_data: dict[str, str], efa_interfaces: int,
+                 region: str | None = None,
                  opts: pulumi.ResourceOptions | None = None):
         super().__init__("slurm-gpu:infra:Cluster", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
 
         self.network = NetworkComponent(
             f"{name}-net", cluster_name=facts.cluster_name, vpc_cidr=cfg.vpc_cidr,
-            subnet_cidr=cfg.subnet_cidr, availability_zone=availability_zone, opts=child,
+            subnet_cidr=cfg.subnet_cidr, public_subnet_cidr=cfg.public_subnet_cidr,
+            availability_zone=availability_zone, opts=child,
         )
         self.security = SecurityComponent(
             f"{name}-sec", cluster_name=facts.cluster_name, vpc_id=self.network.vpc.id,
@@ -63,10 +64,13 @@ class ClusterComponent(pulumi.ComponentResource):
             controller_instance_type=cfg.controller_instance_type,
             gpu_instance_type=cfg.gpu_instance_type,
             root_volume_gib=cfg.root_volume_gib,
-            subnet_id=self.network.subnet.id,
+            public_subnet_id=self.network.public_subnet.id,
+            gpu_subnet_id=self.network.gpu_subnet.id,
             security_group_id=self.security.group.id,
             user_data=user_data,
-            internet=self.network.internet_access,
+            efa_interfaces=efa_interfaces,
+            controller_internet=self.network.controller_internet,
+            gpu_internet=self.network.gpu_internet,
             opts=pulumi.ResourceOptions(parent=self, depends_on=[self.network, self.security]),
         )
 
@@ -75,9 +79,8 @@ class ClusterComponent(pulumi.ComponentResource):
             {"name": h.name, "private_ip": h.ip, "role": role}
             for h, role in [(facts.controller, "controller")] + [(h, "gpu") for h in facts.gpu_nodes]
         ]
-        self.inventory = pulumi.Output.all(
-            self.nodes.controller.public_ip, *[e.public_ip for e in self.nodes.gpu_public_ips]
-        ).apply(lambda ips: build_inventory(facts, ips[0], list(ips[1:]), region))
+        self.inventory = self.nodes.controller.public_ip.apply(
+            lambda ip: build_inventory(facts, ip, region))
 
         self.register_outputs({
             "controllerPublicIp": self.controller_public_ip,

@@ -66,6 +66,7 @@ SETTINGS: dict[str, tuple[Any, str]] = {
     "rootVolumeGiB": (200, "200"),
     "vpcCidr": ("10.0.0.0/16", "10.0.0.0/16"),
     "subnetCidr": ("10.0.1.0/24", "10.0.1.0/24"),
+    "publicSubnetCidr": (None, "10.0.0.0/24"),
     "availabilityZone": (None, "ap-northeast-2a"),
     "clusterName": ("mini", "mini"),
     "efa": (True, "true"),
@@ -83,6 +84,7 @@ class StackConfig:
     root_volume_gib: int
     vpc_cidr: str
     subnet_cidr: str
+    public_subnet_cidr: str
     availability_zone: str | None
     cluster_name: str
     efa: bool
@@ -122,6 +124,24 @@ class StackConfig:
                 f"({subnet}) is not inside {NAMESPACE}:vpcCidr ({vpc})",
                 str(next(vpc.subnets(new_prefix=max(vpc.prefixlen, 24)))),
             )
+
+        public_raw = value("publicSubnetCidr")
+        if public_raw is None:  # the first /24 of the VPC (smaller VPCs: half of it) beside the GPU subnet
+            size = min(max(vpc.prefixlen + 1, 24), 28)
+            public_raw = next((str(n) for n in vpc.subnets(new_prefix=size) if not n.overlaps(subnet)), None)
+            if public_raw is None:
+                raise _fail("vpcCidr", f"({vpc}) has no room beside {NAMESPACE}:subnetCidr ({subnet}) for "
+                            "the controller's public subnet; use a larger VPC", "10.0.0.0/16")
+        public = _network("publicSubnetCidr", public_raw, min_prefix=16, max_prefix=28)
+        if not public.subnet_of(vpc):
+            raise _fail("publicSubnetCidr", f"({public}) is not inside {NAMESPACE}:vpcCidr ({vpc})",
+                        str(next(vpc.subnets(new_prefix=max(vpc.prefixlen, 24)))))
+        if public.overlaps(subnet):
+            free = next((n for n in vpc.subnets(new_prefix=max(vpc.prefixlen, 24)) if not n.overlaps(subnet)),
+                        None)
+            raise _fail("publicSubnetCidr",
+                        f"({public}) overlaps {NAMESPACE}:subnetCidr ({subnet}), the GPU nodes' private "
+                        "subnet; the controller's public subnet must be separate", str(free or public))
 
         count = _int("gpuNodeCount", value("gpuNodeCount"))
         room = max_gpu_nodes(str(subnet))
@@ -176,6 +196,7 @@ class StackConfig:
             root_volume_gib=root,
             vpc_cidr=str(vpc),
             subnet_cidr=str(subnet),
+            public_subnet_cidr=str(public),
             availability_zone=az,
             cluster_name=name,
             efa=_bool("efa", value("efa")),

@@ -26,6 +26,17 @@ class GpuNodeFacts:
     shape: NodeShape
     nvlink: bool
     efa_supported: bool
+    # EFA interfaces a node gets: one per network card that takes one (g6.12xlarge 1,
+    # p4d.24xlarge 4, p5.48xlarge 32); 0 when slurm-gpu:efa is off.
+    efa_interfaces: int = 0
+
+
+def efa_interface_count(info, *, efa: bool) -> int:
+    """One EFA per network card, as far as the type allows EFA interfaces at all."""
+    if not efa or not info.efa_supported:
+        return 0
+    cards = int(info.maximum_network_cards or 1)
+    return max(1, min(cards, int(info.efa_maximum_interfaces or 1)))
 
 
 def real_memory_mib(memory_mib: int) -> int:
@@ -75,7 +86,8 @@ def gpu_node_facts(info, *, efa: bool, setting: str = "slurm-gpu:gpuInstanceType
         gpu_type=gres_type(gpu.name),
     )
     return GpuNodeFacts(shape=shape, nvlink=shape.gpu_type in NVLINK_GPUS,
-                        efa_supported=bool(info.efa_supported))
+                        efa_supported=bool(info.efa_supported),
+                        efa_interfaces=efa_interface_count(info, efa=efa))
 
 
 def _check_arch(info, setting: str) -> None:

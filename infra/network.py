@@ -1,7 +1,14 @@
-"""The cluster's network: one VPC, one public subnet in one AZ, its internet route.
+"""The cluster's network: one VPC, a public subnet for the controller and a private one
+for the GPU nodes, both in the AZ of the placement group.
 
-One subnet in one AZ keeps every node in the same placement group and at the
-lowest latency (the seed's layout); fixed private IPs come from bootstrap.facts.
+- Public subnet: the controller (SSH from adminCidr only, the jump host for fab) and the
+  NAT gateway; its route table sends 0.0.0.0/0 to the internet gateway.
+- Private subnet: the GPU nodes, which have no public address. Their route table sends
+  0.0.0.0/0 to the NAT gateway (one Elastic IP for the whole cluster), so apt, pip and
+  model downloads work while nothing on the internet can open a connection to them.
+
+Fixed private IPs come from bootstrap.facts (controller .10 of the public subnet,
+gpu-node-NN .10+NN of the private one). docs/NETWORK.md explains the design and its cost.
 """
 
 from __future__ import annotations
@@ -12,7 +19,8 @@ import pulumi_aws as aws
 
 class NetworkComponent(pulumi.ComponentResource):
     def __init__(self, name: str, *, cluster_name: str, vpc_cidr: str, subnet_cidr: str,
-                 availability_zone: str, opts: pulumi.ResourceOptions | None = None):
+                 public_subnet_cidr: str, availability_zone: str,
+                 opts: pulumi.ResourceOptions | None = None):
         super().__init__("slurm-gpu:infra:Network", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
 
@@ -30,35 +38,79 @@ class NetworkComponent(pulumi.ComponentResource):
         self.internet_gateway = aws.ec2.InternetGateway(
             f"{name}-igw", vpc_id=self.vpc.id, tags=tags("igw"), opts=child
         )
-        # No map_public_ip_on_launch: the controller asks for its public IP
-        # itself, and GPU nodes get Elastic IPs on their (EFA) interfaces
-        # (see infra/nodes.py), so nothing else launched here is exposed.
-        self.subnet = aws.ec2.Subnet(
-            f"{name}-subnet",
+
+        # Public: no map_public_ip_on_launch either; the controller asks for its own public IP.
+        self.public_subnet = aws.ec2.Subnet(
+            f"{name}-public-subnet",
             vpc_id=self.vpc.id,
-            cidr_block=subnet_cidr,
+            cidr_block=public_subnet_cidr,
             availability_zone=availability_zone,
             map_public_ip_on_launch=False,
             tags=tags("public"),
             opts=child,
         )
-        self.route_table = aws.ec2.RouteTable(
-            f"{name}-rt", vpc_id=self.vpc.id, tags=tags("public"), opts=child
+        self.public_route_table = aws.ec2.RouteTable(
+            f"{name}-public-rt", vpc_id=self.vpc.id, tags=tags("public"), opts=child
         )
-        self.default_route = aws.ec2.Route(
-            f"{name}-default-route",
-            route_table_id=self.route_table.id,
+        self.public_default_route = aws.ec2.Route(
+            f"{name}-public-default-route",
+            route_table_id=self.public_route_table.id,
             destination_cidr_block="0.0.0.0/0",
             gateway_id=self.internet_gateway.id,
             opts=child,
         )
-        self.route_table_association = aws.ec2.RouteTableAssociation(
-            f"{name}-rta", subnet_id=self.subnet.id, route_table_id=self.route_table.id, opts=child
+        self.public_route_table_association = aws.ec2.RouteTableAssociation(
+            f"{name}-public-rta", subnet_id=self.public_subnet.id,
+            route_table_id=self.public_route_table.id, opts=child,
         )
-        # What a host must wait for to have a route out at first boot.
-        self.internet_access = [self.internet_gateway, self.default_route, self.route_table_association]
+
+        # One NAT gateway (and its one Elastic IP) for every GPU node's outbound traffic.
+        self.nat_eip = aws.ec2.Eip(
+            f"{name}-nat-eip", domain="vpc", tags=tags("nat"),
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[self.internet_gateway]),
+        )
+        self.nat_gateway = aws.ec2.NatGateway(
+            f"{name}-nat",
+            allocation_id=self.nat_eip.allocation_id,
+            subnet_id=self.public_subnet.id,
+            connectivity_type="public",
+            tags=tags("nat"),
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[self.internet_gateway]),
+        )
+
+        self.gpu_subnet = aws.ec2.Subnet(
+            f"{name}-gpu-subnet",
+            vpc_id=self.vpc.id,
+            cidr_block=subnet_cidr,
+            availability_zone=availability_zone,
+            map_public_ip_on_launch=False,
+            tags=tags("gpu-private"),
+            opts=child,
+        )
+        self.gpu_route_table = aws.ec2.RouteTable(
+            f"{name}-gpu-rt", vpc_id=self.vpc.id, tags=tags("gpu-private"), opts=child
+        )
+        self.gpu_default_route = aws.ec2.Route(
+            f"{name}-gpu-default-route",
+            route_table_id=self.gpu_route_table.id,
+            destination_cidr_block="0.0.0.0/0",
+            nat_gateway_id=self.nat_gateway.id,
+            opts=child,
+        )
+        self.gpu_route_table_association = aws.ec2.RouteTableAssociation(
+            f"{name}-gpu-rta", subnet_id=self.gpu_subnet.id,
+            route_table_id=self.gpu_route_table.id, opts=child,
+        )
+
+        # What a host must wait for to have a route out at first boot (cloud-init installs packages).
+        self.controller_internet = [self.internet_gateway, self.public_default_route,
+                                    self.public_route_table_association]
+        self.gpu_internet = [self.nat_gateway, self.gpu_default_route, self.gpu_route_table_association]
         self.register_outputs({
             "vpcId": self.vpc.id,
-            "subnetId": self.subnet.id,
+            "publicSubnetId": self.public_subnet.id,
+            "gpuSubnetId": self.gpu_subnet.id,
             "internetGatewayId": self.internet_gateway.id,
+            "natGatewayId": self.nat_gateway.id,
+            "natPublicIp": self.nat_eip.public_ip,
         })

@@ -1,17 +1,20 @@
 """The cluster's hosts: a key pair, a cluster placement group, the controller, N GPU nodes.
 
-Every host has a fixed private IP (bootstrap.facts.plan_hosts), so /etc/hosts and
-slurm.conf are rendered at plan time. IMDSv2 is required and root volumes are
-encrypted gp3 on every host.
+Every host has a fixed private IP (bootstrap.facts.plan_hosts). IMDSv2 is required and
+root volumes are encrypted gp3 on every host.
 
-Internet access for GPU nodes: each GPU node's primary interface is created as
-its own ENI (interface type "efa" when EFA is on; EFA can only be chosen at
-launch, and an ENI created beforehand is the provider's way to launch with one)
-and gets an Elastic IP. AWS only auto-assigns a public IP to an interface the
-launch itself creates, so a pre-made ENI needs the EIP for apt/pip/model
-downloads. The EIP is associated before the instance launches, so the first
-boot already has a route out. This costs no NAT gateway and keeps one public
-subnet; the security group still admits SSH from the admin CIDR only.
+The controller lives in the public subnet with a public IP (the only host reachable from
+adminCidr; fab's jump host). Its user-data holds the node list, but cloud-init reads
+user-data only at first boot: later node-list changes reach it through `fab reconfigure`,
+so the program ignores changes to it instead of stopping and starting the controller.
+
+GPU nodes live in the private subnet with no public address (outbound through the NAT
+gateway). Each gets one EFA interface per network card the instance type has (p5.48xlarge:
+32), all in the cluster's security group: card 0's is the primary interface (type `efa`,
+with the node's fixed IP), the others are `efa-only` (no IP address, RDMA traffic only).
+EFA interfaces cannot be attached to a running instance, so they are all attached at
+launch. Each node's user-data depends on that node alone (slurmd runs configless), so
+adding or removing nodes changes no other node.
 """
 
 from __future__ import annotations
@@ -35,10 +38,13 @@ class NodesComponent(pulumi.ComponentResource):
         controller_instance_type: str,
         gpu_instance_type: str,
         root_volume_gib: int,
-        subnet_id: pulumi.Input[str],
+        public_subnet_id: pulumi.Input[str],
+        gpu_subnet_id: pulumi.Input[str],
         security_group_id: pulumi.Input[str],
         user_data: dict[str, str],
-        internet: Sequence[pulumi.Resource],
+        efa_interfaces: int,
+        controller_internet: Sequence[pulumi.Resource],
+        gpu_internet: Sequence[pulumi.Resource],
         opts: pulumi.ResourceOptions | None = None,
     ):
         super().__init__("slurm-gpu:infra:Nodes", name, None, opts)
@@ -61,7 +67,7 @@ class NodesComponent(pulumi.ComponentResource):
             ami=ami_id,
             instance_type=controller_instance_type,
             key_name=self.key_pair.key_name,
-            subnet_id=subnet_id,
+            subnet_id=public_subnet_id,
             private_ip=facts.controller.ip,
             vpc_security_group_ids=[security_group_id],
             associate_public_ip_address=True,
@@ -70,46 +76,40 @@ class NodesComponent(pulumi.ComponentResource):
             user_data=user_data["controller"],
             tags=self._tags("controller", facts.controller),
             # Boot only once the subnet routes to the internet: cloud-init installs packages.
-            opts=pulumi.ResourceOptions(parent=self, depends_on=list(internet)),
+            # User-data is read at first boot only; node-list changes go by `fab reconfigure`.
+            opts=pulumi.ResourceOptions(parent=self, depends_on=list(controller_internet),
+                                        ignore_changes=["userData"]),
         )
 
-        self.gpu_interfaces: list[aws.ec2.NetworkInterface] = []
-        self.gpu_public_ips: list[aws.ec2.Eip] = []
+        self.gpu_interfaces: dict[str, list[aws.ec2.NetworkInterface]] = {}
         self.gpu_nodes: list[aws.ec2.Instance] = []
         for host in facts.gpu_nodes:
-            eni = aws.ec2.NetworkInterface(
-                f"{name}-{host.name}-eni",
-                subnet_id=subnet_id,
-                private_ips=[host.ip],
-                security_groups=[security_group_id],
-                interface_type="efa" if facts.efa else None,
-                description=f"{cluster} {host.name} primary interface",
-                tags=self._tags("gpu", host),
-                opts=child,
-            )
-            eip = aws.ec2.Eip(
-                f"{name}-{host.name}-eip",
-                domain="vpc",
-                network_interface=eni.id,
-                associate_with_private_ip=host.ip,
-                tags=self._tags("gpu", host),
-                opts=pulumi.ResourceOptions(parent=self, depends_on=list(internet)),
-            )
+            enis = self._gpu_interfaces(name, host, gpu_subnet_id, security_group_id, efa_interfaces)
+            if len(enis) == 1:
+                interfaces = {"primary_network_interface": {"network_interface_id": enis[0].id}}
+            else:
+                # Several cards: all attached at launch (an EFA cannot be hot-attached). Card 0
+                # device 0 is the primary; the EFA-only interfaces take device index 1 on their cards.
+                interfaces = {"network_interfaces": [
+                    {"network_interface_id": eni.id, "network_card_index": card,
+                     "device_index": 0 if card == 0 else 1}
+                    for card, eni in enumerate(enis)
+                ]}
             node = aws.ec2.Instance(
                 f"{name}-{host.name}",
                 ami=ami_id,
                 instance_type=gpu_instance_type,
                 key_name=self.key_pair.key_name,
                 placement_group=self.placement_group.name,
-                primary_network_interface={"network_interface_id": eni.id},
                 metadata_options=self._imdsv2(),
                 root_block_device=self._root("gpu", host),
-                user_data=user_data["gpu"],
+                user_data=user_data[host.name],
                 tags=self._tags("gpu", host),
-                opts=pulumi.ResourceOptions(parent=self, depends_on=[eip]),
+                # Boot only once the private subnet routes out through the NAT gateway.
+                opts=pulumi.ResourceOptions(parent=self, depends_on=list(gpu_internet)),
+                **interfaces,
             )
-            self.gpu_interfaces.append(eni)
-            self.gpu_public_ips.append(eip)
+            self.gpu_interfaces[host.name] = enis
             self.gpu_nodes.append(node)
 
         self.register_outputs({
@@ -117,6 +117,31 @@ class NodesComponent(pulumi.ComponentResource):
             "controllerPublicIp": self.controller.public_ip,
             "gpuNodeIds": [n.id for n in self.gpu_nodes],
         })
+
+    def _gpu_interfaces(self, name: str, host: Host, subnet_id, security_group_id,
+                        efa_interfaces: int) -> list[aws.ec2.NetworkInterface]:
+        """Card 0's primary interface (EFA when efa is on), then one EFA-only per other card."""
+        enis = [aws.ec2.NetworkInterface(
+            f"{name}-{host.name}-eni",
+            subnet_id=subnet_id,
+            private_ips=[host.ip],
+            security_groups=[security_group_id],
+            interface_type="efa" if efa_interfaces else None,
+            description=f"{self._cluster} {host.name} primary interface",
+            tags=self._tags("gpu", host),
+            opts=pulumi.ResourceOptions(parent=self),
+        )]
+        for card in range(1, efa_interfaces):
+            enis.append(aws.ec2.NetworkInterface(
+                f"{name}-{host.name}-efa{card}",
+                subnet_id=subnet_id,
+                security_groups=[security_group_id],
+                interface_type="efa-only",
+                description=f"{self._cluster} {host.name} EFA-only interface, network card {card}",
+                tags=self._tags("gpu", host),
+                opts=pulumi.ResourceOptions(parent=self),
+            ))
+        return enis
 
     def _tags(self, role: str, host: Host) -> dict[str, str]:
         return {"Cluster": self._cluster, "Role": role, "Name": f"{self._cluster}-{host.name}"}

@@ -17,13 +17,15 @@ from infra.facts import check_controller_type, choose_availability_zone, lookup_
 SSH_USER = "ubuntu"  # the Ubuntu AMI's login user
 
 
-def plan(cfg: stack_config.StackConfig) -> tuple[ClusterFacts, str, str]:
-    """Look up instance facts, AZ and AMI; refuse bad combinations. Declares nothing."""
+def plan(cfg: stack_config.StackConfig) -> tuple[ClusterFacts, str, str, int]:
+    """Look up instance facts, AZ and AMI; refuse bad combinations. Declares nothing.
+    Returns the cluster facts, the AZ, the AMI id and the EFA interfaces per GPU node."""
     gpu = lookup_gpu_node_facts(cfg)
     check_controller_type(cfg)
     az = choose_availability_zone(cfg)
     ami = resolve_ami(cfg)
-    controller, gpu_nodes = plan_hosts(cfg.subnet_cidr, cfg.gpu_node_count)
+    controller, gpu_nodes = plan_hosts(cfg.subnet_cidr, cfg.gpu_node_count,
+                                       controller_subnet=cfg.public_subnet_cidr)
     facts = ClusterFacts(
         cluster_name=cfg.cluster_name,
         controller=controller,
@@ -34,15 +36,18 @@ def plan(cfg: stack_config.StackConfig) -> tuple[ClusterFacts, str, str]:
         efa=cfg.efa,
         nvlink=gpu.nvlink,
     )
-    return facts, az, ami.id
+    return facts, az, ami.id, gpu.efa_interfaces
 
 
 def render_user_data(facts: ClusterFacts) -> dict[str, str]:
-    """Each role's cloud-config from bootstrap/ (which owns the content)."""
+    """The controller's cloud-config and each GPU node's own, keyed "controller" and by
+    node name, from bootstrap/ (which owns the content). A GPU node's depends on it alone."""
     from bootstrap.render import user_data
 
     try:
-        return {role: user_data(facts, role) for role in ("controller", "gpu")}
+        texts = {"controller": user_data(facts, "controller")}
+        texts.update({h.name: user_data(facts, "gpu", h.name) for h in facts.gpu_nodes})
+        return texts
     except ValueError as exc:  # e.g. over EC2's 16 KiB user-data limit
         raise stack_config.ConfigError(
             f"slurm-gpu:gpuNodeCount is {len(facts.gpu_nodes)}: the cluster's user-data cannot be "
@@ -52,13 +57,13 @@ def render_user_data(facts: ClusterFacts) -> dict[str, str]:
 
 def main() -> dict[str, pulumi.Output]:
     cfg = stack_config.load()
-    facts, az, ami_id = plan(cfg)
+    facts, az, ami_id, efa_interfaces = plan(cfg)
     user_data = render_user_data(facts)
     region = pulumi.Config("aws").get("region")
 
     cluster = ClusterComponent(
         cfg.cluster_name, cfg=cfg, facts=facts, ami_id=ami_id, availability_zone=az,
-        user_data=user_data, region=region,
+        user_data=user_data, efa_interfaces=efa_interfaces, region=region,
     )
     outputs = {
         "controllerPublicIp": cluster.controller_public_ip,

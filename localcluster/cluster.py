@@ -178,6 +178,8 @@ def write_files(facts: ClusterFacts, specs: list[HostSpec]) -> None:
     _write(layout.ETC_SLURM / Path(render.GRES_CONF).name, rendered[render.GRES_CONF])
     block = rendered[render.HOSTS_BLOCK_FILE]
     _write(layout.ETC_SLURM_GPU / Path(render.HOSTS_BLOCK_FILE).name, block)
+    # GPU hosts run slurmd configless (hostctl reads --conf-server from here), as on AWS.
+    _write(layout.ETC_SLURM_GPU / Path(render.SLURMD_ENV_FILE).name, rendered[render.SLURMD_ENV_FILE])
     shutil.copyfile(HOSTCTL_SRC, layout.HOSTCTL)
     layout.HOSTCTL.chmod(0o755)
     _ssh_keys(specs)
@@ -190,6 +192,7 @@ def write_files(facts: ClusterFacts, specs: list[HostSpec]) -> None:
         _install_dir(d / "lib-slurm", 0o755, "slurm")
         _install_dir(d / "log-slurm", 0o755, "slurm")
         _install_dir(d / "sbin", 0o755)
+        _install_dir(d / "etc-slurm", 0o755)  # a GPU host's /etc/slurm: empty (configless)
         _write(d / "hosts", "127.0.0.1 localhost\n::1 localhost ip6-localhost ip6-loopback\n")
         _write(d / "hostname", s.name + "\n")
         _write(d / "sshd_config", daemons.sshd_config(s.name, s.ip))
@@ -210,8 +213,13 @@ def host_mounts(s: HostSpec) -> list[hosts.Mount]:
            ("log-munge", "/var/log/munge"), ("lib-slurm", "/var/lib/slurm"),
            ("log-slurm", "/var/log/slurm"), ("sbin", "/usr/local/sbin"),
            ("hosts", "/etc/hosts"), ("hostname", "/etc/hostname")]
-    shared = [(layout.ETC_SLURM, "/etc/slurm"), (layout.ETC_SLURM_GPU, "/etc/slurm-gpu"),
-              (layout.SCRATCH, "/scratch")]
+    shared = [(layout.ETC_SLURM_GPU, "/etc/slurm-gpu"), (layout.SCRATCH, "/scratch")]
+    # The controller holds the cluster's slurm.conf and gres.conf; GPU hosts get an empty
+    # /etc/slurm of their own and fetch both from slurmctld (configless), as on AWS.
+    if s.role == "controller":
+        shared.append((layout.ETC_SLURM, "/etc/slurm"))
+    else:
+        own.append(("etc-slurm", "/etc/slurm"))
     return [hosts.Mount(d / src, dst) for src, dst in own] + [hosts.Mount(src, dst) for src, dst in shared]
 
 
@@ -314,10 +322,12 @@ def _create(nodes: int, gpus: int, fresh_keys: bool, out: Out) -> Inventory:
         out(f"  munge key installed on {', '.join(sync.installed) or 'no host'} "
             f"({time.monotonic() - t0:.1f} s)")
 
-    daemons.each(lambda s: daemons.hostctl(pids[s.name], s.name, "start", "slurmd"), gpu_specs)
     if fresh_keys:
-        out("  GPU hosts keep their own munge keys: nodes join Slurm once `fab train` installs the key")
+        # Configless slurmd fetches its config from slurmctld over munge: with a host's own key
+        # it cannot start, as on a fresh AWS node. `fab train` installs the key and starts it.
+        out("  GPU hosts keep their own munge keys: slurmd starts once `fab train` installs the key")
     else:
+        daemons.each(lambda s: daemons.hostctl(pids[s.name], s.name, "start", "slurmd"), gpu_specs)
         daemons.wait_idle(pids[ctl.name], [s.name for s in gpu_specs], timeout=60)
     out(f"local cluster up: controller + {nodes} GPU hosts x {gpus} GPUs "
         f"in {time.monotonic() - t0:.1f} s; inventory {layout.INVENTORY}")

@@ -14,9 +14,12 @@ host=$(hostname)
 
 # A slurm.conf path setting with %n (node name) expanded, or the default.
 slurm_setting() {
-  local value
-  value=$(sed -n "s/^[[:space:]]*$1[[:space:]]*=[[:space:]]*\([^[:space:]#]*\).*/\1/Ip" \
-    /etc/slurm/slurm.conf | tail -n 1)
+  local value=
+  # GPU hosts run slurmd configless: they have no local slurm.conf.
+  if [ -r /etc/slurm/slurm.conf ]; then
+    value=$(sed -n "s/^[[:space:]]*$1[[:space:]]*=[[:space:]]*\([^[:space:]#]*\).*/\1/Ip" \
+      /etc/slurm/slurm.conf | tail -n 1)
+  fi
   value=${value:-$2}
   echo "${value//%n/$host}"
 }
@@ -29,7 +32,11 @@ case $service in
   slurmctld) pidfile=$(slurm_setting SlurmctldPidFile /run/slurmctld.pid)
              cmd=(/usr/sbin/slurmctld) ;;
   slurmd)    pidfile=$(slurm_setting SlurmdPidFile /run/slurmd.pid)
-             cmd=(/usr/sbin/slurmd -N "$host") ;;
+             # The options systemd gives slurmd on AWS (--conf-server: configless).
+             # shellcheck source=/dev/null
+             read -ra opts <<< "$(SLURMD_OPTIONS=; . /etc/slurm-gpu/slurmd.env 2>/dev/null || true
+                                  echo "$SLURMD_OPTIONS")"
+             cmd=(/usr/sbin/slurmd -N "$host" "${opts[@]}") ;;
   *) usage ;;
 esac
 

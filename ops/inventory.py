@@ -47,6 +47,9 @@ class Inventory:
     scratch: str = "/scratch"
     ssh_key_file: str | None = None
     extra: dict = field(default_factory=dict)
+    # bootstrap.facts.ClusterFacts as a dict (facts_to_dict): what `fab reconfigure`
+    # renders slurm.conf from. Empty in inventories written before it existed.
+    facts: dict = field(default_factory=dict)
 
     @property
     def nodes(self) -> tuple[Node, ...]:

@@ -96,6 +96,7 @@ def test_slurm_conf_settings(case):
     assert s["HealthCheckProgram"] == render.HEALTHCHECK_PATH
     assert s["HealthCheckNodeState"] == "ANY"
     assert int(s["HealthCheckInterval"]) > 0
+    assert s["SlurmctldParameters"] == "enable_configless"  # GPU nodes fetch the config
     parts = [kv(ln) for ln in conf_lines(text) if ln.startswith("PartitionName=")]
     assert parts == [
         {"PartitionName": "gpu", "Nodes": "ALL", "Default": "YES", "MaxTime": "24:00:00", "State": "UP"}
@@ -162,6 +163,7 @@ def test_render_files_paths():
     assert set(files) == {
         "/etc/slurm/slurm.conf", "/etc/slurm/gres.conf", "/etc/exports.d/slurm-gpu.exports",
         render.HOSTS_BLOCK_FILE, render.HEALTHCHECK_PATH,
+        "/etc/slurm-gpu/slurmd.env", "/etc/systemd/system/slurmd.service.d/slurm-gpu.conf",
     }
     assert all(p.startswith("/") and text.endswith("\n") for p, text in files.items())
 
@@ -223,7 +225,17 @@ def test_user_data_content(case, role):
     assert (render.EXPORTS_FILE in written) == (role == "controller")
     assert (render.HEALTHCHECK_PATH in written) == (role == "gpu")
     assert written[render.BOOTSTRAP_PATH]["permissions"] == "0755"
-    assert written[render.SLURM_CONF]["permissions"] == "0644"
+    # Configless: only the controller holds slurm.conf and gres.conf; GPU nodes get slurmd's
+    # --conf-server option and the systemd drop-in that passes it.
+    assert (render.SLURM_CONF in written) == (render.GRES_CONF in written) == (role == "controller")
+    assert (render.SLURMD_DROPIN in written) == (render.SLURMD_ENV_FILE in written) == (role == "gpu")
+    if role == "controller":
+        assert written[render.SLURM_CONF]["permissions"] == "0644"
+    else:
+        env = file_text(written[render.SLURMD_ENV_FILE])
+        assert f'SLURMD_OPTIONS="--conf-server {facts.controller.ip}:6817"' in env.splitlines()
+        dropin = file_text(written[render.SLURMD_DROPIN]).splitlines()
+        assert "ConditionPathExists=" in dropin and f"EnvironmentFile={render.SLURMD_ENV_FILE}" in dropin
     assert cfg["runcmd"] == [[render.BOOTSTRAP_PATH]]
     # No munge key: nothing is written under /etc/munge, no key-like blob.
     assert not any(p.startswith("/etc/munge") for p in written)
@@ -240,6 +252,23 @@ def test_user_data_names_the_host():
     assert "local want='controller'" in render.user_data(facts, "controller")
 
 
+def test_a_gpu_nodes_user_data_does_not_depend_on_the_node_count():
+    """Scaling adds or removes nodes without changing any other node's user-data."""
+    shape = NodeShape(192, 2000000, 8, "h100")
+    texts = {n: render.user_data(make_facts("big", "10.20.0.0/24", n, shape), "gpu", "gpu-node-02")
+             for n in (2, 3, 50)}
+    assert texts[2] == texts[3] == texts[50]
+    doc = parse_user_data(texts[3])
+    block = next(file_text(f) for f in doc["write_files"] if f["path"] == render.HOSTS_BLOCK_FILE)
+    assert conf_lines(block) == ["10.20.0.10 controller", "10.20.0.12 gpu-node-02"]
+    assert "gpu-node-03" not in texts[3] and "gpu-node-01" not in texts[3]
+    # The node names itself from its user-data.
+    assert "local want='gpu-node-02'" in texts[3]
+    # The controller's does change: it holds the node list.
+    ctl = {n: render.user_data(make_facts("big", "10.20.0.0/24", n, shape), "controller") for n in (2, 3)}
+    assert ctl[2] != ctl[3]
+
+
 # A full /24: 244 GPU nodes, the most plan_hosts allows.
 FULL = make_facts("max", "10.0.0.0/24", 244, NodeShape(192, 2000000, 8, "h100"))
 
@@ -252,8 +281,11 @@ def test_user_data_fits_ec2_even_for_a_full_subnet(role):
     text = render.user_data(FULL, role)
     assert len(text.encode()) <= render.MAX_USER_DATA_BYTES
     written = {f["path"]: file_text(f) for f in parse_user_data(text)["write_files"]}
-    assert written[render.SLURM_CONF] == render.render_slurm_conf(FULL)
-    assert written[render.SLURM_CONF].count("\nNodeName=") == 244
+    if role == "controller":
+        assert written[render.SLURM_CONF] == render.render_slurm_conf(FULL)
+        assert written[render.SLURM_CONF].count("\nNodeName=") == 244
+    else:
+        assert render.SLURM_CONF not in written
     raw = base64.b64decode(render.user_data_base64(FULL, role))
     assert gzip.decompress(raw).decode() == text
 

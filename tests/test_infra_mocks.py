@@ -30,6 +30,7 @@ def _gpu(count, name, mem, manufacturer="NVIDIA"):
 
 
 # instance type -> (vCPUs, memory MiB, GPUs, EFA, architectures, zones offered)
+# and, below, (network cards, EFA interfaces) where the type has more than one card.
 INSTANCE_TYPES = {
     "g6.12xlarge": (48, 196608, _gpu(4, "L4", 22888), True, ["x86_64"], ZONES[:3]),
     "g6.48xlarge": (192, 786432, _gpu(8, "L4", 22888), True, ["x86_64"], ["ap-northeast-2b", "ap-northeast-2d"]),
@@ -45,8 +46,12 @@ INSTANCE_TYPES = {
 }
 
 
+NETWORK_CARDS = {"p4d.24xlarge": (4, 4), "p5.48xlarge": (32, 32)}
+
+
 def instance_type_result(itype: str) -> dict:
     vcpus, mem, gpus, efa, archs, _ = INSTANCE_TYPES[itype]
+    cards, efa_max = NETWORK_CARDS.get(itype, (1, 1 if efa else 0))
     return {
         "id": itype,
         "instanceType": itype,
@@ -54,7 +59,8 @@ def instance_type_result(itype: str) -> dict:
         "memorySize": mem,
         "gpuses": gpus,
         "efaSupported": efa,
-        "efaMaximumInterfaces": 1 if efa else 0,
+        "efaMaximumInterfaces": efa_max,
+        "maximumNetworkCards": cards,
         "supportedArchitectures": archs,
         "currentGeneration": True,
     }
@@ -83,6 +89,8 @@ class Registered:
     urn: str = ""
     parent: str = ""  # the parent's URN ("" for none)
     dependencies: tuple[str, ...] = ()  # URNs of explicit depends_on
+    ignore_changes: tuple[str, ...] = ()
+    replace_on_changes: tuple[str, ...] = ()
 
 
 class RecordingMonitor(MockMonitor):
@@ -98,11 +106,13 @@ class RecordingMonitor(MockMonitor):
         response = super().RegisterResource(request)
         if request.type != "pulumi:pulumi:Stack":
             rec = Registered(request.type, request.name, {}, response.urn, request.parent,
-                             tuple(request.dependencies))
+                             tuple(request.dependencies), tuple(request.ignoreChanges),
+                             tuple(request.replaceOnChanges))
             self.cluster_mocks.components.append(rec)
             for r in self.cluster_mocks.resources:
                 if r.typ == request.type and r.name == request.name and not r.urn:
                     r.urn, r.parent, r.dependencies = rec.urn, rec.parent, rec.dependencies
+                    r.ignore_changes, r.replace_on_changes = rec.ignore_changes, rec.replace_on_changes
         return response
 
     def RegisterResourceOutputs(self, request):
@@ -159,6 +169,7 @@ class ClusterMocks(pulumi.runtime.Mocks):
         if args.typ == "aws:ec2/eip:Eip":
             self._public += 1
             state["publicIp"] = f"198.51.100.{100 + self._public}"
+            state["allocationId"] = f"eipalloc-{args.name}"
         if args.typ == "aws:ec2/keyPair:KeyPair":
             state["keyName"] = f"{args.name}-1a2b3c"
         if args.typ == "aws:ec2/placementGroup:PlacementGroup":
@@ -193,6 +204,7 @@ TYPES = {
     "igw": "aws:ec2/internetGateway:InternetGateway",
     "subnet": "aws:ec2/subnet:Subnet",
     "rt": "aws:ec2/routeTable:RouteTable",
+    "nat": "aws:ec2/natGateway:NatGateway",
     "route": "aws:ec2/route:Route",
     "rta": "aws:ec2/routeTableAssociation:RouteTableAssociation",
     "sg": "aws:ec2/securityGroup:SecurityGroup",
@@ -249,6 +261,7 @@ def test_mocks_answer_like_the_provider():
     info = aws.ec2.get_instance_type(instance_type="p5.48xlarge")
     assert info.default_vcpus == 192 and info.memory_size == 2097152
     assert info.gpuses[0].name == "H100" and info.gpuses[0].count == 8 and info.efa_supported
+    assert (info.maximum_network_cards, info.efa_maximum_interfaces) == (32, 32)
     ami = aws.ec2.get_ami(most_recent=True, owners=["amazon"], filters=[{"name": "name", "values": ["x"]}])
     assert ami.block_device_mappings[0].ebs["volume_size"] == str(DLAMI_ROOT_GIB)
     with pytest.raises(Exception, match="InvalidInstanceType"):

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from bootstrap import render
-from bootstrap.facts import ClusterFacts, Host, NodeShape, max_gpu_nodes
+from bootstrap.facts import ClusterFacts, Host, NodeShape, facts_from_dict, max_gpu_nodes
 from infra.config import ConfigError
 from ops.inventory import Inventory
 from tests.test_infra_mocks import (
@@ -40,7 +40,7 @@ class Case:
     subnet: str
     vpc: str
     zone: str
-    ips: tuple[str, ...]  # controller first
+    ips: tuple[str, ...]  # controller (public subnet) first, then the GPU nodes (private subnet)
     cpus: int
     gpus: int
     gres: str
@@ -49,27 +49,33 @@ class Case:
     efa: bool
     root_gib: int
     cluster: str
+    efa_cards: int  # EFA interfaces per GPU node (one per network card)
+    public: str = "10.0.0.0/24"  # the controller's subnet
     ami: str = DLAMI_ID
 
 
 CASES = [
     Case("seed-2x-g6.12xlarge", {}, "g6.12xlarge", "c6i.xlarge", "10.0.1.0/24", "10.0.0.0/16",
-         "ap-northeast-2a", ("10.0.1.10", "10.0.1.11", "10.0.1.12"), 48, 4, "l4", 196608, False, True,
-         200, "mini"),
+         "ap-northeast-2a", ("10.0.0.10", "10.0.1.11", "10.0.1.12"), 48, 4, "l4", 196608, False, True,
+         200, "mini", 1),
     Case("3x-g6.48xlarge", {"gpuNodeCount": 3, "gpuInstanceType": "g6.48xlarge"}, "g6.48xlarge",
          "c6i.xlarge", "10.0.1.0/24", "10.0.0.0/16", "ap-northeast-2b",
-         ("10.0.1.10", "10.0.1.11", "10.0.1.12", "10.0.1.13"), 192, 8, "l4", 786432, False, True, 200,
-         "mini"),
+         ("10.0.0.10", "10.0.1.11", "10.0.1.12", "10.0.1.13"), 192, 8, "l4", 786432, False, True, 200,
+         "mini", 1),
     Case("4x-p5.48xlarge", {"gpuNodeCount": "4", "gpuInstanceType": "p5.48xlarge", "rootVolumeGiB": 500,
                              "clusterName": "h100s", "vpcCidr": "10.20.0.0/16", "subnetCidr": "10.20.4.0/24",
                              "controllerInstanceType": "t3.large", "amiId": "ami-0a1b2c3d4e5f60718"},
          "p5.48xlarge", "t3.large", "10.20.4.0/24", "10.20.0.0/16", "ap-northeast-2c",
-         ("10.20.4.10", "10.20.4.11", "10.20.4.12", "10.20.4.13", "10.20.4.14"), 192, 8, "h100", 2097152,
-         True, True, 500, "h100s", "ami-0a1b2c3d4e5f60718"),
+         ("10.20.0.10", "10.20.4.11", "10.20.4.12", "10.20.4.13", "10.20.4.14"), 192, 8, "h100", 2097152,
+         True, True, 500, "h100s", 32, "10.20.0.0/24", "ami-0a1b2c3d4e5f60718"),
+    Case("2x-p4d.24xlarge", {"gpuInstanceType": "p4d.24xlarge", "publicSubnetCidr": "10.0.200.0/28"},
+         "p4d.24xlarge", "c6i.xlarge", "10.0.1.0/24", "10.0.0.0/16", "ap-northeast-2a",
+         ("10.0.200.10", "10.0.1.11", "10.0.1.12"), 96, 8, "a100", 1179648, True, True, 200, "mini", 4,
+         "10.0.200.0/28"),
     Case("1x-g4dn-no-efa", {"gpuNodeCount": 1, "gpuInstanceType": "g4dn.xlarge", "efa": False,
                              "availabilityZone": "ap-northeast-2d", "subnetCidr": "10.0.128.0/28"},
          "g4dn.xlarge", "c6i.xlarge", "10.0.128.0/28", "10.0.0.0/16", "ap-northeast-2d",
-         ("10.0.128.10", "10.0.128.11"), 4, 1, "t4", 16384, False, False, 200, "mini"),
+         ("10.0.0.10", "10.0.128.11"), 4, 1, "t4", 16384, False, False, 200, "mini", 0),
 ]
 
 
@@ -91,26 +97,62 @@ def _id(res) -> str:
     return f"{res.name}-id"  # what the mocks answer as a resource's id
 
 
+def _enis_of(run: Run, instance) -> list[tuple[int, int, object]]:
+    """(network card, device index, interface) attached to an instance at launch, card 0 first."""
+    if "primaryNetworkInterface" in instance.inputs:
+        assert "networkInterfaces" not in instance.inputs
+        attached = [(0, 0, instance.inputs["primaryNetworkInterface"]["networkInterfaceId"])]
+    else:
+        attached = [(a.get("networkCardIndex", 0), a["deviceIndex"], a["networkInterfaceId"])
+                    for a in instance.inputs["networkInterfaces"]]
+    by_id = {_id(e): e for e in run.of_type("eni")}
+    return sorted((card, dev, by_id[eni_id]) for card, dev, eni_id in attached)
+
+
 def _eni_of(run: Run, instance):
-    eni_id = instance.inputs["primaryNetworkInterface"]["networkInterfaceId"]
-    (eni,) = [e for e in run.of_type("eni") if _id(e) == eni_id]
+    """The primary interface (network card 0, device 0)."""
+    card, dev, eni = _enis_of(run, instance)[0]
+    assert (card, dev) == (0, 0)
     return eni
+
+
+def _subnets(run: Run):
+    subnets = {r.inputs["tags"]["Name"].split("-", 1)[1]: r for r in run.of_type("subnet")}
+    assert set(subnets) == {"public", "gpu-private"}
+    return subnets["public"], subnets["gpu-private"]
 
 
 # ---------------------------------------------------------------- network
 
-def test_vpc_subnet_gateway_and_route(deployed):
+def test_public_and_private_subnets_with_their_routes(deployed):
     case, run = deployed
-    vpc, subnet, igw = run.one("vpc"), run.one("subnet"), run.one("igw")
+    vpc, igw, nat = run.one("vpc"), run.one("igw"), run.one("nat")
+    public, private = _subnets(run)
     assert vpc.inputs["cidrBlock"] == case.vpc
-    assert subnet.inputs["cidrBlock"] == case.subnet
-    assert subnet.inputs["vpcId"] == _id(vpc) and igw.inputs["vpcId"] == _id(vpc)
-    assert subnet.inputs["availabilityZone"] == case.zone
-    route, rta, rt = run.one("route"), run.one("rta"), run.one("rt")
-    assert route.inputs["destinationCidrBlock"] == "0.0.0.0/0"
-    assert route.inputs["gatewayId"] == _id(igw) and route.inputs["routeTableId"] == _id(rt)
-    assert rta.inputs == {"subnetId": _id(subnet), "routeTableId": _id(rt)}
-    assert rt.inputs["vpcId"] == _id(vpc)
+    assert (public.inputs["cidrBlock"], private.inputs["cidrBlock"]) == (case.public, case.subnet)
+    for subnet in (public, private):
+        assert subnet.inputs["vpcId"] == _id(vpc)
+        # Both in the placement group's zone; neither hands out public IPs by itself.
+        assert subnet.inputs["availabilityZone"] == case.zone
+        assert subnet.inputs["mapPublicIpOnLaunch"] is False
+    assert igw.inputs["vpcId"] == _id(vpc)
+    # The NAT gateway sits in the public subnet with the stack's one Elastic IP.
+    (eip,) = run.of_type("eip")
+    assert eip.inputs["domain"] == "vpc" and "networkInterface" not in eip.inputs and "instance" not in eip.inputs
+    assert nat.inputs["subnetId"] == _id(public)
+    assert nat.inputs["allocationId"] == f"eipalloc-{eip.name}"  # the allocation id the mocks gave it
+    assert nat.inputs["connectivityType"] == "public"
+    assert run.one("igw").urn in nat.dependencies
+    routes = {r.inputs["routeTableId"]: r for r in run.of_type("route")}
+    rtas = {r.inputs["subnetId"]: r.inputs["routeTableId"] for r in run.of_type("rta")}
+    assert set(rtas) == {_id(public), _id(private)} and len(set(rtas.values())) == 2
+    public_route, private_route = routes[rtas[_id(public)]], routes[rtas[_id(private)]]
+    assert public_route.inputs == {"routeTableId": rtas[_id(public)], "destinationCidrBlock": "0.0.0.0/0",
+                                   "gatewayId": _id(igw)}
+    assert private_route.inputs == {"routeTableId": rtas[_id(private)], "destinationCidrBlock": "0.0.0.0/0",
+                                    "natGatewayId": _id(nat)}
+    for rt in run.of_type("rt"):
+        assert rt.inputs["vpcId"] == _id(vpc)
 
 
 def test_exact_security_group_rules(deployed):
@@ -139,13 +181,15 @@ def test_exact_security_group_rules(deployed):
         assert not r.inputs.get("prefixListId")
 
 
-def test_every_host_is_in_the_group(deployed):
+def test_every_host_and_interface_is_in_the_group(deployed):
     case, run = deployed
     sg_id = _id(run.one("sg"))
     controller, gpus = _instances(run)
     assert controller[0].inputs["vpcSecurityGroupIds"] == [sg_id]
     for node in gpus:
-        assert _eni_of(run, node).inputs["securityGroups"] == [sg_id]
+        for _, _, eni in _enis_of(run, node):
+            assert eni.inputs["securityGroups"] == [sg_id]
+    assert all(e.inputs["securityGroups"] == [sg_id] for e in run.of_type("eni"))
 
 
 # ---------------------------------------------------------------- hosts
@@ -153,35 +197,53 @@ def test_every_host_is_in_the_group(deployed):
 def test_node_count_types_and_fixed_ips(deployed):
     case, run = deployed
     controller, gpus = _instances(run)
+    public, private = _subnets(run)
     assert len(controller) == 1 and len(gpus) == len(case.ips) - 1
     ctl = controller[0].inputs
     assert ctl["instanceType"] == case.controller_type
     assert ctl["privateIp"] == case.ips[0]
-    assert ctl["subnetId"] == _id(run.one("subnet"))
+    assert ctl["subnetId"] == _id(public)
     got = [ctl["privateIp"]]
     for node, ip in zip(gpus, case.ips[1:], strict=False):
         assert node.inputs["instanceType"] == case.gpu_type
+        assert "subnetId" not in node.inputs and "privateIp" not in node.inputs  # from the interface
         eni = _eni_of(run, node)
         assert eni.inputs["privateIps"] == [ip]
-        assert eni.inputs["subnetId"] == _id(run.one("subnet"))
+        assert eni.inputs["subnetId"] == _id(private)
         got.append(eni.inputs["privateIps"][0])
     assert got == list(case.ips)
     assert len(set(got)) == len(got)
-    net = ipaddress.ip_network(case.subnet)
-    reserved = {net.network_address + i for i in range(4)} | {net.broadcast_address}
-    for ip in map(ipaddress.ip_address, got):
-        assert ip in net and ip not in reserved
+    for ips, cidr in ((got[:1], case.public), (got[1:], case.subnet)):
+        net = ipaddress.ip_network(cidr)
+        reserved = {net.network_address + i for i in range(4)} | {net.broadcast_address}
+        for ip in map(ipaddress.ip_address, ips):
+            assert ip in net and ip not in reserved
 
 
-def test_efa_on_every_gpu_node_and_not_on_the_controller(deployed):
+def test_one_efa_interface_per_network_card_and_none_on_the_controller(deployed):
+    """Card 0: the primary interface (type efa, the node's IP); every other card: an EFA-only
+    interface (no IP) at device index 1, all attached at launch in the private subnet."""
     case, run = deployed
     controller, gpus = _instances(run)
+    _, private = _subnets(run)
     assert "primaryNetworkInterface" not in controller[0].inputs
-    assert len(run.of_type("eni")) == len(gpus)  # the controller gets no extra interface
+    assert "networkInterfaces" not in controller[0].inputs
+    assert len(run.of_type("eni")) == len(gpus) * max(case.efa_cards, 1)  # the controller gets none
     for node in gpus:
-        eni = _eni_of(run, node)
-        assert eni.inputs.get("interfaceType") == ("efa" if case.efa else None)
-        assert node.inputs["primaryNetworkInterface"].get("deleteOnTermination") in (None, True)
+        attached = _enis_of(run, node)
+        assert [(card, dev) for card, dev, _ in attached] == \
+            [(0, 0)] + [(card, 1) for card in range(1, case.efa_cards)]
+        types = [eni.inputs.get("interfaceType") for _, _, eni in attached]
+        if case.efa:
+            assert types == ["efa"] + ["efa-only"] * (case.efa_cards - 1)
+        else:
+            assert types == [None]
+        for card, _, eni in attached:
+            assert eni.inputs["subnetId"] == _id(private)
+            assert ("privateIps" in eni.inputs) == (card == 0)
+            assert eni.inputs["tags"]["Name"] == node.inputs["tags"]["Name"]
+        # One card: the primary interface only (no deprecated launch-time list).
+        assert ("primaryNetworkInterface" in node.inputs) == (max(case.efa_cards, 1) == 1)
 
 
 def test_gpu_nodes_share_one_cluster_placement_group(deployed):
@@ -194,24 +256,23 @@ def test_gpu_nodes_share_one_cluster_placement_group(deployed):
     assert "placementGroup" not in controller[0].inputs
 
 
-def test_public_access(deployed):
-    """The controller has a public IP; GPU nodes reach the internet through an EIP
-    associated with their interface before they launch."""
+def test_only_the_controller_has_a_public_address(deployed):
+    """The controller has a public IP in the public subnet; GPU nodes have none: no Elastic
+    IP but the NAT gateway's, and they boot once the private subnet routes out through it."""
     case, run = deployed
     controller, gpus = _instances(run)
     assert controller[0].inputs["associatePublicIpAddress"] is True
-    assert run.one("subnet").inputs.get("mapPublicIpOnLaunch") is False
-    eips = run.of_type("eip")
-    assert len(eips) == len(gpus)
-    for node, ip in zip(gpus, case.ips[1:], strict=False):
-        eni = _eni_of(run, node)
-        (eip,) = [e for e in eips if e.inputs["networkInterface"] == _id(eni)]
-        assert eip.inputs["domain"] == "vpc" and eip.inputs["associateWithPrivateIp"] == ip
-        assert eip.urn in node.dependencies  # launched only once it has its way out
-    internet = {run.one(s).urn for s in ("igw", "route", "rta")}
-    assert internet <= set(controller[0].dependencies)
-    for eip in eips:
-        assert internet <= set(eip.dependencies)
+    (eip,) = run.of_type("eip")
+    assert _id(eip) not in str([e.inputs for e in run.of_type("eni")])
+    for node in gpus:
+        assert not node.inputs.get("associatePublicIpAddress")
+        for _, _, eni in _enis_of(run, node):
+            assert "associatePublicIpAddress" not in eni.inputs
+    public_way = {run.one("igw").urn} | {r.urn for r in run.of_type("route") if "gatewayId" in r.inputs}
+    nat_way = {run.one("nat").urn} | {r.urn for r in run.of_type("route") if "natGatewayId" in r.inputs}
+    assert public_way <= set(controller[0].dependencies)
+    for node in gpus:
+        assert nat_way <= set(node.dependencies)
 
 
 def test_imdsv2_encrypted_gp3_roots_ami_key_and_tags(deployed):
@@ -271,10 +332,15 @@ def test_user_data_is_rendered_from_the_cluster_facts(deployed):
         nvlink=case.nvlink,
     )
     assert ctl_ud == render.user_data(facts, "controller")
-    gpu_ud = render.user_data(facts, "gpu")
-    for node in gpus:
-        assert node.inputs["userData"] == gpu_ud
-    assert ctl_ud != gpu_ud
+    # Each GPU node gets its own user-data, made from the controller and itself only.
+    for node, host in zip(gpus, facts.gpu_nodes, strict=True):
+        assert node.inputs["userData"] == render.user_data(facts, "gpu", host.name)
+        files = _decoded_files(yaml.safe_load(node.inputs["userData"]))
+        assert render.SLURM_CONF not in files and render.GRES_CONF not in files  # configless
+    assert len({n.inputs["userData"] for n in gpus}) == len(gpus)
+    # The controller's user-data is read at first boot only: node-list changes go by
+    # `fab reconfigure`, so the program never stops the controller to change it.
+    assert controller[0].ignore_changes == ("userData",) and not controller[0].replace_on_changes
 
 
 def _decoded_files(doc: dict) -> dict[str, str]:
@@ -350,7 +416,12 @@ def test_inventory_output_is_what_fab_reads(deployed):
     assert [(n.name, n.private_ip, n.role) for n in inv.gpu_nodes] == [
         (f"gpu-node-{i:02d}", ip, "gpu") for i, ip in enumerate(case.ips[1:], 1)
     ]
-    assert all(n.public_ip for n in inv.gpu_nodes)
+    assert not any(n.public_ip for n in inv.gpu_nodes)  # reached through the controller only
+    facts = facts_from_dict(inv.facts)  # what `fab reconfigure` renders slurm.conf from
+    assert [(h.name, h.ip) for h in facts.hosts] == [(n.name, n.private_ip) for n in inv.nodes]
+    assert (facts.subnet_cidr, facts.shape.gpu_count, facts.efa) == (case.subnet, case.gpus, case.efa)
+    ctl_files = _decoded_files(yaml.safe_load(_instances(run)[0][0].inputs["userData"]))
+    assert render.render_slurm_conf(facts) == ctl_files[render.SLURM_CONF]
     assert (inv.gpus_per_node, inv.gpu_type, inv.nvlink, inv.efa) == (case.gpus, case.gres, case.nvlink, case.efa)
     assert inv.python == "/opt/slurm-gpu/venv/bin/python"
     assert inv.service_cmd.format(action="restart", service="slurmd") == "sudo systemctl restart slurmd"
@@ -368,8 +439,8 @@ def test_components_own_their_resources(deployed):
     }
     owner = {
         "vpc": "Network", "igw": "Network", "subnet": "Network", "rt": "Network", "route": "Network",
-        "rta": "Network", "sg": "Security", "ingress": "Security", "egress": "Security",
-        "key": "Nodes", "pg": "Nodes", "instance": "Nodes", "eni": "Nodes", "eip": "Nodes",
+        "rta": "Network", "nat": "Network", "eip": "Network", "sg": "Security", "ingress": "Security",
+        "egress": "Security", "key": "Nodes", "pg": "Nodes", "instance": "Nodes", "eni": "Nodes",
     }
     for short, comp in owner.items():
         for res in run.of_type(short):
@@ -402,6 +473,9 @@ BAD = [
     ("rootVolumeGiB", {"rootVolumeGiB": "-10"}),
     ("rootVolumeGiB", {"rootVolumeGiB": "10"}),
     ("subnetCidr", {"subnetCidr": "10.1.0.0/24"}),
+    ("publicSubnetCidr", {"publicSubnetCidr": "10.0.1.128/25"}),  # overlaps the GPU subnet
+    ("publicSubnetCidr", {"publicSubnetCidr": "10.9.0.0/24"}),  # outside the VPC
+    ("publicSubnetCidr", {"publicSubnetCidr": "8.8.8.0/24"}),  # not private
     ("vpcCidr", {"vpcCidr": "10.0.0.0/40"}),
     ("availabilityZone", {"availabilityZone": "ap-northeast-2d"}),  # g6.12xlarge not offered there
     ("clusterName", {"clusterName": "My Cluster"}),

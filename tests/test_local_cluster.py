@@ -97,10 +97,9 @@ def test_hosts_have_own_names_and_the_inventory_describes_them(lc):
     assert run(controller, "hostname").stdout.strip() == "controller"
     for name, c in nodes.items():
         assert run(c, "hostname").stdout.strip() == name
-        # Each host sees its own stand-in GPU files and the cluster's rendered config.
+        # Each host sees its own stand-in GPU files; slurmd runs configless: no local slurm.conf.
         run(c, f"test -f {layout.GPU_DEVICE_PREFIX}{GPUS - 1}")
-        assert run(c, f"cat {render.SLURM_CONF}").stdout == \
-            (layout.ETC_SLURM / "slurm.conf").read_text()
+        run(c, f"test ! -e {render.SLURM_CONF}")
 
 
 @pytest.mark.cluster
@@ -153,6 +152,12 @@ def test_every_node_goes_idle_with_its_gpus(lc):
                      all(t.get(n, ("",))[0] == "idle" for n in NODE_NAMES) and t)
     assert table, f"nodes not idle: {sinfo_nodes(controller)}"
     assert {n: table[n] for n in NODE_NAMES} == {n: ("idle", f"gpu:sim:{GPUS}") for n in NODE_NAMES}
+    # Configless: each slurmd fetched the controller's slurm.conf and gres.conf into its cache,
+    # and client commands on the node read them there.
+    for c in nodes.values():
+        for conf in ("slurm.conf", "gres.conf"):
+            assert run(c, f"cat /run/slurm/conf/{conf}").stdout == (layout.ETC_SLURM / conf).read_text()
+        assert "gpu-node-01" in run(c, "sinfo -h -N -o %N").stdout
 
 
 @pytest.mark.cluster
