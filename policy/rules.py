@@ -46,6 +46,10 @@ SG_RULE = "aws:ec2/securityGroupRule:SecurityGroupRule"
 VPC_INGRESS = "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule"
 VPC_EGRESS = "aws:vpc/securityGroupEgressRule:SecurityGroupEgressRule"
 NETWORK_INTERFACE = "aws:ec2/networkInterface:NetworkInterface"
+EIP = "aws:ec2/eip:Eip"
+EIP_ASSOCIATION = "aws:ec2/eipAssociation:EipAssociation"
+SUBNET = "aws:ec2/subnet:Subnet"
+EFA_TYPES = ("efa", "efa-only")
 PLACEMENT_GROUP = "aws:ec2/placementGroup:PlacementGroup"
 KEY_PAIR = "aws:ec2/keyPair:KeyPair"
 
@@ -402,24 +406,78 @@ def _refers_to(res: Any, prop: str, value: Any, target: Any, target_keys: Sequen
     return any(d.urn == target.urn for d in deps)
 
 
+def _attached_interfaces(inst: Any, enis: list) -> list:
+    """The network interfaces among `enis` that `inst` is launched with."""
+    attached = []
+    for prop in ("primaryNetworkInterface", "networkInterfaces"):
+        ok, val = _known(inst.props, prop)
+        ids = [] if not ok else [
+            _known(item, "networkInterfaceId")[1] for item in _list(val) if isinstance(item, Mapping)
+        ]
+        for eni in enis:
+            if eni not in attached and _refers_to(inst, prop, [i for i in ids if i] or None, eni):
+                attached.append(eni)
+    return attached
+
+
 def _efa_instances(resources: list) -> list[tuple[Any, list]]:
-    """(instance, its EFA interfaces) for every instance launched with an EFA interface."""
+    """(instance, its EFA interfaces) for every instance launched with an EFA interface
+    (`efa`, or `efa-only` on the extra network cards)."""
     enis = [r for r in resources
-            if r.resource_type == NETWORK_INTERFACE and _known(r.props, "interfaceType") == (True, "efa")]
+            if r.resource_type == NETWORK_INTERFACE and _known(r.props, "interfaceType")[1] in EFA_TYPES]
     out = []
     for inst in (r for r in resources if r.resource_type == INSTANCE):
-        attached = []
-        for prop in ("primaryNetworkInterface", "networkInterfaces"):
-            ok, val = _known(inst.props, prop)
-            ids = [] if not ok else [
-                _known(item, "networkInterfaceId")[1] for item in _list(val) if isinstance(item, Mapping)
-            ]
-            for eni in enis:
-                if eni not in attached and _refers_to(inst, prop, [i for i in ids if i] or None, eni):
-                    attached.append(eni)
+        attached = _attached_interfaces(inst, enis)
         if attached:
             out.append((inst, attached))
     return out
+
+
+def _gpu_instances(resources: list) -> list[tuple[Any, list]]:
+    """(instance, all its interfaces) for every GPU node: tagged Role=gpu, or launched with
+    an EFA interface (the GPU nodes of this project, whatever a refactor renames)."""
+    enis = [r for r in resources if r.resource_type == NETWORK_INTERFACE]
+    efa = {inst.urn for inst, _ in _efa_instances(resources)}
+    out = []
+    for inst in (r for r in resources if r.resource_type == INSTANCE):
+        _, role = _known(inst.props, "tags", "Role")
+        if role == "gpu" or inst.urn in efa:
+            out.append((inst, _attached_interfaces(inst, enis)))
+    return out
+
+
+def check_gpu_nodes_no_public_ip(args: StackValidationArgs, report: ReportViolation) -> None:
+    resources = args.resources
+    subnets = [r for r in resources if r.resource_type == SUBNET]
+    addresses = [(r, "networkInterface", "instance") for r in resources if r.resource_type == EIP] + \
+                [(r, "networkInterfaceId", "instanceId") for r in resources if r.resource_type == EIP_ASSOCIATION]
+    reported: set[str] = set()
+    for inst, enis in _gpu_instances(resources):
+        ok, public = _known(inst.props, "associatePublicIpAddress")
+        if ok and _truthy(public):
+            report(f"{inst.name} is a GPU node with associatePublicIpAddress true: GPU nodes take no "
+                   "public address; launch them in the private subnet, where they reach the internet "
+                   "through the NAT gateway", inst.urn)
+        for addr, eni_prop, inst_prop in addresses:
+            _, eni_id = _known(addr.props, eni_prop)
+            _, inst_id = _known(addr.props, inst_prop)
+            on_eni = next((e for e in enis if _refers_to(addr, eni_prop, eni_id, e)), None)
+            if on_eni is not None or _refers_to(addr, inst_prop, inst_id, inst):
+                where = f"interface {on_eni.name} of " if on_eni is not None else ""
+                report(f"Elastic IP {addr.name} is attached to {where}GPU node {inst.name}: GPU nodes "
+                       "take no public address; remove it (outbound traffic goes through the NAT "
+                       "gateway, SSH through the controller)", addr.urn)
+        for subnet in subnets:
+            if subnet.urn in reported:
+                continue
+            _, inst_subnet = _known(inst.props, "subnetId")
+            inside = _refers_to(inst, "subnetId", inst_subnet, subnet) or any(
+                _refers_to(e, "subnetId", _known(e.props, "subnetId")[1], subnet) for e in enis)
+            ok, maps = _known(subnet.props, "mapPublicIpOnLaunch")
+            if inside and ok and _truthy(maps):
+                reported.add(subnet.urn)
+                report(f"subnet {subnet.name} of GPU node {inst.name} has mapPublicIpOnLaunch true: set "
+                       "map_public_ip_on_launch=False on the GPU nodes' subnet", subnet.urn)
 
 
 def check_efa_placement_group(args: StackValidationArgs, report: ReportViolation) -> None:
@@ -538,6 +596,10 @@ def policies() -> list:
         _stack("efa-nodes-share-cluster-placement-group",
                "Instances with an EFA interface share one placement group with strategy \"cluster\".",
                check_efa_placement_group),
+        _stack("gpu-nodes-have-no-public-ip",
+               "GPU nodes have no public IP: no associatePublicIpAddress, no Elastic IP on them or their "
+               "interfaces, and their subnet does not map public IPs on launch.",
+               check_gpu_nodes_no_public_ip),
         _stack("efa-security-group-self-rules",
                "The security group of EFA interfaces keeps all-traffic ingress and egress rules to itself.",
                check_efa_self_rules),

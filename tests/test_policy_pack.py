@@ -405,7 +405,35 @@ def _inline_self_egress(stack):
     return _mutate(stack, "sec-sg", _set(egress=[{"protocol": "-1", "fromPort": 0, "toPort": 0, "self": True}]))
 
 
+def _address_on(suffix: str, typ: str, prop: str):
+    """The stack plus an Elastic IP (or EIP association) pointing at the resource *suffix."""
+    def change(stack):
+        stack = copy.deepcopy(stack)
+        target = one(stack, suffix)
+        name = f"extra-{typ.rsplit(':', 1)[-1].lower()}"
+        urn = target.urn.rsplit("::", 1)[0].rsplit("$", 1)[0] + f"$aws:ec2/eip:Eip::{name}"
+        props = {prop: target.id, "domain": "vpc"} if typ == rules.EIP else {prop: target.id}
+        stack.append(Res(typ, name, urn, f"{name}-id", target.parent, [], {prop: [target.urn]}, dict(props),
+                         {**props, "id": f"{name}-id"}))
+        return stack
+    return change
+
+
 STACK_CASES = [
+    ("gpu-node-with-public-ip", _edit("gpu-node-01", _set(associatePublicIpAddress=True)),
+     "gpu-nodes-have-no-public-ip",
+     r"mini-nodes-gpu-node-01 is a GPU node with associatePublicIpAddress true: GPU nodes take no public "
+     r"address"),
+    ("eip-on-a-gpu-interface", _address_on("gpu-node-02-eni", rules.EIP, "networkInterface"),
+     "gpu-nodes-have-no-public-ip",
+     r"Elastic IP extra-eip is attached to interface mini-nodes-gpu-node-02-eni of GPU node "
+     r"mini-nodes-gpu-node-02"),
+    ("eip-associated-with-a-gpu-instance", _address_on("gpu-node-01", rules.EIP_ASSOCIATION, "instanceId"),
+     "gpu-nodes-have-no-public-ip",
+     r"Elastic IP extra-eipassociation is attached to GPU node mini-nodes-gpu-node-01"),
+    ("gpu-subnet-maps-public-ips", _edit("gpu-subnet", _set(mapPublicIpOnLaunch=True)),
+     "gpu-nodes-have-no-public-ip",
+     r"subnet mini-net-gpu-subnet of GPU node mini-nodes-gpu-node-0\d has mapPublicIpOnLaunch true"),
     ("gpu-node-outside-placement-group", _no_group, "efa-nodes-share-cluster-placement-group",
      r"mini-nodes-gpu-node-02 has an EFA interface but no placementGroup"),
     ("spread-placement-group", _edit("nodes-pg", _set(strategy="spread")),
@@ -432,6 +460,43 @@ def test_stack_policy_violation(cluster, change, policy, pattern):
     assert any(re.search(pattern, f.message) for f in found), [f.message for f in found]
 
 
+def test_public_addresses_the_design_has_pass(cluster):
+    """The controller's public IP, its public subnet and the NAT gateway's Elastic IP are
+    allowed: the rule is about GPU nodes only."""
+    assert one(cluster, "nodes-controller").inputs["associatePublicIpAddress"] is True
+    assert [r.name for r in cluster if r.typ == rules.EIP] == ["mini-net-nat-eip"]
+    mapped = _mutate(cluster, "public-subnet", _set(mapPublicIpOnLaunch=True))
+    assert analyze_stack(mapped) == []
+    # An Elastic IP on the controller is not a GPU node's either.
+    assert analyze_stack(_address_on("nodes-controller", rules.EIP, "instance")(cluster)) == []
+
+
+def test_gpu_nodes_are_found_without_efa_by_their_role_tag():
+    stack = declare(efa=False, gpuNodeCount=1, gpuInstanceType="g4dn.xlarge")
+    assert analyze_stack(stack) == []
+    found = analyze_stack(_mutate(stack, "gpu-node-01", _set(associatePublicIpAddress=True)))
+    assert [f.policy for f in found] == ["gpu-nodes-have-no-public-ip"]
+
+
+def test_no_public_ip_rule_works_during_preview(cluster):
+    """With every id unknown, the EIP is still tied to the GPU interface through the engine's
+    property dependencies."""
+    preview = as_preview(_address_on("gpu-node-01-eni", rules.EIP, "networkInterface")(cluster))
+    assert one(preview, "extra-eip").outputs["networkInterface"] == UNKNOWN_STRING_VALUE
+    found = analyze_stack(preview)
+    assert [f.policy for f in found] == ["gpu-nodes-have-no-public-ip"] and found[0].mandatory
+
+
+def test_efa_only_interfaces_of_a_multi_card_node_are_checked():
+    """p4d.24xlarge: 4 EFA interfaces per node; each is tied to its node, and an Elastic IP on
+    the third card's interface is caught too."""
+    stack = declare(gpuInstanceType="p4d.24xlarge")
+    assert analyze(stack) == [] and analyze_stack(stack) == []
+    found = analyze_stack(_address_on("gpu-node-01-efa3", rules.EIP, "networkInterface")(stack))
+    assert [f.policy for f in found] == ["gpu-nodes-have-no-public-ip"]
+    assert "interface mini-nodes-gpu-node-01-efa3 of GPU node mini-nodes-gpu-node-01" in found[0].message
+
+
 def test_self_egress_may_be_an_inline_rule(cluster):
     assert analyze_stack(_inline_self_egress(cluster)) == []
 
@@ -454,7 +519,8 @@ def test_main_builds_the_pack_with_every_policy_mandatory(monkeypatch):
     info = svc.GetAnalyzerInfo(None, None)
     assert info.name == "slurm-gpu-security"
     by_name = {p.name: p for p in info.policies}
-    stack_policies = {"efa-nodes-share-cluster-placement-group", "efa-security-group-self-rules"}
+    stack_policies = {"efa-nodes-share-cluster-placement-group", "efa-security-group-self-rules",
+                      "gpu-nodes-have-no-public-ip"}
     assert set(by_name) == {p.name for p in rules.policies()} == stack_policies | {
         "ssh-not-open-to-internet", "only-ssh-from-outside", "instances-require-imdsv2",
         "volumes-encrypted", "user-data-has-no-munge-key", "no-private-key-material",
