@@ -14,7 +14,7 @@ from invoke.exceptions import Exit
 from paramiko.ssh_exception import NoValidConnectionsError, SSHException
 
 from localcluster.tasks import ns as local_ns
-from ops import inventory, jobs, munge, options, slurm, stream
+from ops import inventory, jobs, munge, options, power, slurm, stream
 from ops import train as flow
 from ops.cloudinit import CloudInitFailed
 from ops.remote import Cluster, HostError, connect, each
@@ -95,13 +95,27 @@ def train(c, target=None, stack=None, config=None, nodes=None, gpus_per_node=Non
 @task(help={"target": "aws (default) or local", "stack": "Pulumi stack", "identity": "SSH private key"})
 @_clean_errors
 def status(c, target=None, stack=None, identity=None):
-    """Show the cluster's hosts (reachable or not), Slurm's nodes (sinfo) and the queue (squeue)."""
+    """Show the cluster's hosts (reachable or not, power state), Slurm's nodes (sinfo) and the queue (squeue).
+
+    Power state per GPU node from sinfo's state flags: on, stopped (`~`, idle power-save),
+    starting (`#`), stopping (`%`).
+    """
     cl, _ = _cluster(c, target, stack, identity)
     inv = cl.inventory
     try:
         print(f"{inv.target} cluster {inv.cluster_name!r}: {len(inv.gpu_nodes)} GPU node(s) x "
               f"{inv.gpus_per_node} {inv.gpu_type}")
-        conns = {"controller": cl.controller, **cl.nodes}
+        try:
+            powers = power.node_power(cl.controller) or {}
+        except (OSError, SSHException):  # reported below: the controller does not answer
+            powers = {}
+        idle_stop = inv.extra.get("idle_stop_s")
+        print(f"  idle GPU nodes stop after {idle_stop // 60 or idle_stop} "
+              f"{'min' if idle_stop >= 60 else 's'} (power saving)" if idle_stop else
+              "  idle GPU nodes never stop (power saving off)")
+        # A stopped node has no SSH to probe: its power state says it all.
+        stopped = {n for n, p in powers.items() if p == "stopped"}
+        conns = {"controller": cl.controller, **{n: c for n, c in cl.nodes.items() if n not in stopped}}
         up: dict[str, str] = {}
         try:
             up = each("ssh", conns, lambda n, conn: conn.run("uptime -p || true", hide=True).stdout.strip())
@@ -113,7 +127,9 @@ def status(c, target=None, stack=None, identity=None):
                   for n in conns}
         for node in inv.nodes:
             addr = node.public_ip or node.private_ip
-            print(f"  {node.name:<14} {node.role:<10} {addr:<16} {up.get(node.name, '?')}")
+            pw = f"power {powers[node.name]}" if node.name in powers else ""
+            text = "(no SSH while stopped; the next job starts it)" if node.name in stopped else up.get(node.name, "?")
+            print(f"  {node.name:<14} {node.role:<10} {addr:<16} {pw:<22} {text}")
         if up.get("controller", "").startswith("UNREACHABLE"):
             raise Exit("fab status: the controller is unreachable", code=1)
         print(cl.controller.run("sinfo -N -o '%N %9T %G %E'", hide=True, warn=True).stdout.rstrip())

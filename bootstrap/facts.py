@@ -33,6 +33,27 @@ class NodeShape:
 
 
 @dataclass(frozen=True)
+class PowerSave:
+    """Slurm power saving: a GPU node idle for `suspend_time` seconds is stopped by
+    `suspend_program` and started again by `resume_program` when a job needs it.
+
+    `provider` says who supplies the programs: "ec2" (bootstrap/ renders them: they stop
+    and start the instances through the EC2 API) or "local" (the local cluster installs
+    its own, which stop and start a host's slurmd). `interval`: how often slurmctld
+    looks for idle nodes (SlurmctldParameters=power_save_interval; None keeps Slurm's 10 s).
+    """
+
+    suspend_time: int
+    suspend_program: str
+    resume_program: str
+    suspend_timeout: int
+    resume_timeout: int
+    provider: str = "ec2"
+    interval: int | None = None
+    region: str | None = None  # ec2: the stack's region (None: the programs ask the instance metadata)
+
+
+@dataclass(frozen=True)
 class ClusterFacts:
     cluster_name: str
     controller: Host
@@ -50,6 +71,8 @@ class ClusterFacts:
     # Slurm's defaults; the local cluster shortens both so a node-loss test takes seconds.
     slurmd_timeout: int = 180
     cred_expire: int = 120
+    # None: nodes never stop when idle (no power-save keys in slurm.conf).
+    power_save: PowerSave | None = None
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -100,6 +123,7 @@ def facts_from_dict(data: dict) -> ClusterFacts:
             "controller": Host(**data["controller"]),
             "gpu_nodes": tuple(Host(**h) for h in data["gpu_nodes"]),
             "shape": NodeShape(**data["shape"]),
+            "power_save": PowerSave(**data["power_save"]) if data.get("power_save") else None,
         })
     except (KeyError, TypeError) as exc:
         raise ValueError(f"cluster facts are malformed ({exc})") from exc

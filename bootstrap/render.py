@@ -39,6 +39,10 @@ SLURMD_ENV_FILE = "/etc/slurm-gpu/slurmd.env"
 SLURMD_DROPIN = "/etc/systemd/system/slurmd.service.d/slurm-gpu.conf"
 HEALTHCHECK_PATH = "/usr/local/sbin/slurm-gpu-healthcheck"
 BOOTSTRAP_PATH = "/usr/local/sbin/slurm-gpu-bootstrap"
+# Slurm's SuspendProgram/ResumeProgram on AWS (run by slurmctld as SlurmUser) and their log.
+SUSPEND_PATH = "/usr/local/sbin/slurm-gpu-suspend"
+RESUME_PATH = "/usr/local/sbin/slurm-gpu-resume"
+POWER_LOG = "/var/log/slurm/slurm-gpu-power.log"
 ENV_PROFILE = "/etc/profile.d/slurm-gpu.sh"
 TRAINING_VENV = "/opt/slurm-gpu/venv"
 TRAINING_PYTHON = f"{TRAINING_VENV}/bin/python"
@@ -52,7 +56,8 @@ HOSTS_END = "# END slurm-gpu hosts"
 MAX_USER_DATA_BYTES = 16384
 
 # Mode of each rendered file (default 0644).
-FILE_MODES = {HEALTHCHECK_PATH: 0o755, BOOTSTRAP_PATH: 0o755}
+FILE_MODES = {HEALTHCHECK_PATH: 0o755, BOOTSTRAP_PATH: 0o755, SUSPEND_PATH: 0o755, RESUME_PATH: 0o755}
+
 
 # The training stack on GPU nodes: pinned to the same versions as the repo's
 # requirements.txt (the one place versions live). torch from the default index
@@ -115,6 +120,7 @@ def _context(facts: ClusterFacts) -> dict:
         raise ValueError("NodeShape cpus and real_memory_mib must be positive")
     if facts.slurmd_timeout < 1 or facts.cred_expire < 5:  # Slurm ignores cred_expire < 5
         raise ValueError("slurmd_timeout must be >= 1 and cred_expire >= 5 seconds")
+    _check_power_save(facts)
     last = shape.gpu_count - 1
     prefix = facts.gpu_device_prefix
     gpu_files = f"{prefix}0" if last == 0 else f"{prefix}[0-{last}]"
@@ -144,10 +150,39 @@ def _context(facts: ClusterFacts) -> dict:
             "venv": TRAINING_VENV,
             "state_dir": STATE_DIR,
             "marker": MARKER_PATH,
+            "suspend": SUSPEND_PATH,
+            "resume": RESUME_PATH,
+            "power_log": POWER_LOG,
         },
+        "power": facts.power_save,
         "hosts_begin": HOSTS_BEGIN,
         "hosts_end": HOSTS_END,
     }
+
+
+POWER_PROVIDERS = ("ec2", "local")
+
+
+def _check_power_save(facts: ClusterFacts) -> None:
+    ps = facts.power_save
+    if ps is None:
+        return
+    if ps.provider not in POWER_PROVIDERS:
+        raise ValueError(f"power_save.provider must be one of {', '.join(POWER_PROVIDERS)} (got {ps.provider!r})")
+    if ps.suspend_time < 1 or ps.suspend_timeout < 1 or ps.resume_timeout < 1:
+        raise ValueError("power_save suspend_time, suspend_timeout and resume_timeout must be >= 1 second")
+    if ps.interval is not None and ps.interval < 1:
+        raise ValueError("power_save.interval must be >= 1 second")
+    for prog in (ps.suspend_program, ps.resume_program):
+        if not prog.startswith("/"):
+            raise ValueError(f"power-save program {prog!r} must be an absolute path (slurmctld refuses others)")
+
+
+def render_power_program(facts: ClusterFacts, action: str) -> str:
+    """The EC2 SuspendProgram ("suspend") or ResumeProgram ("resume") of the controller."""
+    if action not in ("suspend", "resume"):
+        raise ValueError(f"action must be suspend or resume (got {action!r})")
+    return _SCRIPTS.get_template("power-ec2.sh.j2").render(action=action, **_context(facts))
 
 
 def render_slurm_conf(facts: ClusterFacts) -> str:
@@ -195,7 +230,7 @@ def render_files(facts: ClusterFacts) -> dict[str, str]:
 
     Modes: FILE_MODES (executables), everything else 0644, owned by root.
     """
-    return {
+    files = {
         SLURM_CONF: render_slurm_conf(facts),
         GRES_CONF: render_gres_conf(facts),
         EXPORTS_FILE: render_exports(facts),
@@ -204,13 +239,18 @@ def render_files(facts: ClusterFacts) -> dict[str, str]:
         SLURMD_ENV_FILE: render_slurmd_env(facts),
         SLURMD_DROPIN: render_slurmd_dropin(facts),
     }
+    if facts.power_save is not None and facts.power_save.provider == "ec2":
+        files[SUSPEND_PATH] = render_power_program(facts, "suspend")
+        files[RESUME_PATH] = render_power_program(facts, "resume")
+    return files
 
 
 # What each role does not get. GPU nodes run slurmd in configless mode: slurm.conf and
 # gres.conf come from slurmctld at start, so no GPU node file depends on the node list.
 NOT_FOR_ROLE = {
     "controller": (HEALTHCHECK_PATH, SLURMD_ENV_FILE, SLURMD_DROPIN),
-    "gpu": (EXPORTS_FILE, SLURM_CONF, GRES_CONF),
+    # slurmctld runs the power programs: only the controller has them.
+    "gpu": (EXPORTS_FILE, SLURM_CONF, GRES_CONF, SUSPEND_PATH, RESUME_PATH),
 }
 
 
@@ -228,7 +268,7 @@ def role_files(facts: ClusterFacts, role: str) -> dict[str, str]:
     _check_role(role)
     files = render_files(facts)
     for path in NOT_FOR_ROLE[role]:
-        files.pop(path)
+        files.pop(path, None)
     return files
 
 

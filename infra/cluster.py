@@ -11,6 +11,7 @@ from bootstrap.render import TRAINING_PYTHON
 from infra.config import StackConfig
 from infra.network import NetworkComponent
 from infra.nodes import NodesComponent
+from infra.power import PowerSaveComponent
 from infra.security import SecurityComponent
 from ops.inventory import Inventory, Node
 
@@ -33,10 +34,22 @@ def build_inventory(facts: ClusterFacts, controller_public_ip: str | None, regio
         python=TRAINING_PYTHON,  # where the GPU nodes' bootstrap installs the training stack
         service_cmd=SERVICE_CMD,
         scratch=facts.scratch,
-        extra={"region": region} if region else {},
+        extra=_extra(facts, region),
         facts=facts_to_dict(facts),  # what `fab reconfigure` renders slurm.conf from
     )
     return asdict(inv)
+
+
+# What `fab train` tells the user when it starts stopped nodes (an EC2 start plus boot).
+POWER_UP_TIME = "~2-4 minutes"
+
+
+def _extra(facts: ClusterFacts, region: str | None) -> dict:
+    extra: dict = {"region": region} if region else {}
+    if facts.power_save is not None:
+        extra.update(idle_stop_s=facts.power_save.suspend_time, power_up_time=POWER_UP_TIME,
+                     resume_timeout_s=facts.power_save.resume_timeout)
+    return extra
 
 
 class ClusterComponent(pulumi.ComponentResource):
@@ -56,6 +69,10 @@ class ClusterComponent(pulumi.ComponentResource):
             f"{name}-sec", cluster_name=facts.cluster_name, vpc_id=self.network.vpc.id,
             admin_cidr=cfg.admin_cidr, opts=child,
         )
+        # The controller's role to stop/start idle GPU nodes (none when they never stop).
+        self.power = PowerSaveComponent(
+            f"{name}-power", cluster_name=facts.cluster_name, region=region, opts=child,
+        ) if facts.power_save is not None else None
         self.nodes = NodesComponent(
             f"{name}-nodes",
             facts=facts,
@@ -71,6 +88,7 @@ class ClusterComponent(pulumi.ComponentResource):
             efa_interfaces=efa_interfaces,
             controller_internet=self.network.controller_internet,
             gpu_internet=self.network.gpu_internet,
+            controller_instance_profile=self.power.instance_profile.name if self.power else None,
             opts=pulumi.ResourceOptions(parent=self, depends_on=[self.network, self.security]),
         )
 

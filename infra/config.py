@@ -70,7 +70,13 @@ SETTINGS: dict[str, tuple[Any, str]] = {
     "availabilityZone": (None, "ap-northeast-2a"),
     "clusterName": ("mini", "mini"),
     "efa": (True, "true"),
+    "idleStopMinutes": (30, "30"),
 }
+
+# idleStopMinutes: 0 turns stopping off; otherwise at least this long, so a node is not
+# stopped and started again between the jobs of one session (a start takes minutes).
+MIN_IDLE_STOP_MINUTES = 5
+MAX_IDLE_STOP_MINUTES = 7 * 24 * 60
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,7 @@ class StackConfig:
     availability_zone: str | None
     cluster_name: str
     efa: bool
+    idle_stop_minutes: int = 30  # 0: GPU nodes never stop when idle
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any]) -> StackConfig:
@@ -184,6 +191,16 @@ class StackConfig:
                 "mini",
             )
 
+        idle = _int("idleStopMinutes", value("idleStopMinutes"))
+        if idle != 0 and not MIN_IDLE_STOP_MINUTES <= idle <= MAX_IDLE_STOP_MINUTES:
+            raise _fail(
+                "idleStopMinutes",
+                f"is {idle}; it must be 0 (GPU nodes never stop when idle) or between "
+                f"{MIN_IDLE_STOP_MINUTES} and {MAX_IDLE_STOP_MINUTES} minutes of idle time before Slurm "
+                "stops a GPU node",
+                "30",
+            )
+
         return cls(
             admin_cidr=_admin_cidr(value("adminCidr")),
             ssh_public_key=_ssh_key(value("sshPublicKey")),
@@ -200,6 +217,7 @@ class StackConfig:
             availability_zone=az,
             cluster_name=name,
             efa=_bool("efa", value("efa")),
+            idle_stop_minutes=idle,
         )
 
 

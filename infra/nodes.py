@@ -45,6 +45,7 @@ class NodesComponent(pulumi.ComponentResource):
         efa_interfaces: int,
         controller_internet: Sequence[pulumi.Resource],
         gpu_internet: Sequence[pulumi.Resource],
+        controller_instance_profile: pulumi.Input[str] | None = None,
         opts: pulumi.ResourceOptions | None = None,
     ):
         super().__init__("slurm-gpu:infra:Nodes", name, None, opts)
@@ -67,6 +68,8 @@ class NodesComponent(pulumi.ComponentResource):
             ami=ami_id,
             instance_type=controller_instance_type,
             key_name=self.key_pair.key_name,
+            # Only the controller has a role: it stops/starts idle GPU nodes (infra/power.py).
+            iam_instance_profile=controller_instance_profile,
             subnet_id=public_subnet_id,
             private_ip=facts.controller.ip,
             vpc_security_group_ids=[security_group_id],

@@ -8,13 +8,29 @@ from __future__ import annotations
 
 import pulumi
 
-from bootstrap.facts import ClusterFacts, plan_hosts
+from bootstrap.facts import ClusterFacts, PowerSave, plan_hosts
 from infra import config as stack_config
 from infra.ami import resolve_ami
 from infra.cluster import ClusterComponent
 from infra.facts import check_controller_type, choose_availability_zone, lookup_gpu_node_facts
 
 SSH_USER = "ubuntu"  # the Ubuntu AMI's login user
+# Power saving on EC2: a stop may take this long before the node can be started again
+# (the resume program also waits for "stopped"), and a start (boot, driver, slurmd) this long
+# before Slurm gives up on the node and requeues its job.
+SUSPEND_TIMEOUT_S = 180
+RESUME_TIMEOUT_S = 900
+
+
+def power_save(cfg: stack_config.StackConfig, region: str | None) -> PowerSave | None:
+    """slurm.conf's power saving from slurm-gpu:idleStopMinutes (0: none)."""
+    if cfg.idle_stop_minutes == 0:
+        return None
+    from bootstrap.render import RESUME_PATH, SUSPEND_PATH
+
+    return PowerSave(suspend_time=cfg.idle_stop_minutes * 60, suspend_program=SUSPEND_PATH,
+                     resume_program=RESUME_PATH, suspend_timeout=SUSPEND_TIMEOUT_S,
+                     resume_timeout=RESUME_TIMEOUT_S, provider="ec2", region=region)
 
 
 def plan(cfg: stack_config.StackConfig) -> tuple[ClusterFacts, str, str, int]:
@@ -35,6 +51,7 @@ def plan(cfg: stack_config.StackConfig) -> tuple[ClusterFacts, str, str, int]:
         ssh_user=SSH_USER,
         efa=cfg.efa,
         nvlink=gpu.nvlink,
+        power_save=power_save(cfg, pulumi.Config("aws").get("region")),
     )
     return facts, az, ami.id, gpu.efa_interfaces
 

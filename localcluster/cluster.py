@@ -25,7 +25,8 @@ from pathlib import Path
 
 from bootstrap import render
 from bootstrap.facts import ClusterFacts, NodeShape, plan_hosts
-from localcluster import daemons, hosts, layout, netns
+from localcluster import daemons, hosts, layout, netns, power
+from ops import hostkeys
 from ops.inventory import Inventory, Node
 
 REPO = Path(__file__).resolve().parent.parent
@@ -127,7 +128,7 @@ def machine_shape(gpus: int) -> NodeShape:
                      gpu_count=gpus, gpu_type=layout.GPU_TYPE)
 
 
-def cluster_facts(nodes: int, gpus: int) -> ClusterFacts:
+def cluster_facts(nodes: int, gpus: int, idle_stop_s: int = 0) -> ClusterFacts:
     ctl, gpu_hosts = plan_hosts(layout.SUBNET, nodes)
     return ClusterFacts(
         cluster_name=layout.CLUSTER_NAME, controller=ctl, gpu_nodes=gpu_hosts,
@@ -137,7 +138,7 @@ def cluster_facts(nodes: int, gpus: int) -> ClusterFacts:
         # requeued job waits cred_expire before it starts again; it must stay above slurmctld's
         # 60 s retry of the terminate request to the lost node, or that late retry kills the new
         # attempt (same job id) when the node is back.
-        slurmd_timeout=15, cred_expire=70,
+        slurmd_timeout=15, cred_expire=70, power_save=power.power_save(idle_stop_s),
     )
 
 
@@ -183,6 +184,10 @@ def write_files(facts: ClusterFacts, specs: list[HostSpec]) -> None:
     shutil.copyfile(HOSTCTL_SRC, layout.HOSTCTL)
     layout.HOSTCTL.chmod(0o755)
     _ssh_keys(specs)
+    hostkeys.write_known_hosts(layout.KNOWN_HOSTS, [
+        ((s.name, s.ip), [layout.host_key(s.name).with_suffix(".pub").read_text()]) for s in specs])
+    if facts.power_save is not None:
+        power.install()
     for s in specs:
         d = layout.host_dir(s.name)
         _install_dir(d, 0o755)
@@ -227,17 +232,20 @@ def host_mounts(s: HostSpec) -> list[hosts.Mount]:
 
 
 def up(nodes=layout.DEFAULT_NODES, gpus=layout.DEFAULT_GPUS, fresh_keys: bool = False,
-       out: Out = print) -> Inventory:
-    """Bring the cluster up (see the module docstring); returns its inventory."""
+       out: Out = print, idle_stop_s=0) -> Inventory:
+    """Bring the cluster up (see the module docstring); returns its inventory.
+    idle_stop_s > 0: Slurm stops a GPU host's slurmd after that many idle seconds."""
     nodes, gpus = validate(nodes, gpus)
+    idle_stop_s = power.validate_idle_stop(idle_stop_s)
     preflight()
     with op_lock():
         state = load_state()
         if state is not None:
-            if (state["nodes"], state["gpus"]) != (nodes, gpus):
+            if (state["nodes"], state["gpus"], state.get("idle_stop_s", 0)) != (nodes, gpus, idle_stop_s):
                 raise ClusterError(
-                    f"a local cluster with {state['nodes']} GPU hosts x {state['gpus']} GPUs is "
-                    f"already up; run `fab local.down` first to make one with {nodes} x {gpus}")
+                    f"a local cluster with {state['nodes']} GPU hosts x {state['gpus']} GPUs "
+                    f"(idle stop {state.get('idle_stop_s', 0)} s) is already up; run `fab local.down` first "
+                    f"to make one with {nodes} x {gpus} (idle stop {idle_stop_s} s)")
             problems = health(state)
             if not problems:
                 out(f"local cluster already up ({nodes} GPU hosts x {gpus} GPUs); nothing to do")
@@ -246,18 +254,18 @@ def up(nodes=layout.DEFAULT_NODES, gpus=layout.DEFAULT_GPUS, fresh_keys: bool = 
         if state is not None or leftovers():
             _down(state, out=lambda _m: None)
         try:
-            return _create(nodes, gpus, fresh_keys, out)
+            return _create(nodes, gpus, fresh_keys, out, idle_stop_s)
         except BaseException:
             out("local.up failed; taking down what was made")
             _down(load_state(), out=lambda _m: None)
             raise
 
 
-def _create(nodes: int, gpus: int, fresh_keys: bool, out: Out) -> Inventory:
+def _create(nodes: int, gpus: int, fresh_keys: bool, out: Out, idle_stop_s: int = 0) -> Inventory:
     t0 = time.monotonic()
     specs = plan(nodes)
-    facts = cluster_facts(nodes, gpus)
-    state = {"nodes": nodes, "gpus": gpus, "fresh_keys": fresh_keys, "hosts": [],
+    facts = cluster_facts(nodes, gpus, idle_stop_s)
+    state = {"nodes": nodes, "gpus": gpus, "fresh_keys": fresh_keys, "idle_stop_s": idle_stop_s, "hosts": [],
              "made_mount_points": [], "started": time.time()}
     layout.STATE.mkdir(parents=True, exist_ok=True)
     save_state(state)  # from here on, `down` knows what to remove
@@ -307,7 +315,7 @@ def _create(nodes: int, gpus: int, fresh_keys: bool, out: Out) -> Inventory:
     daemons.poll("slurmctld on controller", lambda: daemons.slurmctld_up(pids[ctl.name]), 30, 0.2)
     out(f"  munged, sshd, slurmctld running ({time.monotonic() - t0:.1f} s)")
 
-    inventory = make_inventory(nodes, gpus)
+    inventory = make_inventory(nodes, gpus, idle_stop_s)
     _write(layout.INVENTORY, inventory.to_json() + "\n", 0o600)
     if not fresh_keys:
         # Exactly what `fab train` does on AWS: the controller's key to every node.
@@ -334,7 +342,7 @@ def _create(nodes: int, gpus: int, fresh_keys: bool, out: Out) -> Inventory:
     return inventory
 
 
-def make_inventory(nodes: int, gpus: int) -> Inventory:
+def make_inventory(nodes: int, gpus: int, idle_stop_s: int = 0) -> Inventory:
     specs = plan(nodes)
     ctl = specs[0]
     return Inventory(
@@ -346,6 +354,7 @@ def make_inventory(nodes: int, gpus: int) -> Inventory:
         python=str(REPO / ".venv" / "bin" / "python"),
         service_cmd=f"{layout.HOSTCTL} {{action}} {{service}}",
         scratch="/scratch", ssh_key_file=str(layout.CLUSTER_KEY),
+        extra=power.inventory_extra(idle_stop_s),
     )
 
 

@@ -36,6 +36,9 @@ case $service in
              # shellcheck source=/dev/null
              read -ra opts <<< "$(SLURMD_OPTIONS=; . /etc/slurm-gpu/slurmd.env 2>/dev/null || true
                                   echo "$SLURMD_OPTIONS")"
+             # SLURMD_REBOOTED=1 (the local power programs' "power on"): slurmd -b reports a
+             # fresh boot, which Slurm requires of a node it is powering up.
+             [ "${SLURMD_REBOOTED:-0}" = 1 ] && opts+=(-b)
              cmd=(/usr/sbin/slurmd -N "$host" "${opts[@]}") ;;
   *) usage ;;
 esac

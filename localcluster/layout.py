@@ -34,6 +34,8 @@ ETC_SLURM_GPU = STATE / "etc-slurm-gpu"  # the cluster's /etc/slurm-gpu (hosts b
 SSH_DIR = STATE / "ssh"
 CLUSTER_KEY = SSH_DIR / "id_ed25519"
 AUTHORIZED_KEYS = SSH_DIR / "authorized_keys"
+# The hosts' pinned SSH host keys (fab and the power programs check them), rewritten by `up`.
+KNOWN_HOSTS = STATE / "known_hosts"
 SCRATCH = STATE / "scratch"
 
 # Inside every host the GPUs are plain files under the host's own /var/lib/slurm.

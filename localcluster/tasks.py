@@ -16,8 +16,10 @@ def _fail(exc: Exception) -> Exit:
     "gpus": f"stand-in GPUs per host ({layout.MIN_GPUS}-{layout.MAX_GPUS}, default {layout.DEFAULT_GPUS})",
     "fresh-keys": "leave each GPU host with its own munge key, as a fresh AWS node "
                   "(`fab train` then installs the controller's key)",
+    "idle-stop": "seconds a GPU host may stay idle before Slurm stops its slurmd "
+                 "(power saving, as idleStopMinutes on AWS; default 0: never)",
 })
-def up(c, nodes=None, gpus=None, fresh_keys=False):
+def up(c, nodes=None, gpus=None, fresh_keys=False, idle_stop=None):
     """Start the local cluster: a controller and N GPU hosts in network namespaces (root).
 
     Real munged, sshd, slurmctld and slurmd run from the files bootstrap/ renders
@@ -29,8 +31,9 @@ def up(c, nodes=None, gpus=None, fresh_keys=False):
     # report a bad value by option name instead of invoke's traceback.
     try:
         cluster.up(nodes=layout.DEFAULT_NODES if nodes is None else nodes,
-                   gpus=layout.DEFAULT_GPUS if gpus is None else gpus, fresh_keys=fresh_keys)
-    except (cluster.ClusterError, RuntimeError) as exc:
+                   gpus=layout.DEFAULT_GPUS if gpus is None else gpus, fresh_keys=fresh_keys,
+                   idle_stop_s=0 if idle_stop is None else idle_stop)
+    except (cluster.ClusterError, RuntimeError, ValueError) as exc:
         raise _fail(exc) from None
 
 

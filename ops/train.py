@@ -20,7 +20,7 @@ from pathlib import Path
 
 from fabric import Connection
 
-from ops import cloudinit, jobs, munge, slurm, stream, summary
+from ops import cloudinit, jobs, munge, power, slurm, stream, summary
 from ops.inventory import Inventory
 from ops.options import REPO, TrainOptions
 from ops.remote import Cluster, HostError, each, service
@@ -339,6 +339,7 @@ def failure(job_id: str, followed: stream.Followed, log_path: str) -> TrainError
 
 def run(cl: Cluster, opts: TrainOptions, nodes: int, gpus: int, say: Say = print,
         raw: bool = False) -> summary.RunSummary:
+    power.wake(cl, say)  # every later step reaches the nodes over SSH
     wait_cloud_init(cl, say)
     check_inputs(cl, opts, say)
     changed = sync_munge_key(cl, say)

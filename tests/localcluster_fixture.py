@@ -27,7 +27,7 @@ def cluster_lock():
 
 
 @contextmanager
-def fresh_cluster(nodes: int = 2, gpus: int = 2, fresh_keys: bool = False):
+def fresh_cluster(nodes: int = 2, gpus: int = 2, fresh_keys: bool = False, idle_stop_s: int = 0):
     """Yield (inventory, job_dirs) of a new cluster; job_dirs collects /scratch paths to remove."""
     from localcluster import cluster, layout
 
@@ -35,7 +35,8 @@ def fresh_cluster(nodes: int = 2, gpus: int = 2, fresh_keys: bool = False):
     with cluster_lock():
         try:
             cluster.down(out=_quiet)  # start clean (also after an earlier crash)
-            yield cluster.up(nodes=nodes, gpus=gpus, fresh_keys=fresh_keys, out=_quiet), job_dirs
+            yield cluster.up(nodes=nodes, gpus=gpus, fresh_keys=fresh_keys, out=_quiet,
+                             idle_stop_s=idle_stop_s), job_dirs
         finally:
             try:
                 cluster.down(out=_quiet)

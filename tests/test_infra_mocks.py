@@ -174,6 +174,8 @@ class ClusterMocks(pulumi.runtime.Mocks):
             state["keyName"] = f"{args.name}-1a2b3c"
         if args.typ == "aws:ec2/placementGroup:PlacementGroup":
             state["name"] = f"{args.name}-4d5e6f"
+        if args.typ in ("aws:iam/instanceProfile:InstanceProfile", "aws:iam/role:Role"):
+            state["name"] = f"{args.name}-5e6f7a"  # the provider's auto-name
         return f"{args.name}-id", state
 
     def of_type(self, typ: str) -> list[Registered]:
@@ -215,6 +217,9 @@ TYPES = {
     "instance": "aws:ec2/instance:Instance",
     "eni": "aws:ec2/networkInterface:NetworkInterface",
     "eip": "aws:ec2/eip:Eip",
+    "role": "aws:iam/role:Role",
+    "role_policy": "aws:iam/rolePolicy:RolePolicy",
+    "instance_profile": "aws:iam/instanceProfile:InstanceProfile",
 }
 
 BASE_CONFIG = {"adminCidr": ADMIN_CIDR, "sshPublicKey": SSH_KEY}

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from bootstrap import render
-from bootstrap.facts import ClusterFacts, Host, NodeShape, facts_from_dict, max_gpu_nodes
+from bootstrap.facts import ClusterFacts, Host, NodeShape, PowerSave, facts_from_dict, max_gpu_nodes
 from infra.config import ConfigError
 from ops.inventory import Inventory
 from tests.test_infra_mocks import (
@@ -330,6 +330,10 @@ def test_user_data_is_rendered_from_the_cluster_facts(deployed):
         ssh_user="ubuntu",
         efa=case.efa,
         nvlink=case.nvlink,
+        # idleStopMinutes' default (30 min), the EC2 programs, the stack's region.
+        power_save=PowerSave(suspend_time=1800, suspend_program="/usr/local/sbin/slurm-gpu-suspend",
+                             resume_program="/usr/local/sbin/slurm-gpu-resume", suspend_timeout=180,
+                             resume_timeout=900, provider="ec2", region="ap-northeast-2"),
     )
     assert ctl_ud == render.user_data(facts, "controller")
     # Each GPU node gets its own user-data, made from the controller and itself only.
@@ -435,12 +439,13 @@ def test_components_own_their_resources(deployed):
     comps = {r.urn: r for r in run.mocks.components if r.typ.startswith("slurm-gpu:infra:")}
     assert {c.typ for c in comps.values()} == {
         "slurm-gpu:infra:Cluster", "slurm-gpu:infra:Network", "slurm-gpu:infra:Security",
-        "slurm-gpu:infra:Nodes",
+        "slurm-gpu:infra:Nodes", "slurm-gpu:infra:PowerSave",
     }
     owner = {
         "vpc": "Network", "igw": "Network", "subnet": "Network", "rt": "Network", "route": "Network",
         "rta": "Network", "nat": "Network", "eip": "Network", "sg": "Security", "ingress": "Security",
         "egress": "Security", "key": "Nodes", "pg": "Nodes", "instance": "Nodes", "eni": "Nodes",
+        "role": "PowerSave", "role_policy": "PowerSave", "instance_profile": "PowerSave",
     }
     for short, comp in owner.items():
         for res in run.of_type(short):

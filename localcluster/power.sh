@@ -1,0 +1,48 @@
+#!/bin/bash
+# The local cluster's power programs: a GPU host "powers off" when its slurmd stops and
+# "on" when it starts again. One file, installed under three names (localcluster/power.py):
+#   slurm-gpu-suspend HOSTLIST  Slurm's SuspendProgram (run by slurmctld as SlurmUser on the controller)
+#   slurm-gpu-resume HOSTLIST   Slurm's ResumeProgram (same)
+#   slurm-gpu-power             the forced command of the power key on each GPU host (sshd runs it
+#                               as root with SSH_ORIGINAL_COMMAND "stop" or "start")
+# SlurmUser may not act on another host's daemons, so the controller side asks each host
+# over SSH with a key that can do nothing but this, checking the host's pinned key.
+set -euo pipefail
+set -o errtrace
+
+bin=$(cd "$(dirname "$(readlink -f "$0")")" && pwd)
+state=$(dirname "$bin")
+LOG=/var/log/slurm/slurm-gpu-power.log
+
+node_side() {
+  case ${SSH_ORIGINAL_COMMAND:-} in
+    stop)  exec "$bin/hostctl" stop slurmd ;;
+    # A powered-up node must report a boot newer than the power-up request (slurmd -b).
+    start) SLURMD_REBOOTED=1 exec "$bin/hostctl" start slurmd ;;
+    *) echo "slurm-gpu-power: refused '${SSH_ORIGINAL_COMMAND:-}' (only stop or start)" >&2; exit 2 ;;
+  esac
+}
+
+controller_side() {
+  local action=$1 hostlist=${2:-} host failed=0
+  exec >>"$LOG" 2>&1
+  trap 'echo "$(date -u +%FT%TZ) slurm-gpu-power: ${action} failed at line ${LINENO}"' ERR
+  [ -n "$hostlist" ] || { echo "usage: $0 HOSTLIST"; exit 2; }
+  echo "$(date -u +%FT%TZ) slurm-gpu-power: ${action} ${hostlist}"
+  for host in $(scontrol show hostnames "$hostlist"); do
+    if ! ssh -F /dev/null -i "$state/power/id_ed25519" -o IdentitiesOnly=yes -o BatchMode=yes \
+        -o StrictHostKeyChecking=yes -o UserKnownHostsFile="$state/known_hosts" \
+        -o GlobalKnownHostsFile=/dev/null -o ConnectTimeout=5 -l root "$host" "$action"; then
+      echo "$(date -u +%FT%TZ) slurm-gpu-power: ${action} on ${host} failed"
+      failed=1
+    fi
+  done
+  return "$failed"
+}
+
+case $(basename "$0") in
+  slurm-gpu-suspend) controller_side stop "$@" ;;
+  slurm-gpu-resume)  controller_side start "$@" ;;
+  slurm-gpu-power)   node_side ;;
+  *) echo "power.sh: install me as slurm-gpu-suspend, slurm-gpu-resume or slurm-gpu-power" >&2; exit 2 ;;
+esac
