@@ -4,6 +4,7 @@ the sinfo power flags fab reads. The local cluster's real run is test_power_save
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -65,7 +66,10 @@ def test_slurm_conf_power_keys():
         "ResumeProgram": "/usr/local/sbin/slurm-gpu-resume",
         "SuspendTime": "1800", "SuspendTimeout": "180", "ResumeTimeout": "900"}
     # AWS keeps slurmctld's own 10 s scan; a health-drained node is never made idle again.
-    assert "SlurmctldParameters" not in keys
+    assert keys["SlurmctldParameters"] == "enable_configless"
+    local = dataclasses.replace(EC2, provider="local", interval=1)
+    keys = conf_keys(render.render_slurm_conf(facts(local)))
+    assert keys["SlurmctldParameters"] == "enable_configless,power_save_interval=1"  # one line: the last would win
 
 
 def test_no_power_keys_when_nodes_never_stop():
@@ -98,8 +102,6 @@ def test_slurmd_accepts_the_power_keys(tmp_path):
     {"provider": "gcp"}, {"interval": 0},
 ])
 def test_bad_power_facts_are_refused(bad):
-    import dataclasses
-
     with pytest.raises(ValueError):
         render.render_slurm_conf(facts(dataclasses.replace(EC2, **bad)))
 
