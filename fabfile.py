@@ -11,7 +11,7 @@ import shlex
 
 from invoke import Collection, task
 from invoke.exceptions import Exit
-from paramiko.ssh_exception import NoValidConnectionsError, SSHException
+from paramiko.ssh_exception import AuthenticationException, NoValidConnectionsError, SSHException
 
 from localcluster.tasks import ns as local_ns
 from ops import inventory, jobs, munge, options, power, slurm, stream
@@ -32,6 +32,12 @@ def _clean_errors(fn):
             return fn(c, *args, **kwargs)
         except _USER_ERRORS as exc:
             raise Exit(f"fab {fn.__name__}: {exc}", code=1) from None
+        except AuthenticationException as exc:
+            key = kwargs.get("identity") or "the inventory's ssh_key_file"
+            raise Exit(f"fab {fn.__name__}: the cluster refused the SSH key ({key}): {exc} The cluster is "
+                       "reachable; the key is wrong. Pass --identity with the private key whose public half "
+                       "the cluster was deployed with (slurm-gpu:sshPublicKey; locally the inventory's key).",
+                       code=1) from None
         except (NoValidConnectionsError, SSHException, TimeoutError) as exc:
             raise Exit(f"fab {fn.__name__}: cannot reach the cluster ({exc}). Is it up (`fab status`, "
                        "`fab local.up`, `pulumi up`), and is your address inside slurm-gpu:adminCidr?",
@@ -132,11 +138,32 @@ def status(c, target=None, stack=None, identity=None):
             print(f"  {node.name:<14} {node.role:<10} {addr:<16} {pw:<22} {text}")
         if up.get("controller", "").startswith("UNREACHABLE"):
             raise Exit("fab status: the controller is unreachable", code=1)
+        ping = cl.controller.run("scontrol ping", hide=True, warn=True)
+        if not ping.ok or "DOWN" in ping.stdout:
+            why = (ping.stdout + ping.stderr).strip().splitlines()
+            restart = inv.service_cmd.format(action="restart", service="slurmctld")
+            raise Exit(f"fab status: slurmctld is not answering on the controller ({why[-1] if why else 'no reply'})"
+                       f"; jobs may still run on the nodes. Restart it there (`{restart}`) and check its log "
+                       "(/var/log/slurm/slurmctld.log)", code=1)
         print(cl.controller.run("sinfo -N -o '%N %9T %G %E'", hide=True, warn=True).stdout.rstrip())
         print(cl.controller.run("squeue -o '%.8i %.22j %.8u %.10T %.10M %.6D %R'", hide=True,
                                 warn=True).stdout.rstrip())
+        sick = [n for n in slurm.node_states(cl.controller).values() if n.needs_resume or n.health_drained]
+        for n in sick:
+            print(f"note: {n.name} is {n.state}" + (f" ({n.reason})" if n.reason else "") + f": {_node_fix(n)}")
+        if sick:
+            raise Exit(f"fab status: {len(sick)} of {len(inv.gpu_nodes)} GPU node(s) not in service", code=1)
     finally:
         cl.close()
+
+
+def _node_fix(n: slurm.NodeState) -> str:
+    resume = f"`scontrol update nodename={n.name} state=resume` on the controller"
+    if n.health_drained:
+        return f"the GPU health check drained it; fix the GPU, then {resume}"
+    if n.state.endswith("*"):
+        return "its slurmd does not answer the controller; start slurmd there (`fab train` restarts and resumes nodes)"
+    return f"`fab train` resumes it, or {resume}"
 
 
 def _latest_job(cl: Cluster, running_only: bool = False) -> str:
@@ -181,14 +208,24 @@ def logs(c, job=None, target=None, stack=None, identity=None, progress=False):
         job = job or _latest_job(cl)
         log_path = f"{cl.inventory.scratch}/logs/{jobs.FINETUNE_NAME}-{job}.out"
         print(f"fab logs: job {job}, {log_path}")
+        known = slurm.job(cl.controller, job)
+        if known is None and not flow.exists(cl.controller, log_path):
+            raise flow.TrainError(f"no job {job} on this cluster: Slurm does not know it and there is no "
+                                  f"log {log_path}; `fab status` lists the queue")
+        if known is not None and not known.name.startswith(jobs.FINETUNE_NAME):
+            raise flow.TrainError(f"job {job} is {known.name!r}, not a fine-tune job of `fab train`; "
+                                  f"its output is {known.stdout or 'unknown'}")
         try:
             followed = stream.follow(cl.controller, job, log_path, raw=not progress)
         except KeyboardInterrupt:
             print(flow.reattach_hint(job, tgt))
             raise
-        if flow.succeeded(followed) and followed.log.job_dir:
+        except slurm.ControllerUnreachable as exc:
+            raise flow.controller_lost(exc, job, tgt) from None
+        ok = flow.outcome(cl, job, followed, followed.log.job_dir, print)
+        if ok and followed.log.job_dir:
             flow.finish(cl, job, followed, print, log_path=log_path)
-        elif not flow.succeeded(followed):
+        elif not ok:
             raise flow.failure(job, followed, log_path)
     finally:
         cl.close()
@@ -203,8 +240,8 @@ def cancel(c, job=None, target=None, stack=None, identity=None):
     cl, _ = _cluster(c, target, stack, identity)
     try:
         job = job or _latest_job(cl, running_only=True)
-        slurm.cancel(cl.controller, job)
-        print(f"fab cancel: cancelled job {job}")
+        was = slurm.cancel(cl.controller, job)
+        print(f"fab cancel: cancelled job {job} ({was.name}, was {was.state})")
     finally:
         cl.close()
 

@@ -420,8 +420,13 @@ def status(out: Out = print) -> bool:
     if ctl_pid is None:
         out("controller is down: no node table")
         return False
-    r = hosts.run(ctl_pid, ["sinfo", "-N", "-o", "%14N %10T %16G %5c %8m %P"], check=False,
-                  timeout=15)
+    try:
+        r = hosts.run(ctl_pid, ["sinfo", "-N", "-o", "%14N %10T %16G %5c %8m %P"], check=False,
+                      timeout=15)
+    except subprocess.TimeoutExpired:
+        out("slurmctld does not answer (sinfo timed out after 15 s): no node table; "
+            "`fab local.down && fab local.up` makes the cluster again")
+        return False
     out("")
     for line in (r.stdout or r.stderr).rstrip().splitlines():
         out(line)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+
 from invoke import Collection, Exit, task
 
 from localcluster import cluster, layout
@@ -42,8 +44,9 @@ def status(c):
     """Show the local cluster's hosts (name, IP, up/down, daemons) and its `sinfo` node table."""
     try:
         ok = cluster.status()
-    except (cluster.ClusterError, RuntimeError) as exc:
-        raise _fail(exc) from None
+    except (cluster.ClusterError, RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        # e.g. a host vanishing while it is looked at: the cluster is broken, not the tool
+        raise _fail(f"{exc}; the local cluster is not healthy: `fab local.down && fab local.up`") from None
     if not ok:
         raise Exit(code=1)
 

@@ -24,6 +24,10 @@ _TAGS = ("SLURM_GPU_JOB", "SLURM_GPU_LOG", "SLURM_GPU_RESUMED", "SLURM_GPU_METRI
 _TAGGED = re.compile(r"\b(?P<tag>" + "|".join(_TAGS) + r") (?P<body>\{.*\})\s*$")
 _HF_DICT = re.compile(r"^\{'(?:loss|train_runtime)'.*\}$")
 _BAR = re.compile(r"(?P<step>\d+)/(?P<total>\d+) \[")
+_RANK = re.compile(r"^\[(?:rank|default)\d+\]:\s*")
+# A log line that states a cause: an exception's last line, srun/slurm errors, our own messages.
+_ERROR = re.compile(r"^(?:[\w.]*(?:Error|Exception|Interrupt)\b:?|.*\berror: |slurm-gpu: |training data error)")
+MAX_ERRORS = 12
 
 
 @dataclass
@@ -52,6 +56,7 @@ class JobLog:
     steps: list[dict] = field(default_factory=list)
     nccl_lines: list[str] = field(default_factory=list)
     tail: deque = field(default_factory=lambda: deque(maxlen=40))
+    errors: list[str] = field(default_factory=list)  # distinct error lines (all ranks), first seen first
     metrics: dict | None = None
     job_dir: str | None = None
     restarts: int = 0
@@ -79,6 +84,7 @@ class JobLog:
             self.nccl_lines.append(raw)
             return None
         self.tail.append(raw)
+        self._error(line)
         if m := _TAGGED.search(line):
             try:
                 body = json.loads(m["body"])
@@ -97,8 +103,17 @@ class JobLog:
             self.max_steps = int(m["total"])
         return None
 
+    def _error(self, line: str) -> None:
+        text = _RANK.sub("", line).strip()
+        if _ERROR.match(text) and "warning" not in text.lower()[:20] and text not in self.errors \
+                and len(self.errors) < MAX_ERRORS:
+            self.errors.append(text)
+
     def _has_tagged_steps(self) -> bool:
-        return any(s.get("_tagged") for s in self.steps)
+        # Our training prints a tagged line per logged step; its job script announces itself with
+        # SLURM_GPU_JOB first. HF's own dict for the same step comes before the tagged line, so
+        # it is only used for logs without our tags (else the first step would be shown twice).
+        return self.job_dir is not None or any(s.get("_tagged") for s in self.steps)
 
     def _tagged(self, tag: str, body: dict, now: float) -> Event | None:
         if tag == "SLURM_GPU_JOB":

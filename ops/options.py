@@ -37,6 +37,17 @@ class TrainOptions:
     model: str | None
     data: str | None
     identity: str | None
+    # Where the job will read its model and data: the flag, else the config's setting (or its default).
+    config_model: str | None = None
+    config_data: str | None = None
+
+    @property
+    def model_path(self) -> str | None:
+        return self.model or self.config_model
+
+    @property
+    def data_path(self) -> str | None:
+        return self.data or self.config_data
 
 
 def _int(flag: str, value, low: int = 1) -> int | None:
@@ -51,25 +62,28 @@ def _int(flag: str, value, low: int = 1) -> int | None:
     return n
 
 
-def _model_or_data(flag: str, value: str | None, target: str) -> str | None:
+def _model_or_data(flag: str, value: str | None, target: str, label: str | None = None) -> str | None:
+    """A flag's (or, with `label`, a config setting's) model or data location, checked for `target`."""
     if value is None:
         return None
+    label = label or f"--{flag}"
     value = str(value).strip()
     if not value:
-        raise OptionError(f"--{flag} is empty: give a Hugging Face Hub ID or an absolute path on the cluster")
+        raise OptionError(f"{label} is empty: give a Hugging Face Hub ID or an absolute path on the cluster")
     if value.startswith("/"):
         return value
     if target == "local":
-        raise OptionError(f"--{flag} {value!r}: the local cluster runs offline (HF_HUB_OFFLINE=1); give an "
-                          "absolute path visible on the cluster (e.g. under /scratch), or leave it out "
-                          "to use the tiny model and data")
+        fix = (f"leave --{flag} out to use the config's" if label.startswith("--") else
+               f"or pass --config {DEFAULT_CONFIG['local'].relative_to(REPO)} for the") + " tiny model and data"
+        raise OptionError(f"{label} {value!r}: the local cluster runs offline (HF_HUB_OFFLINE=1); give an "
+                          f"absolute path visible on the cluster (e.g. under /scratch), {fix}")
     if not _HUB_ID.match(value) or ".." in value:
-        raise OptionError(f"--{flag} {value!r} is neither a Hub ID like 'Qwen/Qwen3-4B' nor an absolute "
+        raise OptionError(f"{label} {value!r} is neither a Hub ID like 'Qwen/Qwen3-4B' nor an absolute "
                           "path on the cluster (paths are read on the cluster, e.g. /scratch/data.jsonl)")
     return value
 
 
-def _config(value: str | None, target: str) -> Path:
+def _config(value: str | None, target: str) -> tuple[Path, dict]:
     path = Path(value).expanduser() if value else DEFAULT_CONFIG[target]
     if not path.is_file():
         raise OptionError(f"--config {path}: no such file; pass a YAML file such as {DEFAULT_CONFIG[target]}")
@@ -79,7 +93,13 @@ def _config(value: str | None, target: str) -> Path:
         raise OptionError(f"--config {path} is not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise OptionError(f"--config {path} must be a YAML mapping of training settings (key: value)")
-    return path.resolve()
+    from training.validate import ConfigProblem, check_config  # imports TRL: only for `fab train`
+
+    try:
+        check_config(data, str(path))
+    except ConfigProblem as exc:
+        raise OptionError(str(exc)) from None
+    return path.resolve(), data
 
 
 def parse(target=None, stack=None, config=None, nodes=None, gpus_per_node=None, examples=None,
@@ -96,11 +116,21 @@ def parse(target=None, stack=None, config=None, nodes=None, gpus_per_node=None, 
             raise OptionError(f"--identity {identity}: no readable key file there; pass the private key "
                               "whose public half the cluster was deployed with")
         identity = str(key)
+    path, settings = _config(config, target)
+    model, data = _model_or_data("model", model, target), _model_or_data("data", data, target)
+    from training.validate import default
+
+    def from_config(key: str, flag: str) -> str | None:
+        value = settings.get(key, default(key))
+        where = f"{key} in --config {path.name}" + ("" if key in settings else " (its default)")
+        return _model_or_data(flag, value, target, label=f"{where}: {flag} location")
+
     return TrainOptions(
-        target=target, stack=stack or None, config=_config(config, target),
+        target=target, stack=stack or None, config=path,
         nodes=_int("nodes", nodes), gpus_per_node=_int("gpus-per-node", gpus_per_node),
-        examples=_int("examples", examples), model=_model_or_data("model", model, target),
-        data=_model_or_data("data", data, target), identity=identity,
+        examples=_int("examples", examples), model=model, data=data, identity=identity,
+        config_model=None if model else from_config("model_name_or_path", "model"),
+        config_data=None if data else from_config("dataset_name", "data"),
     )
 
 

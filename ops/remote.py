@@ -84,6 +84,10 @@ def service(c: Connection, inv: Inventory, action: str, name: str, **kwargs):
 
 def reason(exc: BaseException) -> str:
     """A one-line reason for a failure (stderr of a failed command, not a traceback)."""
+    from paramiko.ssh_exception import AuthenticationException
+
+    if isinstance(exc, AuthenticationException):
+        return f"the SSH key was refused ({exc}); pass --identity with the cluster's private key"
     result = getattr(exc, "result", None)
     if result is not None:
         err = (result.stderr or result.stdout or "").strip().splitlines()

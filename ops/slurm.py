@@ -25,6 +25,10 @@ class SlurmError(RuntimeError):
     pass
 
 
+class ControllerUnreachable(SlurmError):
+    """slurmctld did not answer (down, restarting, unreachable): the state of jobs is unknown."""
+
+
 @dataclass(frozen=True)
 class NodeState:
     name: str
@@ -66,15 +70,48 @@ def resume(ctl: Connection, nodes: list[str]) -> None:
         sudo(ctl, f"scontrol update nodename={shlex.quote(','.join(nodes))} state=resume", warn=True)
 
 
+@dataclass(frozen=True)
+class QueuedJob:
+    id: str
+    name: str
+    user: str
+    state: str
+    time: str  # elapsed, as squeue prints it (M:SS, H:MM:SS, D-HH:MM:SS)
+    nodes: str
+
+    def describe(self) -> str:
+        return f"job {self.id} ({self.user}'s job {self.name!r}, {self.state.lower()} {self.time})"
+
+
+def jobs_on(ctl: Connection, names: list[str]) -> list[QueuedJob]:
+    """Jobs that hold (or are about to hold) any of the nodes `names`."""
+    res = ctl.run(f"squeue -h -t RUNNING,COMPLETING,CONFIGURING -w {shlex.quote(','.join(names))} "
+                  "-o '%i|%j|%u|%T|%M|%N'", hide=True, warn=True)
+    out = []
+    for line in res.stdout.splitlines():
+        parts = line.split("|")
+        if len(parts) == 6:
+            out.append(QueuedJob(*(p.strip() for p in parts)))
+    return out
+
+
+def _busy_text(busy: list[QueuedJob]) -> str:
+    ids = " ".join(j.id for j in busy)
+    return (", ".join(j.describe() for j in busy) + " to free the nodes; cancel with "
+            f"`fab cancel --job {busy[0].id}` (ours) or `scancel {ids}` on the controller, or wait")
+
+
 def wait_idle(ctl: Connection, names: list[str], timeout_s: float = 120, poll_s: float = 2.0,
-              resume_down: bool = True) -> dict[str, NodeState]:
+              resume_down: bool = True, say=None) -> dict[str, NodeState]:
     """Wait until every node in `names` is idle; resume down/drained nodes on the way.
 
     A node drained by the health check is an error at once (resuming it would hide a
-    broken GPU). The timeout error names each node that is not idle with its state.
+    broken GPU). While other jobs hold the nodes, `say` is told which ones (once per change).
+    The timeout error names each node that is not idle with its state, and the jobs holding them.
     """
     deadline = time.monotonic() + timeout_s
     resumed: set[str] = set()
+    told: tuple[str, ...] = ()
     while True:
         states = node_states(ctl)
         missing = [n for n in names if n not in states]
@@ -92,10 +129,16 @@ def wait_idle(ctl: Connection, names: list[str], timeout_s: float = 120, poll_s:
             resumed.update(todo)
         if all(states[n].idle for n in names):
             return states
+        held = [n for n in names if any(w in states[n].state for w in ("alloc", "mix", "complet"))]
+        busy = jobs_on(ctl, held) if held else []
+        if say and busy and tuple(j.id for j in busy) != told:
+            told = tuple(j.id for j in busy)
+            say(f"      waiting (up to {timeout_s:.0f} s) for " + _busy_text(busy))
         if time.monotonic() >= deadline:
             bad = [states[n] for n in names if not states[n].idle]
             raise SlurmError(f"nodes not idle after {timeout_s:.0f} s: " + "; ".join(
-                f"{s.name} is {s.state}" + (f" ({s.reason})" if s.reason else "") for s in bad))
+                f"{s.name} is {s.state}" + (f" ({s.reason})" if s.reason else "") for s in bad)
+                + (f". Waited for {_busy_text(busy)}" if busy else ""))
         time.sleep(poll_s)
 
 
@@ -151,11 +194,18 @@ def job_from_fields(f: dict[str, str]) -> Job:
 
 
 def job(ctl: Connection, job_id: str) -> Job | None:
-    """The job as Slurm sees it; None when Slurm no longer remembers it (MinJobAge)."""
+    """The job as Slurm sees it; None when Slurm does not know it (never, or no longer: MinJobAge).
+
+    Raises ControllerUnreachable when slurmctld does not answer: "unknown" is not "gone".
+    """
     res = ctl.run(f"scontrol show job -o {shlex.quote(job_id)}", hide=True, warn=True)
-    if not res.ok or "JobId=" not in res.stdout:
+    if res.ok and "JobId=" in res.stdout:
+        return job_from_fields(parse_scontrol_job(res.stdout.splitlines()[0]))
+    err = (res.stderr or res.stdout).strip()
+    if res.ok or "invalid job id" in err.lower():
         return None
-    return job_from_fields(parse_scontrol_job(res.stdout.splitlines()[0]))
+    raise ControllerUnreachable(f"slurmctld does not answer (`scontrol show job {job_id}`: "
+                                f"{err.splitlines()[-1] if err else f'exit {res.exited}'})")
 
 
 def jobs_named(ctl: Connection, prefix: str) -> list[Job]:
@@ -179,7 +229,15 @@ def wait_job(ctl: Connection, job_id: str, timeout_s: float, poll_s: float = 1.0
         time.sleep(poll_s)
 
 
-def cancel(ctl: Connection, job_id: str) -> None:
+def cancel(ctl: Connection, job_id: str) -> Job:
+    """scancel a job Slurm knows and has not finished; return its state before."""
+    j = job(ctl, job_id)
+    if j is None:
+        raise SlurmError(f"no job {job_id} on this cluster (Slurm does not know it, or has forgotten it "
+                         "after it ended); `fab status` lists the queue")
+    if j.finished:
+        raise SlurmError(f"job {job_id} already ended ({j.state}, exit {j.exit_code}): nothing to cancel")
     res = ctl.run(f"scancel {shlex.quote(job_id)}", hide=True, warn=True)
     if not res.ok:
         raise SlurmError(f"scancel {job_id} failed: {(res.stderr or res.stdout).strip()}")
+    return j

@@ -55,14 +55,44 @@ def _report(log: JobLog, data: bytes, say: Callable[[str], None], raw: bool, fin
             say(line)
 
 
+# How long to keep following while slurmctld does not answer (a restart, an upgrade): the job
+# may well be running meanwhile, and its log keeps growing on /scratch.
+CONTROLLER_WAIT_S = 20 * 60
+
+
 def follow(ctl: Connection, job_id: str, log_path: str, say: Callable[[str], None] = print,
-           raw: bool = False, poll_s: float = 1.0, log: JobLog | None = None) -> Followed:
-    """Stream `log_path` until job `job_id` has finished; report progress through `say`."""
+           raw: bool = False, poll_s: float = 1.0, log: JobLog | None = None,
+           controller_wait_s: float = CONTROLLER_WAIT_S) -> Followed:
+    """Stream `log_path` until job `job_id` has finished; report progress through `say`.
+
+    While slurmctld does not answer, keep following the log and say so; after
+    `controller_wait_s` without an answer raise slurm.ControllerUnreachable.
+    """
     log = log or JobLog()
     sftp = ctl.sftp()
     offset, last_state, last_restarts = 0, None, 0
+    lost_since: float | None = None
     while True:
-        job = slurm.job(ctl, job_id)
+        try:
+            job = slurm.job(ctl, job_id)
+        except slurm.ControllerUnreachable as exc:
+            now = time.monotonic()
+            if lost_since is None:
+                lost_since = now
+                say(f"{exc}; job {job_id} may still be running: following its log and waiting for the "
+                    f"controller to answer again (up to {controller_wait_s / 60:.0f} min)")
+            elif now - lost_since >= controller_wait_s:
+                raise slurm.ControllerUnreachable(
+                    f"{exc} for {now - lost_since:.0f} s; gave up waiting for job {job_id}, whose state "
+                    "is unknown (it may still be running)") from None
+            data, offset = read_from(sftp, log_path, offset)
+            _report(log, data, say, raw)
+            time.sleep(poll_s)
+            continue
+        if lost_since is not None:
+            say(f"slurmctld answers again after {time.monotonic() - lost_since:.0f} s; "
+                f"job {job_id} is {job.state if job else 'no longer known to Slurm'}")
+            lost_since = None
         data, offset = read_from(sftp, log_path, offset)
         _report(log, data, say, raw)
         if job is not None:

@@ -81,7 +81,7 @@ def nodes_to_service(cl: Cluster, changed: list[str], say: Say, timeout_s: float
         each("restarting slurmd", {n: cl.nodes[n] for n in changed},
              lambda n, c: service(c, inv, "restart", "slurmd"))
     names = [n.name for n in inv.gpu_nodes]
-    slurm.wait_idle(cl.controller, names, timeout_s=timeout_s)
+    slurm.wait_idle(cl.controller, names, timeout_s=timeout_s, say=say)
     restarted = f"restarted slurmd on {', '.join(changed)}; " if changed else ""
     step(say, 3, f"slurm: {restarted}all {len(names)} nodes idle ({', '.join(names)})")
 
@@ -153,7 +153,7 @@ def training_tarball() -> bytes:
     return buf.getvalue()
 
 
-def _exists(c: Connection, path: str) -> bool:
+def exists(c: Connection, path: str) -> bool:
     return c.run(f"test -e {shlex.quote(path)}", hide=True, warn=True).ok
 
 
@@ -161,9 +161,9 @@ def ensure_tiny(cl: Cluster, job_dir: str, say: Say) -> tuple[str, str]:
     """The tiny model and data on /scratch for the local cluster, made once (atomically)."""
     inv = cl.inventory
     tiny = f"{inv.scratch}/{TINY_DIR}"
-    model, data = f"{tiny}/model", f"{tiny}/data/train.jsonl"
+    model, data = tiny_paths(inv)
     node = cl.nodes[inv.gpu_nodes[0].name]
-    if _exists(node, f"{model}/config.json") and _exists(node, data):
+    if exists(node, f"{model}/config.json") and exists(node, data):
         say(f"      tiny model and data already in {tiny}")
         return model, data
     partial = f"{tiny}.partial-{uuid.uuid4().hex[:6]}"
@@ -171,7 +171,7 @@ def ensure_tiny(cl: Cluster, job_dir: str, say: Say) -> tuple[str, str]:
     cmd = (f"cd {q(job_dir)} && {q(inv.python)} -m training.make_tiny --out {q(partial)} && "
            f"{{ mv -T {q(partial)} {q(tiny)} 2>/dev/null || rm -rf {q(partial)}; }}")
     res = node.run(cmd, hide=True, warn=True)
-    if not res.ok or not _exists(node, data):
+    if not res.ok or not exists(node, data):
         node.run(f"rm -rf {q(partial)}", hide=True, warn=True)
         raise TrainError(f"making the tiny model on {inv.gpu_nodes[0].name} failed: "
                          f"{(res.stderr or res.stdout).strip()[-800:]}")
@@ -190,26 +190,49 @@ except DataError as exc:
 """
 
 
+def tiny_paths(inv: Inventory) -> tuple[str, str]:
+    """(model, data) that training.make_tiny makes on /scratch (named by local-tiny.yaml)."""
+    tiny = f"{inv.scratch}/{TINY_DIR}"
+    return f"{tiny}/model", f"{tiny}/data/train.jsonl"
+
+
+def _where(opts: TrainOptions, flag: str) -> str:
+    """How the user named the model or data: the flag, or the config's setting."""
+    value = opts.model_path if flag == "model" else opts.data_path
+    if getattr(opts, flag):
+        return f"--{flag} {value}"
+    key = "model_name_or_path" if flag == "model" else "dataset_name"
+    return f"{key} {value} (from --config {opts.config.name})"
+
+
 def check_inputs(cl: Cluster, opts: TrainOptions, say: Say) -> None:
-    """--model/--data paths exist on the cluster and a --data file is valid training data.
+    """The model and data paths the job will read (flags, else the config's) exist on the
+    cluster, the model is a model directory and the data file is valid training data.
 
     Runs before anything is written to /scratch or submitted, so a bad path or data
-    file leaves no job directory and no job behind.
+    file leaves no job directory and no job behind. The tiny model and data are made later.
     """
     inv, ctl = cl.inventory, cl.controller
-    for flag, value in (("model", opts.model), ("data", opts.data)):
-        if value and value.startswith("/") and not _exists(ctl, value):
-            raise TrainError(f"--{flag} {value}: no such path on the cluster (checked on the controller); "
+    tiny = tiny_paths(inv)
+    for flag, value in (("model", opts.model_path), ("data", opts.data_path)):
+        if not value or not value.startswith("/") or value in tiny:
+            continue
+        if not exists(ctl, value):
+            raise TrainError(f"{_where(opts, flag)}: no such path on the cluster (checked on the controller); "
                              f"copy it under {inv.scratch} first or fix the path")
-    if opts.data and opts.data.startswith("/"):
+        if flag == "model" and not exists(ctl, f"{value}/config.json"):
+            raise TrainError(f"{_where(opts, flag)}: not a model directory (no config.json in it); give the "
+                             "directory that `save_pretrained` wrote (config.json, weights, tokenizer)")
+    data = opts.data_path
+    if data and data.startswith("/") and data not in tiny:
         name = inv.gpu_nodes[0].name
         code = (TRAINING_DIR / "data.py").read_text() + _CHECK_DATA
-        res = cl.nodes[name].run(f"{shlex.quote(inv.python)} -c {shlex.quote(code)} {shlex.quote(opts.data)}",
+        res = cl.nodes[name].run(f"{shlex.quote(inv.python)} -c {shlex.quote(code)} {shlex.quote(data)}",
                                  hide=True, warn=True, in_stream=False)
         if not res.ok:
             why = (res.stderr or res.stdout).strip().splitlines() or [f"exit {res.exited}"]
-            raise TrainError(f"--data {opts.data}: {why[-1]} (checked on {name} before uploading anything)")
-        say(f"      --data {opts.data}: {res.stdout.strip()} valid rows")
+            raise TrainError(f"{_where(opts, 'data')}: {why[-1]} (checked on {name} before uploading anything)")
+        say(f"      {_where(opts, 'data')}: {res.stdout.strip()} valid rows")
 
 
 def launch(cl: Cluster, opts: TrainOptions, nodes: int, gpus: int, say: Say,
@@ -228,12 +251,13 @@ def launch(cl: Cluster, opts: TrainOptions, nodes: int, gpus: int, say: Say,
             hide=True)
     put_text(ctl, opts.config.read_text(), f"{job_dir}/config.yaml")
 
+    # The job reads exactly what the flags or the config name; only the tiny model and data
+    # (local-tiny.yaml's paths) are made here when missing, and that is said.
     flags: dict[str, object] = {"model_name_or_path": opts.model, "dataset_name": opts.data,
                                 "n_examples": opts.examples}
-    if inv.target == "local" and not (opts.model and opts.data):
-        model, data = ensure_tiny(cl, job_dir, say)
-        flags["model_name_or_path"] = opts.model or model
-        flags["dataset_name"] = opts.data or data
+    if {opts.model_path, opts.data_path} & set(tiny_paths(inv)):
+        ensure_tiny(cl, job_dir, say)
+    say(f"      model {_where(opts, 'model')}; data {_where(opts, 'data')}")
     spec = jobs.base_spec(inv, jobs.FINETUNE_NAME, nodes, gpus, job_dir,
                           script_path=f"{job_dir}/finetune.sbatch", config=f"{job_dir}/config.yaml",
                           output_dir=f"{job_dir}/output", train_args=jobs.train_flags(flags))
@@ -330,11 +354,42 @@ def succeeded(followed: stream.Followed) -> bool:
     return followed.log.metrics is not None
 
 
+COMPLETED_MARKER = "COMPLETED"  # training.train.COMPLETED_MARKER, written after the adapters
+
+
+def training_completed(ctl: Connection, job_dir: str | None) -> bool:
+    """Whether the run's output holds the completion marker (training finished, adapters written)."""
+    return bool(job_dir) and exists(ctl, f"{job_dir}/output/{COMPLETED_MARKER}")
+
+
+def outcome(cl: Cluster, job_id: str, followed: stream.Followed, job_dir: str | None, say: Say) -> bool:
+    """True when the run is a success: Slurm says COMPLETED, or training wrote its completion
+    marker before the job ended otherwise (a node lost at the very end): a finished run is kept."""
+    if succeeded(followed):
+        return True
+    if training_completed(cl.controller, job_dir):
+        job = followed.job
+        state = f"{job.state} ({job.reason})" if job else "gone from Slurm"
+        say(f"job {job_id} ended {state}, but its training had completed ({job_dir}/output/"
+            f"{COMPLETED_MARKER} is there): the finished run is downloaded")
+        return True
+    return False
+
+
 def failure(job_id: str, followed: stream.Followed, log_path: str) -> TrainError:
     job = followed.job
     state = f"{job.state} (exit {job.exit_code}, {job.reason})" if job else "gone from Slurm"
-    tail = "\n".join(f"  {line}" for line in list(followed.log.tail)[-25:])
-    return TrainError(f"job {job_id} {state}; last lines of {log_path}:\n{tail}")
+    errors = followed.log.errors
+    cause = ("; the job log's error lines:\n" + "\n".join(f"  {line}" for line in errors)) if errors \
+        else "; the job log has no error line (see its last lines)"
+    tail = "\n".join(f"  {line}" for line in list(followed.log.tail)[-15:])
+    return TrainError(f"job {job_id} {state}{cause}\nlast lines of {log_path}:\n{tail}")
+
+
+def controller_lost(exc: slurm.ControllerUnreachable, job_id: str, target: str) -> TrainError:
+    """Giving up on a job whose state slurmctld cannot tell: say how to reattach later."""
+    return TrainError(f"{exc}.\nCheck slurmctld on the controller (`fab status`); once it answers, "
+                      + reattach_hint(job_id, target).strip().split("\n", 1)[1])
 
 
 def run(cl: Cluster, opts: TrainOptions, nodes: int, gpus: int, say: Say = print,
@@ -353,7 +408,9 @@ def run(cl: Cluster, opts: TrainOptions, nodes: int, gpus: int, say: Say = print
         if submitted:
             say(reattach_hint(submitted[0], cl.inventory.target))
         raise
-    if not succeeded(followed):
+    except slurm.ControllerUnreachable as exc:
+        raise controller_lost(exc, job_id, cl.inventory.target) from None
+    if not outcome(cl, job_id, followed, job_dir, lambda s: say("      " + s)):
         raise failure(job_id, followed, log_path)
     return finish(cl, job_id, followed, say, job_dir, log_path)
 

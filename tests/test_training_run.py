@@ -83,6 +83,11 @@ def test_training_run_loss_falls_and_writes_outputs(full_run, tiny):
     assert state["global_step"] == metrics["train_steps"]
     assert (out / "adapter_model.safetensors").exists() and (out / "adapter_config.json").exists()
     assert any(p.name.startswith("checkpoint-") for p in out.iterdir())
+    # The completion marker a requeued job checks: the final metrics, written after everything else.
+    marker = out / train.COMPLETED_MARKER
+    assert json.loads(marker.read_text()) == {k: v for k, v in on_disk.items() if k != "log_history"}
+    for name in ("adapter_model.safetensors", "trainer_state.json", "metrics.json"):
+        assert marker.stat().st_mtime_ns >= (out / name).stat().st_mtime_ns, name
 
     model_dir, _ = tiny
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -116,6 +121,7 @@ def test_resume_after_a_crash_reaches_the_same_step(full_run, tiny, tmp_path, mo
         train.main(argv_for(tiny, out))
     assert train.find_resume_checkpoint(str(out)) == str(out / "checkpoint-10")
     assert not (out / "metrics.json").exists()
+    assert not (out / train.COMPLETED_MARKER).exists()  # a crashed run is not marked completed
 
     monkeypatch.delenv(train.FAULT_RANK_ENV)
     monkeypatch.delenv(train.FAULT_STEP_ENV)

@@ -120,8 +120,23 @@ def load_local_rows(source: str | os.PathLike) -> list[dict[str, str]]:
     path = Path(source).expanduser()
     rows = []
     for file in _local_files(path):
-        rows.extend(_check_rows(READERS[file.suffix](file), file))
+        try:
+            rows.extend(_check_rows(READERS[file.suffix](file), file))
+        except UnicodeDecodeError:
+            raise DataError(_not_utf8(file)) from None
     return rows
+
+
+def _not_utf8(file: Path) -> str:
+    """Where a text data file stops being UTF-8, and how to fix it."""
+    raw = file.read_bytes()
+    try:
+        raw.decode("utf-8")
+        return f"{file}: not UTF-8 text; save it as UTF-8"
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        return (f"{file}: not UTF-8 text (line {line}, byte {e.start}: {raw[e.start:e.start + 1]!r}); "
+                f"save it as UTF-8, e.g. `iconv -f latin1 -t utf-8 {file.name} > {file.stem}.utf8{file.suffix}`")
 
 
 def load_hub_rows(name: str, split: str, config: str | None, n_examples: int | None) -> list[dict[str, str]]:

@@ -41,6 +41,9 @@ log = logging.getLogger("training.train")
 METRICS_PREFIX = "SLURM_GPU_METRICS "
 LOG_PREFIX = "SLURM_GPU_LOG "
 RESUME_PREFIX = "SLURM_GPU_RESUMED "
+# Written last, after the adapters, trainer_state.json and metrics.json: a requeued instance of a
+# job that finished (a node lost after training, e.g. munged killed) sees it and does not retrain.
+COMPLETED_MARKER = "COMPLETED"
 # Test-only fault injection: the rank SLURM_GPU_FAULT_RANK raises after optimizer step SLURM_GPU_FAULT_STEP.
 FAULT_RANK_ENV = "SLURM_GPU_FAULT_RANK"
 FAULT_STEP_ENV = "SLURM_GPU_FAULT_STEP"
@@ -241,6 +244,14 @@ def write_metrics(output_dir: str, metrics: dict) -> None:
     print(METRICS_PREFIX + json.dumps(summary), flush=True)
 
 
+def write_completed(output_dir: str, metrics: dict) -> None:
+    """The completion marker (one JSON line of the final metrics), atomically, after everything else."""
+    path = Path(output_dir) / COMPLETED_MARKER
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({k: v for k, v in metrics.items() if k != "log_history"}) + "\n")
+    tmp.replace(path)
+
+
 def main(argv: list[str] | None = None) -> dict | None:
     """Train; return the metrics on rank 0 (None on other ranks)."""
     from transformers import set_seed
@@ -278,6 +289,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         return None
     metrics = collect_metrics(trainer, train_output, start_epoch, start_step, dataset_tokens(trainer.train_dataset))
     write_metrics(train_args.output_dir, metrics)
+    write_completed(train_args.output_dir, metrics)
     return metrics
 
 

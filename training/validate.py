@@ -1,0 +1,159 @@
+"""A training config's contents checked on the user's machine, before any host is touched.
+
+TrlParser would refuse an unknown key or a wrong type only inside the job, minutes later and
+buried in a log. `check_config` applies the same rules to the YAML mapping (the settings are
+the dataclasses of training/args.py) plus ranges, and names the key and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import types
+import typing
+from collections.abc import Callable
+
+_BOOL_WORDS = {"true", "false", "yes", "no", "t", "f", "y", "n", "1", "0"}
+
+# key -> (is the value allowed, what it must be). Values are already of the right type.
+RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
+    "learning_rate": (lambda v: v > 0, "greater than 0 (e.g. 2e-4)"),
+    "num_train_epochs": (lambda v: v > 0, "greater than 0 (e.g. 1)"),
+    "per_device_train_batch_size": (lambda v: v >= 1, "at least 1"),
+    "gradient_accumulation_steps": (lambda v: v >= 1, "at least 1"),
+    "max_length": (lambda v: v >= 1, "at least 1 token (e.g. 1024)"),
+    "max_steps": (lambda v: v == -1 or v >= 1, "-1 (use num_train_epochs) or at least 1"),
+    "logging_steps": (lambda v: v > 0, "greater than 0"),
+    "save_steps": (lambda v: v > 0, "greater than 0"),
+    "save_total_limit": (lambda v: v >= 1, "at least 1 (checkpoints are what a requeued job resumes from)"),
+    "warmup_steps": (lambda v: v >= 0, "0 or more"),
+    "warmup_ratio": (lambda v: 0 <= v < 1, "from 0 up to (not including) 1"),
+    "weight_decay": (lambda v: v >= 0, "0 or more"),
+    "n_examples": (lambda v: v >= 0, "0 (all rows) or more"),
+    "lora_r": (lambda v: v >= 1, "at least 1 (e.g. 16)"),
+    "lora_alpha": (lambda v: v > 0, "greater than 0 (e.g. 32)"),
+    "lora_dropout": (lambda v: 0 <= v < 1, "from 0 up to (not including) 1"),
+    "seed": (lambda v: v >= 0, "0 or more"),
+    "dataloader_num_workers": (lambda v: v >= 0, "0 or more"),
+}
+
+
+class ConfigProblem(ValueError):
+    pass
+
+
+def settings() -> dict[str, tuple[object, list]]:
+    """Every setting training.train accepts: name -> (type hint, allowed choices or [])."""
+    from training.args import DataArguments, ModelArguments, TrainConfig
+
+    hints: dict[str, tuple[object, list]] = {}
+    for cls in (DataArguments, ModelArguments, TrainConfig):
+        try:
+            resolved = typing.get_type_hints(cls)
+        except Exception:  # noqa: BLE001 - an unresolvable hint is then not type-checked
+            resolved = {}
+        for f in dataclasses.fields(cls):
+            if f.init:
+                hints.setdefault(f.name, (resolved.get(f.name, object), list(f.metadata.get("choices") or [])))
+    return hints
+
+
+def default(key: str):
+    """The default of setting `key` in training/args.py (None when it has none)."""
+    from training.args import DataArguments, ModelArguments, TrainConfig
+
+    for cls in (DataArguments, ModelArguments, TrainConfig):
+        for f in dataclasses.fields(cls):
+            if f.name == key:
+                return None if f.default is dataclasses.MISSING else f.default
+    return None
+
+
+def _fits(value, hint) -> bool:
+    """Whether TrlParser would accept `value` (from YAML) for a field of type `hint`."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        enums = [a for a in args if isinstance(a, type) and issubclass(a, enum.Enum)]
+        if enums and isinstance(value, str):  # `SaveStrategy | str`: the string must name a member
+            return any(_fits(value, e) for e in enums)
+        return any(_fits(value, a) for a in args)
+    if hint is type(None):
+        return value is None
+    if origin is typing.Literal:
+        return value in args
+    if hint is bool:
+        return isinstance(value, bool) or (isinstance(value, (str, int)) and str(value).lower() in _BOOL_WORDS)
+    if hint in (int, float):
+        if isinstance(value, bool):
+            return False
+        if isinstance(value, int) or (hint is float and isinstance(value, float)):
+            return True
+        if isinstance(value, str):  # argparse converts string defaults ("2e-4")
+            try:
+                hint(value)
+                return True
+            except ValueError:
+                return False
+        return False
+    if hint is str:
+        return isinstance(value, (str, int, float)) and not isinstance(value, bool)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return value in {m.value for m in hint} or value in {m.name for m in hint}
+    if origin is list:  # a string is accepted too (e.g. lora_target_modules: all-linear)
+        if isinstance(value, str):
+            return True
+        return isinstance(value, list) and (not args or all(_fits(v, args[0]) for v in value))
+    if origin is dict or hint is dict:
+        return isinstance(value, (dict, str))
+    return True  # anything else: left to the parser
+
+
+def _describe(hint) -> str:
+    """What a value must be, for the message: 'true or false', 'one of: no, steps, epoch', 'int'."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    enums = [a for a in args if isinstance(a, type) and issubclass(a, enum.Enum)]
+    if enums:
+        return "one of: " + ", ".join(str(m.value) for m in enums[0])
+    if args == [bool]:
+        return "true or false"
+    names = [getattr(a, "__name__", None) or str(a).replace("typing.", "") for a in args]
+    words = {"int": "a whole number", "float": "a number", "str": "a string", "list": "a list", "dict": "a mapping"}
+    return " or ".join(words.get(n.split("[")[0], n) for n in names)
+
+
+def _number(value, hint):
+    for t in (int, float):
+        if _fits(value, t) and (t is float or not isinstance(value, float)):
+            try:
+                return t(value)
+            except (TypeError, ValueError):
+                continue
+    return None
+
+
+def check_config(data: dict, source: str) -> None:
+    """Raise ConfigProblem naming every bad key of the training config `data` (read from `source`)."""
+    known = settings()
+    problems = []
+    for key, value in data.items():
+        if key not in known:
+            near = difflib.get_close_matches(str(key), list(known), n=1)
+            hint = f"did you mean '{near[0]}'? " if near else ""
+            problems.append(f"unknown setting '{key}': {hint}remove it or fix its name "
+                            "(the settings are the fields of training/args.py and TRL's SFTConfig)")
+            continue
+        hint, choices = known[key]
+        if not _fits(value, hint):
+            problems.append(f"{key}: {value!r} is the wrong type; set {key} to {_describe(hint)}")
+            continue
+        if choices and value not in choices:
+            problems.append(f"{key}: {value!r} is not allowed; set {key} to one of: {', '.join(choices)}")
+            continue
+        if key in RANGES and value is not None:
+            ok, what = RANGES[key]
+            number = _number(value, hint)
+            if number is not None and not ok(number):
+                problems.append(f"{key}: {value!r} is out of range; it must be {what}")
+    if problems:
+        raise ConfigProblem(f"--config {source}: " + "; ".join(problems))
