@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+import fnmatch
 import gzip
 import ipaddress
+import json
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -52,6 +54,9 @@ SUBNET = "aws:ec2/subnet:Subnet"
 EFA_TYPES = ("efa", "efa-only")
 PLACEMENT_GROUP = "aws:ec2/placementGroup:PlacementGroup"
 KEY_PAIR = "aws:ec2/keyPair:KeyPair"
+IAM_ROLE = "aws:iam/role:Role"
+IAM_ROLE_POLICY = "aws:iam/rolePolicy:RolePolicy"
+IAM_POLICY = "aws:iam/policy:Policy"
 
 SSH_PORT = 22
 ALL_PROTOCOLS = ("-1", "all")
@@ -557,6 +562,70 @@ def check_efa_self_rules(args: StackValidationArgs, report: ReportViolation) -> 
                                sg.urn)
 
 
+# ---------------------------------------------------- power-save role
+
+# The EC2 actions that stop and start instances (what Slurm's power programs need).
+STOP_START_ACTIONS = ("ec2:stopinstances", "ec2:startinstances")
+TAG_CONDITION_KEY = re.compile(r"^(aws|ec2):resourcetag/.+", re.IGNORECASE)
+
+
+def _policy_documents(resource_type: str, props: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """(where, parsed document) of every IAM policy document the resource carries."""
+    found = []
+    if resource_type in (IAM_ROLE_POLICY, IAM_POLICY):
+        found.append(("policy", _get(props, "policy")))
+    elif resource_type == IAM_ROLE:
+        for i, inline in enumerate(_list(_get(props, "inlinePolicies"))):
+            found.append((f"inlinePolicies[{i}].policy", _get(inline, "policy")))
+    out = []
+    for where, doc in found:
+        if isinstance(doc, str):
+            try:
+                doc = json.loads(doc)
+            except ValueError:
+                continue
+        if isinstance(doc, Mapping):
+            out.append((where, doc))
+    return out
+
+
+def _tag_scoped(statement: Mapping[str, Any]) -> bool:
+    """Does the statement's Condition require a resource tag to equal a value (not a wildcard)?"""
+    conditions = _get(statement, "Condition")
+    if not isinstance(conditions, Mapping):
+        return False
+    for operator, tests in conditions.items():
+        op = str(operator).split(":")[-1].lower()
+        if not op.startswith("string") or "not" in op or not isinstance(tests, Mapping):
+            continue
+        for key, value in tests.items():
+            values = [str(v) for v in _list(value)]
+            if TAG_CONDITION_KEY.match(str(key)) and values and all(v and v != "*" for v in values):
+                return True
+    return False
+
+
+def check_power_role_tag_scoped(args: ResourceValidationArgs, report: ReportViolation) -> None:
+    for where, doc in _policy_documents(args.resource_type, args.props):
+        for i, st in enumerate(_list(_get(doc, "Statement"))):
+            if not isinstance(st, Mapping) or _get(st, "Effect") != "Allow":
+                continue
+            at = f"{where} Statement[{i}]"
+            if _get(st, "NotAction") is not None:
+                report(f"{at} uses NotAction (it allows everything else): list the actions it allows")
+            actions = [str(a) for a in _list(_get(st, "Action"))]
+            wild = [a for a in actions if "*" in a or "?" in a]
+            if wild:
+                report(f"{at} allows wildcard action(s) {', '.join(wild)}: name each action "
+                       "(the power-save role needs ec2:StopInstances, ec2:StartInstances, ec2:DescribeInstances)")
+            stop_start = sorted({want for a in actions for want in STOP_START_ACTIONS
+                                 if fnmatch.fnmatchcase(want, a.lower())})
+            if stop_start and not _tag_scoped(st):
+                report(f"{at} allows {' and '.join(stop_start)} without a resource-tag condition: add "
+                       "Condition StringEquals aws:ResourceTag/Cluster = <clusterName> (and Role = gpu) so "
+                       "it can stop and start this cluster's GPU nodes only")
+
+
 # --------------------------------------------------------------- the pack
 
 def _resource(name: str, description: str, check: Callable) -> ResourceValidationPolicy:
@@ -593,6 +662,10 @@ def policies() -> list:
         _resource("key-pair-public-key-only",
                   "The EC2 key pair is given an OpenSSH public key, nothing else.",
                   check_key_pair_public),
+        _resource("power-save-role-is-tag-scoped",
+                  "IAM policies allow ec2:StopInstances/StartInstances only with a resource-tag condition, "
+                  "and no wildcard actions.",
+                  check_power_role_tag_scoped),
         _stack("efa-nodes-share-cluster-placement-group",
                "Instances with an EFA interface share one placement group with strategy \"cluster\".",
                check_efa_placement_group),

@@ -18,6 +18,7 @@ import base64
 import copy
 import gzip
 import importlib.metadata
+import json
 import os
 import re
 import runpy
@@ -192,6 +193,8 @@ def test_the_programs_resources_pass_every_policy(config):
     # The policies had something to look at (not a vacuous pass).
     assert {rules.INSTANCE, rules.SECURITY_GROUP, rules.VPC_INGRESS, rules.VPC_EGRESS,
             rules.KEY_PAIR, rules.PLACEMENT_GROUP} <= types
+    if config.get("idleStopMinutes") != 0:
+        assert rules.IAM_ROLE_POLICY in types  # the power-save role's policy was checked too
     assert analyze(stack) == []
     assert analyze_stack(stack) == []
 
@@ -291,6 +294,15 @@ def _gzip_user_data_with_private_key(props):
     props["userDataBase64"] = base64.b64encode(gzip.compress(text.encode())).decode()
 
 
+def _policy_doc(edit):
+    """Edit the first statement (stop/start) of an IAM policy document property."""
+    def change(props):
+        doc = json.loads(props["policy"])
+        edit(doc["Statement"][0])
+        props["policy"] = json.dumps(doc)
+    return change
+
+
 RESOURCE_CASES = [
     # (id, resource suffix, change, policies expected to fire, message pattern)
     ("ssh-from-anywhere-v4", "ssh-from-admin", _set(cidrIpv4="0.0.0.0/0"),
@@ -354,6 +366,27 @@ RESOURCE_CASES = [
      {"no-private-key-material"}, r"userDataBase64 holds private key material"),
     ("key-pair-not-a-public-key", "nodes-key", _set(publicKey="hunter2"),
      {"key-pair-public-key-only"}, r"publicKey is not an OpenSSH public key line"),
+    ("stop-start-without-tag-condition", "power-stop-start", _policy_doc(lambda st: st.pop("Condition")),
+     {"power-save-role-is-tag-scoped"},
+     r"policy Statement\[0\] allows ec2:startinstances and ec2:stopinstances without a resource-tag "
+     r"condition: add Condition StringEquals aws:ResourceTag/Cluster"),
+    ("stop-start-scoped-by-region-only", "power-stop-start",
+     _policy_doc(lambda st: st.update(Condition={"StringEquals": {"aws:RequestedRegion": "ap-northeast-2"}})),
+     {"power-save-role-is-tag-scoped"}, r"without a resource-tag condition"),
+    ("stop-start-tag-wildcard", "power-stop-start",
+     _policy_doc(lambda st: st.update(Condition={"StringLike": {"aws:ResourceTag/Cluster": "*"}})),
+     {"power-save-role-is-tag-scoped"}, r"without a resource-tag condition"),
+    ("ec2-star-action", "power-stop-start", _policy_doc(lambda st: st.update(Action="ec2:*")),
+     {"power-save-role-is-tag-scoped"},
+     r"policy Statement\[0\] allows wildcard action\(s\) ec2:\*: name each action"),
+    ("not-action", "power-stop-start",
+     _policy_doc(lambda st: (st.pop("Action"), st.update(NotAction=["iam:*"]))),
+     {"power-save-role-is-tag-scoped"}, r"uses NotAction"),
+    ("inline-role-policy-unscoped", "power-role",
+     _set(inlinePolicies=[{"name": "x", "policy": json.dumps({"Version": "2012-10-17", "Statement": [
+         {"Effect": "Allow", "Action": ["ec2:StopInstances"], "Resource": "*"}]})}]),
+     {"power-save-role-is-tag-scoped"},
+     r"inlinePolicies\[0\]\.policy Statement\[0\] allows ec2:stopinstances without a resource-tag condition"),
 ]
 
 
@@ -524,7 +557,7 @@ def test_main_builds_the_pack_with_every_policy_mandatory(monkeypatch):
     assert set(by_name) == {p.name for p in rules.policies()} == stack_policies | {
         "ssh-not-open-to-internet", "only-ssh-from-outside", "instances-require-imdsv2",
         "volumes-encrypted", "user-data-has-no-munge-key", "no-private-key-material",
-        "key-pair-public-key-only"}
+        "key-pair-public-key-only", "power-save-role-is-tag-scoped"}
     for name, p in by_name.items():
         assert p.enforcementLevel == proto.MANDATORY, name
         want = proto.PolicyType.POLICY_TYPE_STACK if name in stack_policies else proto.PolicyType.POLICY_TYPE_RESOURCE
