@@ -15,12 +15,13 @@ from paramiko.ssh_exception import AuthenticationException, NoValidConnectionsEr
 
 from localcluster.tasks import ns as local_ns
 from ops import inventory, jobs, munge, options, power, slurm, stream
+from ops import reconfigure as reconf
 from ops import train as flow
 from ops.cloudinit import CloudInitFailed
 from ops.remote import Cluster, HostError, connect, each
 
 _USER_ERRORS = (options.OptionError, inventory.InventoryError, HostError, slurm.SlurmError,
-                munge.MungeKeyError, CloudInitFailed, flow.TrainError)
+                munge.MungeKeyError, CloudInitFailed, flow.TrainError, reconf.ReconfigureError)
 
 
 def _clean_errors(fn):
@@ -246,5 +247,24 @@ def cancel(c, job=None, target=None, stack=None, identity=None):
         cl.close()
 
 
-ns = Collection(train, status, logs, cancel)
+@task(help={"target": "aws (default) or local", "stack": "Pulumi stack", "identity": "SSH private key",
+            "force": "remove nodes from Slurm even while they run a job (cancels the job first)"})
+@_clean_errors
+def reconfigure(c, target=None, stack=None, identity=None, force=False):
+    """Apply the stack's GPU node list to Slurm after `pulumi up` changed slurm-gpu:gpuNodeCount.
+
+    Renders slurm.conf, gres.conf and the hosts block from the stack's inventory, installs them on
+    the controller, restarts slurmctld and runs `scontrol reconfigure` (GPU nodes fetch the new
+    configuration: they run configless); new nodes get the munge key and join. Refuses to remove a
+    node that runs a job unless --force: drain it first (README, "Scale"). No change: no restart.
+    `fab train` runs this too.
+    """
+    cl, _ = _cluster(c, target, stack, identity)
+    try:
+        reconf.apply(cl, force=force)
+    finally:
+        cl.close()
+
+
+ns = Collection(train, status, logs, cancel, reconfigure)
 ns.add_collection(local_ns, "local")

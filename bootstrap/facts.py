@@ -8,6 +8,7 @@ nothing else, so the AWS and the local cluster share the same rendered files.
 from __future__ import annotations
 
 import ipaddress
+import json
 from dataclasses import asdict, dataclass, field
 
 # Host addresses inside the subnet: AWS reserves the first four and the last
@@ -112,8 +113,8 @@ def plan_hosts(subnet_cidr: str, gpu_node_count: int,
 
 
 def facts_to_dict(facts: ClusterFacts) -> dict:
-    """Plain JSON-able form (the inventory carries it for `fab reconfigure`)."""
-    return asdict(facts)
+    """Plain JSON form, lists not tuples (the inventory carries it for `fab reconfigure`)."""
+    return json.loads(json.dumps(asdict(facts)))
 
 
 def facts_from_dict(data: dict) -> ClusterFacts:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bootstrap import render
-from bootstrap.facts import ClusterFacts, NodeShape, plan_hosts
+from bootstrap.facts import ClusterFacts, NodeShape, facts_to_dict, plan_hosts
 from localcluster import daemons, hosts, layout, netns, power
 from ops import hostkeys
 from ops.inventory import Inventory, Node
@@ -355,6 +355,7 @@ def make_inventory(nodes: int, gpus: int, idle_stop_s: int = 0) -> Inventory:
         service_cmd=f"{layout.HOSTCTL} {{action}} {{service}}",
         scratch="/scratch", ssh_key_file=str(layout.CLUSTER_KEY),
         extra=power.inventory_extra(idle_stop_s),
+        facts=facts_to_dict(cluster_facts(nodes, gpus, idle_stop_s)),  # what `fab reconfigure` renders from
     )
 
 

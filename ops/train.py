@@ -20,7 +20,7 @@ from pathlib import Path
 
 from fabric import Connection
 
-from ops import cloudinit, jobs, munge, power, slurm, stream, summary
+from ops import cloudinit, jobs, munge, power, reconfigure, slurm, stream, summary
 from ops.inventory import Inventory
 from ops.options import REPO, TrainOptions
 from ops.remote import Cluster, HostError, each, service
@@ -398,6 +398,9 @@ def run(cl: Cluster, opts: TrainOptions, nodes: int, gpus: int, say: Say = print
     wait_cloud_init(cl, say)
     check_inputs(cl, opts, say)
     changed = sync_munge_key(cl, say)
+    if cl.inventory.facts:  # older inventories carry no facts: their slurm.conf came with the stack
+        # The stack's node list, after `pulumi up` changed it (a no-op when nothing changed).
+        reconfigure.apply(cl, say=lambda s: say("      " + s))
     nodes_to_service(cl, changed, say)
     sanity(cl, say)
     submitted: list[str] = []

@@ -74,7 +74,9 @@ def test_common_directives_and_launch(nodes):
     for line in (f"--nodes={nodes}", "--ntasks-per-node=1", "--exclusive", "--requeue",
                  "--output=/scratch/logs/%x-%j.out", "--job-name=slurm-gpu-finetune", "--wait-all-nodes=1"):
         assert f"#SBATCH {line}\n" in s
-    assert 'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in s
+    assert 'first_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in s
+    # By address: GPU nodes resolve only the controller's name and their own.
+    assert 'MASTER_ADDR=$(scontrol show node -o "$first_node" | sed -n' in s
     assert "srun -K1 -l --gres=gpu:4 /opt/slurm-gpu/venv/bin/python -m torch.distributed.run" in s
     assert '--rdzv_backend=c10d' in s and '--rdzv_id="$SLURM_JOB_ID"' in s
     assert '--rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT"' in s and "MASTER_PORT=29500" in s
