@@ -73,3 +73,25 @@ def test_arm_type_refused(info):
 def test_non_nvidia_gpu_refused(info):
     with pytest.raises(ConfigError, match="slurm-gpu:gpuInstanceType.*NVIDIA"):
         gpu_node_facts(info("g4ad.16xlarge"), efa=True)
+
+
+@pytest.mark.parametrize("itype,efa,expected", [
+    ("g6.12xlarge", True, 1), ("g6.48xlarge", True, 1), ("p4d.24xlarge", True, 4),
+    ("p5.48xlarge", True, 32), ("p5.48xlarge", False, 0), ("g4dn.xlarge", False, 0),
+])
+def test_one_efa_interface_per_network_card(info, itype, efa, expected):
+    assert gpu_node_facts(info(itype), efa=efa).efa_interfaces == expected
+
+
+def test_efa_interfaces_are_capped_by_what_the_type_allows():
+    from types import SimpleNamespace
+
+    from infra.facts import efa_interface_count
+
+    # More cards than EFA interfaces (or no card figure at all): the smaller number, at least 1.
+    assert efa_interface_count(SimpleNamespace(efa_supported=True, maximum_network_cards=8,
+                                               efa_maximum_interfaces=2), efa=True) == 2
+    assert efa_interface_count(SimpleNamespace(efa_supported=True, maximum_network_cards=None,
+                                               efa_maximum_interfaces=None), efa=True) == 1
+    assert efa_interface_count(SimpleNamespace(efa_supported=False, maximum_network_cards=4,
+                                               efa_maximum_interfaces=0), efa=True) == 0
