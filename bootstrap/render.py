@@ -30,6 +30,7 @@ REQUIREMENTS = REPO / "requirements.txt"
 ROLES = ("controller", "gpu")
 
 # Where things live on a node; other parts (inventory, local cluster, fab) import these.
+SLURM_CONF_DIR = "/etc/slurm/"  # configless: slurmctld serves every file here to the GPU nodes
 SLURM_CONF = "/etc/slurm/slurm.conf"
 GRES_CONF = "/etc/slurm/gres.conf"
 EXPORTS_FILE = "/etc/exports.d/slurm-gpu.exports"
@@ -264,11 +265,14 @@ def node_facts(facts: ClusterFacts, hostname: str) -> ClusterFacts:
 
 
 def role_files(facts: ClusterFacts, role: str) -> dict[str, str]:
-    """The subset of `render_files` a role needs (see NOT_FOR_ROLE)."""
+    """The subset of `render_files` a role needs (see NOT_FOR_ROLE). GPU nodes get nothing
+    under /etc/slurm/ (slurm.conf, gres.conf, cgroup.conf...): slurmd fetches those."""
     _check_role(role)
     files = render_files(facts)
     for path in NOT_FOR_ROLE[role]:
         files.pop(path, None)
+    if role == "gpu":
+        files = {p: t for p, t in files.items() if not p.startswith(SLURM_CONF_DIR)}
     return files
 
 

@@ -30,8 +30,14 @@ from ops import cloudinit, munge, slurm
 from ops.inventory import Inventory
 from ops.remote import Cluster, each, service, sudo
 
-# slurm.conf, gres.conf and the hosts block: the files of the controller that hold the node list.
-CONTROLLER_FILES = (render.SLURM_CONF, render.GRES_CONF, render.HOSTS_BLOCK_FILE)
+
+def controller_files(rendered: dict[str, str]) -> dict[str, str]:
+    """What `apply` installs on the controller: Slurm's config dir (slurm.conf, gres.conf, and
+    whatever else slurmctld serves to configless nodes) and the hosts block."""
+    return {p: t for p, t in rendered.items()
+            if p.startswith(render.SLURM_CONF_DIR) or p == render.HOSTS_BLOCK_FILE}
+
+
 BUSY_STATES = "RUNNING,COMPLETING,CONFIGURING,SUSPENDED"
 
 
@@ -89,7 +95,7 @@ def plan(ctl: Connection, facts: ClusterFacts, files: dict[str, str]) -> Change:
     wanted = [h.name for h in facts.gpu_nodes]
     change = Change(added=[n for n in wanted if n not in known],
                     removed=[n for n in known if n not in wanted])
-    change.files = [p for p in CONTROLLER_FILES if read_text(ctl, p) != files[p]]
+    change.files = [p for p in files if read_text(ctl, p) != files[p]]
     return change
 
 
@@ -129,8 +135,7 @@ def apply(cl: Cluster, force: bool = False, say: Callable[[str], None] = print) 
     """Bring the controller's Slurm configuration to the inventory's node list."""
     inv, ctl = cl.inventory, cl.controller
     facts = facts_of(inv)
-    rendered = render.render_files(facts)
-    files = {p: rendered[p] for p in CONTROLLER_FILES}
+    files = controller_files(render.render_files(facts))
     change = plan(ctl, facts, files)
     if change.none:
         say(f"reconfigure: slurm.conf already lists {len(facts.gpu_nodes)} GPU nodes; nothing to do")

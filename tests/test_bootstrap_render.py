@@ -252,6 +252,20 @@ def test_user_data_names_the_host():
     assert "local want='controller'" in render.user_data(facts, "controller")
 
 
+def test_gpu_nodes_get_nothing_from_slurms_config_dir(monkeypatch):
+    """Any file under /etc/slurm/ (a later cgroup.conf too) is the controller's: configless
+    GPU nodes fetch them from slurmctld, and `fab reconfigure` installs them."""
+    from ops.reconfigure import controller_files
+
+    real = render.render_files
+    monkeypatch.setattr(render, "render_files", lambda f: {**real(f), "/etc/slurm/cgroup.conf": "x\n"})
+    facts = FACTS["l4x2"]
+    assert "/etc/slurm/cgroup.conf" in render.role_files(facts, "controller")
+    assert not [p for p in render.role_files(facts, "gpu") if p.startswith("/etc/slurm/")]
+    assert sorted(controller_files(render.render_files(facts))) == [
+        "/etc/slurm-gpu/hosts.block", "/etc/slurm/cgroup.conf", render.GRES_CONF, render.SLURM_CONF]
+
+
 def test_a_gpu_nodes_user_data_does_not_depend_on_the_node_count():
     """Scaling adds or removes nodes without changing any other node's user-data."""
     shape = NodeShape(192, 2000000, 8, "h100")
