@@ -6,36 +6,24 @@ from dataclasses import asdict
 
 import pulumi
 
-from bootstrap.facts import ClusterFacts, facts_to_dict
+from bootstrap.facts import ClusterFacts
+from bootstrap.inventory import from_facts
 from bootstrap.render import TRAINING_PYTHON
 from infra.config import StackConfig
 from infra.network import NetworkComponent
 from infra.nodes import NodesComponent
 from infra.power import PowerSaveComponent
 from infra.security import SecurityComponent
-from ops.inventory import Inventory, Node
 
 SERVICE_CMD = "sudo systemctl {action} {service}"
 
 
 def build_inventory(facts: ClusterFacts, controller_public_ip: str | None, region: str | None) -> dict:
-    """The `inventory` output: ops.inventory.Inventory as a plain dict."""
-    inv = Inventory(
-        target="aws",
-        cluster_name=facts.cluster_name,
-        ssh_user=facts.ssh_user,
-        controller=Node(facts.controller.name, facts.controller.ip, "controller",
-                        controller_public_ip),
-        gpu_nodes=tuple(Node(h.name, h.ip, "gpu") for h in facts.gpu_nodes),  # private only
-        gpus_per_node=facts.shape.gpu_count,
-        gpu_type=facts.shape.gpu_type,
-        nvlink=facts.nvlink,
-        efa=facts.efa,
+    """The `inventory` output: bootstrap.inventory.Inventory as a plain dict."""
+    inv = from_facts(
+        facts, target="aws", controller_public_ip=controller_public_ip,
         python=TRAINING_PYTHON,  # where the GPU nodes' bootstrap installs the training stack
-        service_cmd=SERVICE_CMD,
-        scratch=facts.scratch,
-        extra=_extra(facts, region),
-        facts=facts_to_dict(facts),  # what `fab reconfigure` renders slurm.conf from
+        service_cmd=SERVICE_CMD, extra=_extra(facts, region),
     )
     return asdict(inv)
 

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bootstrap import render
-from bootstrap.facts import ClusterFacts, NodeShape, facts_to_dict, plan_hosts
+from bootstrap.facts import ClusterFacts, NodeShape, plan_hosts
+from bootstrap.inventory import Inventory, from_facts
 from localcluster import daemons, hosts, layout, netns, power
 from ops import hostkeys
-from ops.inventory import Inventory, Node
 
 REPO = Path(__file__).resolve().parent.parent
 HOSTCTL_SRC = Path(__file__).resolve().parent / "hostctl.sh"
@@ -343,19 +343,13 @@ def _create(nodes: int, gpus: int, fresh_keys: bool, out: Out, idle_stop_s: int 
 
 
 def make_inventory(nodes: int, gpus: int, idle_stop_s: int = 0) -> Inventory:
-    specs = plan(nodes)
-    ctl = specs[0]
-    return Inventory(
-        target="local", cluster_name=layout.CLUSTER_NAME, ssh_user="root",
-        controller=Node(ctl.name, ctl.ip, "controller", public_ip=ctl.ip),
-        gpu_nodes=tuple(Node(s.name, s.ip, "gpu") for s in specs[1:]),
-        gpus_per_node=gpus, gpu_type=layout.GPU_TYPE, nvlink=False, efa=False,
+    facts = cluster_facts(nodes, gpus, idle_stop_s)
+    return from_facts(
+        facts, target="local", controller_public_ip=facts.controller.ip,
         # Hosts share this machine's filesystem, so the repo's venv is the nodes' Python.
         python=str(REPO / ".venv" / "bin" / "python"),
         service_cmd=f"{layout.HOSTCTL} {{action}} {{service}}",
-        scratch="/scratch", ssh_key_file=str(layout.CLUSTER_KEY),
-        extra=power.inventory_extra(idle_stop_s),
-        facts=facts_to_dict(cluster_facts(nodes, gpus, idle_stop_s)),  # what `fab reconfigure` renders from
+        ssh_key_file=str(layout.CLUSTER_KEY), extra=power.inventory_extra(idle_stop_s),
     )
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ops.inventory import LOCAL_INVENTORY, LOCAL_STATE
+from bootstrap.inventory import LOCAL_INVENTORY, LOCAL_STATE
 
 BRIDGE = "sgpu0"
 SUBNET = "10.213.0.0/24"

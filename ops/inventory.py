@@ -1,4 +1,4 @@
-"""The inventory: how `fab` reaches a cluster.
+"""Loading the inventory (bootstrap/inventory.py): how `fab` reaches a cluster.
 
 The Pulumi stack exports it as the output `inventory`; the local cluster writes
 the same JSON to LOCAL_INVENTORY. Everything `fab` does starts from one of these.
@@ -7,66 +7,9 @@ the same JSON to LOCAL_INVENTORY. Everything `fab` does starts from one of these
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
-LOCAL_STATE = Path(os.environ.get("SLURM_GPU_LOCAL_STATE", "/var/lib/slurm-gpu-local"))
-LOCAL_INVENTORY = LOCAL_STATE / "inventory.json"
-
-
-class InventoryError(RuntimeError):
-    pass
-
-
-@dataclass(frozen=True)
-class Node:
-    name: str
-    private_ip: str
-    role: str  # "controller" or "gpu"
-    public_ip: str | None = None
-
-
-@dataclass(frozen=True)
-class Inventory:
-    target: str  # "aws" or "local"
-    cluster_name: str
-    ssh_user: str
-    controller: Node
-    gpu_nodes: tuple[Node, ...]
-    gpus_per_node: int
-    gpu_type: str
-    nvlink: bool
-    efa: bool
-    # Python on the GPU nodes that has the training stack.
-    python: str
-    # How to act on a daemon on a host: "{action}" and "{service}" are filled
-    # in (services: munge, slurmd, slurmctld).
-    service_cmd: str
-    scratch: str = "/scratch"
-    ssh_key_file: str | None = None
-    extra: dict = field(default_factory=dict)
-    # bootstrap.facts.ClusterFacts as a dict (facts_to_dict): what `fab reconfigure`
-    # renders slurm.conf from. Empty in inventories written before it existed.
-    facts: dict = field(default_factory=dict)
-
-    @property
-    def nodes(self) -> tuple[Node, ...]:
-        return (self.controller, *self.gpu_nodes)
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=True)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> Inventory:
-        try:
-            ctl = Node(**data["controller"])
-            nodes = tuple(Node(**n) for n in data["gpu_nodes"])
-            rest = {k: v for k, v in data.items() if k not in ("controller", "gpu_nodes")}
-            return cls(controller=ctl, gpu_nodes=nodes, **rest)
-        except (KeyError, TypeError) as exc:
-            raise InventoryError(f"inventory is malformed ({exc}); re-run `pulumi up` or `fab local.up`") from exc
+from bootstrap.inventory import LOCAL_INVENTORY, Inventory, InventoryError
 
 
 def load_local() -> Inventory:

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import jinja2
 
+from bootstrap.inventory import Inventory
+
 # gres.conf File= prefix on the local cluster (its GPUs are stand-in files); AWS uses /dev/nvidia.
 from localcluster.layout import GPU_DEVICE_PREFIX as LOCAL_DEVICE_PREFIX
-from ops.inventory import Inventory
 
 JOBS_DIR = Path(__file__).resolve().parent.parent / "jobs"
 FINETUNE_NAME = "slurm-gpu-finetune"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from ops.inventory import Inventory
+from bootstrap.inventory import Inventory
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "training" / "configs"

@@ -26,8 +26,8 @@ from fabric import Connection
 
 from bootstrap import render
 from bootstrap.facts import ClusterFacts, facts_from_dict
+from bootstrap.inventory import Inventory
 from ops import cloudinit, munge, slurm
-from ops.inventory import Inventory
 from ops.remote import Cluster, each, service, sudo
 
 

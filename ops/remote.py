@@ -16,7 +16,7 @@ from typing import TypeVar
 
 from fabric import Config, Connection
 
-from ops.inventory import Inventory
+from bootstrap.inventory import Inventory
 
 T = TypeVar("T")
 CONNECT_TIMEOUT_S = 20

@@ -20,8 +20,8 @@ from pathlib import Path
 
 from fabric import Connection
 
+from bootstrap.inventory import Inventory
 from ops import cloudinit, jobs, munge, power, reconfigure, slurm, stream, summary
-from ops.inventory import Inventory
 from ops.options import REPO, TrainOptions
 from ops.remote import Cluster, HostError, each, service
 

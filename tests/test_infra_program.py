@@ -18,8 +18,8 @@ import yaml
 
 from bootstrap import render
 from bootstrap.facts import ClusterFacts, Host, NodeShape, PowerSave, facts_from_dict, max_gpu_nodes
+from bootstrap.inventory import Inventory
 from infra.config import ConfigError
-from ops.inventory import Inventory
 from tests.test_infra_mocks import (
     ADMIN_CIDR,
     DLAMI_ID,

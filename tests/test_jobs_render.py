@@ -7,8 +7,8 @@ import subprocess
 import jinja2
 import pytest
 
+from bootstrap.inventory import Inventory, Node
 from ops import jobs
-from ops.inventory import Inventory, Node
 
 
 def inventory(target="aws", gpu_type="l4", nvlink=False, gpus=4, nodes=2):

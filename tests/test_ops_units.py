@@ -155,7 +155,7 @@ def test_unreachable_controller_is_a_clear_error_not_a_traceback(task, tmp_path)
     import subprocess
     import sys
 
-    from ops.inventory import Inventory, Node
+    from bootstrap.inventory import Inventory, Node
 
     # An inventory whose controller is a loopback address with no sshd behind it.
     inv = Inventory(target="local", cluster_name="gone", ssh_user="root",

@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 
 from bootstrap.facts import ClusterFacts, NodeShape, facts_to_dict, plan_hosts
+from bootstrap.inventory import Inventory, Node
 from ops import reconfigure
-from ops.inventory import Inventory, Node
 
 
 def _inventory(**kw) -> Inventory:

@@ -1,0 +1,102 @@
+"""The layering of docs/ARCHITECTURE.md, enforced: which of the project's packages may import which.
+
+Every module's imports (lazy ones inside functions included) are read with `ast`; an import
+of a project package (or of Fabric/Pulumi where a layer must not touch them) that the table
+below does not allow fails the test, naming the module, the line and the forbidden edge.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+# The project's layers: packages, plus the two entry-point modules at the root.
+LAYERS = ("bootstrap", "infra", "ops", "localcluster", "training", "policy", "benchmarks",
+          "fabfile", "__main__")
+# Outside libraries that decide a layer: Pulumi is the cloud side, Fabric the SSH side.
+GUARDED = ("pulumi", "pulumi_aws", "fabric", "invoke")
+
+# Who may import whom (a layer may always import itself). Anything absent is forbidden.
+ALLOWED: dict[str, set[str]] = {
+    "bootstrap": set(),  # the shared cluster description and the rendered files: imports nothing
+    "infra": {"bootstrap", "pulumi", "pulumi_aws"},
+    "ops": {"bootstrap", "training", "localcluster", "fabric", "invoke"},
+    "localcluster": {"bootstrap", "ops", "fabric", "invoke"},
+    "training": set(),  # runs on the GPU nodes: nothing of the cluster side
+    "policy": {"pulumi"},  # a separate Pulumi policy pack: nothing from the repo
+    "benchmarks": {"training", "ops"},
+    "fabfile": {"ops", "localcluster", "bootstrap", "fabric", "invoke"},
+    "__main__": {"infra"},
+}
+
+
+def layer_of(path: Path) -> str:
+    rel = path.relative_to(REPO)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def imported_layers(tree: ast.AST) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        else:
+            continue
+        for name in names:
+            top = name.split(".")[0]
+            if top in LAYERS or top in GUARDED:
+                found.append((node.lineno, top))
+    return found
+
+
+def violations(files: dict[str, str]) -> list[str]:
+    """`files`: layer-relative path -> source. Returns one line per forbidden import."""
+    bad = []
+    for rel, source in sorted(files.items()):
+        layer = layer_of(REPO / rel)
+        for lineno, target in imported_layers(ast.parse(source, rel)):
+            if target != layer and target not in ALLOWED[layer]:
+                bad.append(f"{rel}:{lineno}: {layer} must not import {target}")
+    return bad
+
+
+def project_modules() -> dict[str, str]:
+    paths = [REPO / "fabfile.py", REPO / "__main__.py"]
+    for pkg in LAYERS:
+        if (REPO / pkg).is_dir():
+            paths += (REPO / pkg).rglob("*.py")
+    return {str(p.relative_to(REPO)): p.read_text() for p in paths}
+
+
+def test_every_package_is_in_the_table():
+    packages = {p.parent.name for p in REPO.glob("*/__init__.py")} - {"tests"}
+    assert packages <= set(LAYERS), f"add {packages - set(LAYERS)} to LAYERS and ALLOWED"
+    assert set(ALLOWED) == set(LAYERS)
+
+
+def test_the_code_follows_the_layering():
+    modules = project_modules()
+    assert len(modules) > 40  # the walk found the code
+    assert violations(modules) == []
+
+
+@pytest.mark.parametrize("rel, source, edge", [
+    ("infra/cluster.py", "from ops.inventory import Inventory\n", "infra must not import ops"),
+    ("infra/nodes.py", "def f():\n    import fabric\n", "infra must not import fabric"),
+    ("bootstrap/render.py", "import infra.config\n", "bootstrap must not import infra"),
+    ("training/train.py", "from localcluster import layout\n", "training must not import localcluster"),
+    ("policy/rules.py", "from bootstrap import facts\n", "policy must not import bootstrap"),
+])
+def test_a_forbidden_import_is_caught(rel, source, edge):
+    assert violations({rel: source}) == [f"{rel}:{source.count(chr(10), 0, source.index('import'))+1}: {edge}"]
+
+
+def test_allowed_and_outside_imports_pass():
+    assert violations({"infra/cluster.py": "import json\nfrom bootstrap.inventory import Inventory\n",
+                       "ops/train.py": "from ops import slurm\nimport fabric\n"}) == []
