@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from bootstrap.inventory import LOCAL_INVENTORY, LOCAL_STATE
+from ops.targets.local import GPU_DEVICE_PREFIX as LOCAL_GPU_DEVICE_PREFIX
 
 BRIDGE = "sgpu0"
 SUBNET = "10.213.0.0/24"
@@ -38,8 +39,9 @@ AUTHORIZED_KEYS = SSH_DIR / "authorized_keys"
 KNOWN_HOSTS = STATE / "known_hosts"
 SCRATCH = STATE / "scratch"
 
-# Inside every host the GPUs are plain files under the host's own /var/lib/slurm.
-GPU_DEVICE_PREFIX = "/var/lib/slurm/gpu-standin/nvidia"
+# Inside every host the GPUs are plain files under the host's own /var/lib/slurm (the local
+# target's fact, which fab's sanity job checks).
+GPU_DEVICE_PREFIX = LOCAL_GPU_DEVICE_PREFIX
 # Mount points the hosts need that the root filesystem may lack (made by `up`,
 # removed by `down` when empty).
 MOUNT_POINTS = (Path("/scratch"), Path("/etc/slurm-gpu"))

@@ -13,9 +13,7 @@ from pathlib import Path
 import jinja2
 
 from bootstrap.inventory import Inventory
-
-# gres.conf File= prefix on the local cluster (its GPUs are stand-in files); AWS uses /dev/nvidia.
-from localcluster.layout import GPU_DEVICE_PREFIX as LOCAL_DEVICE_PREFIX
+from ops import targets
 
 JOBS_DIR = Path(__file__).resolve().parent.parent / "jobs"
 FINETUNE_NAME = "slurm-gpu-finetune"
@@ -34,9 +32,12 @@ _env.filters["q"] = lambda v: shlex.quote(str(v))
 
 @dataclass(frozen=True)
 class JobSpec:
-    """Everything a job template may use; nothing else reaches it."""
+    """Everything a job template may use; nothing else reaches it (the platform as facts, not its name)."""
 
-    target: str
+    # Real GPUs that nvidia-smi lists (else stand-in files at device_prefix N).
+    real_gpus: bool
+    # Ranks talk NCCL through the aws-ofi-nccl EFA plugin (else gloo on CPU, Hub offline).
+    nccl_efa: bool
     cluster_name: str
     job_name: str
     nodes: int
@@ -57,18 +58,13 @@ class JobSpec:
     time_limit: str = ""
 
 
-def device_prefix(inv: Inventory) -> str:
-    if "gpu_device_prefix" in inv.extra:
-        return inv.extra["gpu_device_prefix"]
-    return "/dev/nvidia" if inv.target == "aws" else LOCAL_DEVICE_PREFIX
-
-
 def base_spec(inv: Inventory, job_name: str, nodes: int, gpus_per_node: int, job_dir: str, **kw) -> JobSpec:
+    target = targets.of(inv)
     return JobSpec(
-        target="aws" if inv.target != "local" else "local",
+        real_gpus=target.real_gpus, nccl_efa=target.nccl_efa,
         cluster_name=inv.cluster_name, job_name=job_name, nodes=nodes, gpus_per_node=gpus_per_node,
         gpu_type=inv.gpu_type, nvlink=inv.nvlink, python=inv.python, scratch=inv.scratch,
-        log_dir=f"{inv.scratch}/logs", job_dir=job_dir, device_prefix=device_prefix(inv), **kw,
+        log_dir=f"{inv.scratch}/logs", job_dir=job_dir, device_prefix=target.gpu_device_prefix(inv), **kw,
     )
 
 

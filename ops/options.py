@@ -14,11 +14,10 @@ from pathlib import Path
 import yaml
 
 from bootstrap.inventory import Inventory
+from ops import targets
+from ops.targets import Target
 
 REPO = Path(__file__).resolve().parent.parent
-CONFIGS = REPO / "training" / "configs"
-DEFAULT_CONFIG = {"aws": CONFIGS / "qwen3-4b-lora.yaml", "local": CONFIGS / "local-tiny.yaml"}
-TARGETS = ("aws", "local")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
@@ -62,7 +61,7 @@ def _int(flag: str, value, low: int = 1) -> int | None:
     return n
 
 
-def _model_or_data(flag: str, value: str | None, target: str, label: str | None = None) -> str | None:
+def _model_or_data(flag: str, value: str | None, target: Target, label: str | None = None) -> str | None:
     """A flag's (or, with `label`, a config setting's) model or data location, checked for `target`."""
     if value is None:
         return None
@@ -72,10 +71,10 @@ def _model_or_data(flag: str, value: str | None, target: str, label: str | None 
         raise OptionError(f"{label} is empty: give a Hugging Face Hub ID or an absolute path on the cluster")
     if value.startswith("/"):
         return value
-    if target == "local":
+    if target.hub_offline:
         fix = (f"leave --{flag} out to use the config's" if label.startswith("--") else
-               f"or pass --config {DEFAULT_CONFIG['local'].relative_to(REPO)} for the") + " tiny model and data"
-        raise OptionError(f"{label} {value!r}: the local cluster runs offline (HF_HUB_OFFLINE=1); give an "
+               f"or pass --config {target.default_config.relative_to(REPO)} for the") + " tiny model and data"
+        raise OptionError(f"{label} {value!r}: the {target.name} cluster runs offline (HF_HUB_OFFLINE=1); give an "
                           f"absolute path visible on the cluster (e.g. under /scratch), {fix}")
     if not _HUB_ID.match(value) or ".." in value:
         raise OptionError(f"{label} {value!r} is neither a Hub ID like 'Qwen/Qwen3-4B' nor an absolute "
@@ -83,10 +82,10 @@ def _model_or_data(flag: str, value: str | None, target: str, label: str | None 
     return value
 
 
-def _config(value: str | None, target: str) -> tuple[Path, dict]:
-    path = Path(value).expanduser() if value else DEFAULT_CONFIG[target]
+def _config(value: str | None, target: Target) -> tuple[Path, dict]:
+    path = Path(value).expanduser() if value else target.default_config
     if not path.is_file():
-        raise OptionError(f"--config {path}: no such file; pass a YAML file such as {DEFAULT_CONFIG[target]}")
+        raise OptionError(f"--config {path}: no such file; pass a YAML file such as {target.default_config}")
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
@@ -105,28 +104,30 @@ def _config(value: str | None, target: str) -> tuple[Path, dict]:
 def parse(target=None, stack=None, config=None, nodes=None, gpus_per_node=None, examples=None,
           model=None, data=None, identity=None) -> TrainOptions:
     """Check the flags on their own (no inventory needed)."""
-    target = (target or "aws").strip().lower()
-    if target not in TARGETS:
-        raise OptionError(f"--target must be 'aws' (the current Pulumi stack) or 'local', not {target!r}")
-    if stack and target == "local":
-        raise OptionError("--stack names a Pulumi stack: it only goes with --target aws")
+    try:
+        tgt = targets.get(target)
+    except targets.TargetError as exc:
+        raise OptionError(str(exc)) from None
+    if stack and not tgt.takes_stack:
+        raise OptionError("--stack names a Pulumi stack: it only goes with --target "
+                          + " or ".join(targets.with_stacks()))
     if identity is not None:
         key = Path(identity).expanduser()
         if not key.is_file() or not os.access(key, os.R_OK):
             raise OptionError(f"--identity {identity}: no readable key file there; pass the private key "
                               "whose public half the cluster was deployed with")
         identity = str(key)
-    path, settings = _config(config, target)
-    model, data = _model_or_data("model", model, target), _model_or_data("data", data, target)
+    path, settings = _config(config, tgt)
+    model, data = _model_or_data("model", model, tgt), _model_or_data("data", data, tgt)
     from training.validate import default
 
     def from_config(key: str, flag: str) -> str | None:
         value = settings.get(key, default(key))
         where = f"{key} in --config {path.name}" + ("" if key in settings else " (its default)")
-        return _model_or_data(flag, value, target, label=f"{where}: {flag} location")
+        return _model_or_data(flag, value, tgt, label=f"{where}: {flag} location")
 
     return TrainOptions(
-        target=target, stack=stack or None, config=path,
+        target=tgt.name, stack=stack or None, config=path,
         nodes=_int("nodes", nodes), gpus_per_node=_int("gpus-per-node", gpus_per_node),
         examples=_int("examples", examples), model=model, data=data, identity=identity,
         config_model=None if model else from_config("model_name_or_path", "model"),

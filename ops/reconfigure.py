@@ -27,7 +27,7 @@ from fabric import Connection
 from bootstrap import render
 from bootstrap.facts import ClusterFacts, facts_from_dict
 from bootstrap.inventory import Inventory
-from ops import cloudinit, munge, slurm
+from ops import cloudinit, munge, slurm, targets
 from ops.remote import Cluster, each, service, sudo
 
 
@@ -151,7 +151,7 @@ def apply(cl: Cluster, force: bool = False, say: Callable[[str], None] = print) 
     sudo(ctl, "scontrol reconfigure")
     if change.added:
         added = {n: cl.nodes[n] for n in change.added if n in cl.nodes}
-        if inv.target != "local":  # a new instance may still be installing slurmd
+        if targets.of(inv).cloud_init:  # a new instance may still be installing slurmd
             each("cloud-init", added, lambda n, c: cloudinit.wait_done(c))
         munge.distribute_key(ctl, added, inv.service_cmd)
         each("starting slurmd", added, lambda n, c: service(c, inv, "restart", "slurmd"))

@@ -21,7 +21,7 @@ from pathlib import Path
 from fabric import Connection
 
 from bootstrap.inventory import Inventory
-from ops import cloudinit, jobs, munge, power, reconfigure, slurm, stream, summary
+from ops import cloudinit, jobs, munge, power, reconfigure, slurm, stream, summary, targets
 from ops.options import REPO, TrainOptions
 from ops.remote import Cluster, HostError, each, service
 
@@ -45,8 +45,8 @@ def step(say: Say, n: int, text: str) -> None:
 
 
 def wait_cloud_init(cl: Cluster, say: Say) -> None:
-    if cl.inventory.target == "local":
-        step(say, 1, "cloud-init: skipped (the local cluster is configured by `fab local.up`)")
+    if not targets.of(cl.inventory).cloud_init:
+        step(say, 1, f"cloud-init: skipped (the {cl.inventory.target} cluster is configured by `fab local.up`)")
         return
     step(say, 1, f"cloud-init: waiting for {len(cl.inventory.nodes)} hosts to finish booting")
     each("cloud-init", {"controller": cl.controller}, lambda n, c: cloudinit.wait_done(c))
@@ -280,7 +280,7 @@ def launch(cl: Cluster, opts: TrainOptions, nodes: int, gpus: int, say: Say,
 
 
 def reattach_hint(job_id: str, target: str) -> str:
-    flag = " --target local" if target == "local" else ""
+    flag = targets.get(target).flag()
     return (f"\nStopped following job {job_id}; it keeps running on the cluster.\n"
             f"Reattach with `fab logs{flag} --job {job_id}`, or stop it with `fab cancel{flag} --job {job_id}`.")
 
@@ -333,7 +333,7 @@ def finish(cl: Cluster, job_id: str, followed: stream.Followed, say: Say,
         (dest / "job.log").write_text(read_remote(cl.controller, log_path))
     run = summary.build(job_id, job.run_time if job else "", log, dest if got else None)
     step(say, 6, "summary")
-    for line in run.lines(expect_efa=cl.inventory.efa and cl.inventory.target != "local"):
+    for line in run.lines(expect_efa=targets.of(cl.inventory).expects_efa(cl.inventory)):
         say(line)
     png = summary.plot_loss(run.losses, dest / "loss.png", f"job {job_id} ({cl.inventory.cluster_name})") \
         if got or run.losses else None

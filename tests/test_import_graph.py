@@ -24,7 +24,7 @@ GUARDED = ("pulumi", "pulumi_aws", "fabric", "invoke")
 ALLOWED: dict[str, set[str]] = {
     "bootstrap": set(),  # the shared cluster description and the rendered files: imports nothing
     "infra": {"bootstrap", "pulumi", "pulumi_aws"},
-    "ops": {"bootstrap", "training", "localcluster", "fabric", "invoke"},
+    "ops": {"bootstrap", "training", "fabric", "invoke"},
     "localcluster": {"bootstrap", "ops", "fabric", "invoke"},
     "training": set(),  # runs on the GPU nodes: nothing of the cluster side
     "policy": {"pulumi"},  # a separate Pulumi policy pack: nothing from the repo

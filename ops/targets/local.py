@@ -1,0 +1,33 @@
+"""The local cluster of `fab local.up`: network namespaces on this machine, CPU only, offline."""
+
+from __future__ import annotations
+
+import json
+
+from bootstrap.inventory import LOCAL_INVENTORY, Inventory, InventoryError
+from ops.targets import CONFIGS, Target, register
+
+# gres.conf File= prefix: the local hosts' GPUs are plain stand-in files (localcluster creates them).
+GPU_DEVICE_PREFIX = "/var/lib/slurm/gpu-standin/nvidia"
+
+
+class Local(Target):
+    name = "local"
+    describe = "the cluster of `fab local.up`"
+    default_config = CONFIGS / "local-tiny.yaml"
+    device_prefix = GPU_DEVICE_PREFIX
+    real_gpus = False
+    nccl_efa = False
+    hub_offline = True  # the job runs with HF_HUB_OFFLINE=1
+    cloud_init = False  # `fab local.up` configures the hosts
+    takes_stack = False
+
+    def load(self, stack: str | None) -> Inventory:
+        if not LOCAL_INVENTORY.exists():
+            raise InventoryError(
+                f"no local cluster: {LOCAL_INVENTORY} is missing. Start one with `fab local.up`."
+            )
+        return Inventory.from_dict(json.loads(LOCAL_INVENTORY.read_text()))
+
+
+LOCAL = register(Local())

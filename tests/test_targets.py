@@ -1,0 +1,79 @@
+"""One object per target (ops/targets/): the rest of fab asks it, never compares target names."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from bootstrap.inventory import Inventory, InventoryError
+from ops import inventory, jobs, targets
+from ops.targets import Target
+from tests.test_jobs_render import inventory as make_inventory
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_no_target_name_comparisons_outside_the_targets():
+    pattern = re.compile(r"target *(==|!=)|target +(not +)?in +\(")
+    files = [REPO / "fabfile.py", *(REPO / "jobs").glob("*.j2"),
+             *(p for p in (REPO / "ops").rglob("*.py") if "targets" not in p.parts)]
+    hits = [f"{p.relative_to(REPO)}:{i}: {line.strip()}" for p in files
+            for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert hits == []
+
+
+def test_registry_and_default():
+    assert set(targets.names()) == {"aws", "local"}
+    assert targets.get(None).name == "aws" and targets.get(" Local ").name == "local"
+    assert targets.get("stack").name == "aws"
+    with pytest.raises(targets.TargetError, match=r"--target must be 'aws' .* or 'local' .*not 'gcp'"):
+        targets.get("gcp")
+    with pytest.raises(InventoryError, match="not 'gcp'"):
+        inventory.load("gcp")
+
+
+def test_local_inventory_missing_names_the_fix(monkeypatch, tmp_path):
+    monkeypatch.setattr("ops.targets.local.LOCAL_INVENTORY", tmp_path / "inventory.json")
+    with pytest.raises(InventoryError, match="fab local.up"):
+        inventory.load("local")
+
+
+def test_flags_and_efa():
+    aws, local = targets.get("aws"), targets.get("local")
+    assert aws.flag() == "" and local.flag() == " --target local"
+    assert aws.expects_efa(make_inventory()) and not aws.expects_efa(replace(make_inventory(), efa=False))
+    assert not local.expects_efa(replace(make_inventory(target="local"), efa=True))
+
+
+def test_device_prefix_comes_from_the_facts_first():
+    local = make_inventory(target="local")
+    assert targets.of(local).gpu_device_prefix(local) == "/var/lib/slurm/gpu-standin/nvidia"
+    moved = replace(local, facts={"gpu_device_prefix": "/dev/fake"})
+    assert targets.of(moved).gpu_device_prefix(moved) == "/dev/fake"
+
+
+def test_a_third_target_is_one_registration(monkeypatch):
+    class OnPrem(Target):
+        name = "onprem"
+        describe = "a test platform"
+        default_config = targets.CONFIGS / "local-tiny.yaml"
+        device_prefix = "/dev/nvidia"
+        real_gpus = True
+        nccl_efa = False
+        hub_offline = False
+        cloud_init = False
+        takes_stack = False
+
+        def load(self, stack):
+            return replace(make_inventory(), target="onprem")
+
+    monkeypatch.setitem(targets._REGISTRY, "onprem", OnPrem())
+    inv: Inventory = inventory.load("onprem")
+    spec = jobs.base_spec(inv, jobs.SANITY_NAME, 2, 4, "/scratch/j", script_path="/scratch/j/sanity.sbatch")
+    assert spec.real_gpus and not spec.nccl_efa and spec.device_prefix == "/dev/nvidia"
+    assert "nvidia-smi -L" in jobs.render_sanity(spec)
+    finetune = jobs.render_finetune(replace(spec, job_name=jobs.FINETUNE_NAME))
+    assert "FI_PROVIDER" not in finetune and "OMP_NUM_THREADS=1" in finetune
