@@ -14,9 +14,9 @@ from invoke.exceptions import Exit
 from paramiko.ssh_exception import AuthenticationException, NoValidConnectionsError, SSHException
 
 from localcluster.tasks import ns as local_ns
+from ops import finetune as flow
 from ops import inventory, jobs, munge, options, power, slurm, stream
 from ops import reconfigure as reconf
-from ops import train as flow
 from ops.cloudinit import CloudInitFailed
 from ops.remote import Cluster, HostError, connect, each
 

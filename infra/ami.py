@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pulumi_aws as aws
 
 from infra.config import ConfigError, StackConfig
-from infra.facts import ARCH
+from infra.instance_types import ARCH
 
 DLAMI_NAME = "Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04) *"
 AMAZON = "amazon"

@@ -12,7 +12,7 @@ from bootstrap.facts import ClusterFacts, PowerSave, plan_hosts
 from infra import config as stack_config
 from infra.ami import resolve_ami
 from infra.cluster import ClusterComponent
-from infra.facts import check_controller_type, choose_availability_zone, lookup_gpu_node_facts
+from infra.instance_types import check_controller_type, choose_availability_zone, lookup_gpu_node_facts
 
 SSH_USER = "ubuntu"  # the Ubuntu AMI's login user
 # Power saving on EC2: a stop may take this long before the node can be started again

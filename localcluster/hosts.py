@@ -22,7 +22,7 @@ NS_KINDS = ("net", "mnt", "uts")
 _children: list[subprocess.Popen] = []
 
 
-class HostError(RuntimeError):
+class HostSetupError(RuntimeError):
     pass
 
 
@@ -72,7 +72,7 @@ def wait_ready(proc: subprocess.Popen, hostname: str, log: Path) -> int:
     if line != "ready":
         proc.wait(timeout=5)
         detail = log.read_text().strip().splitlines()[-3:] if log.exists() else []
-        raise HostError(f"host {hostname}: holder failed to set up its mounts: {' | '.join(detail)}")
+        raise HostSetupError(f"host {hostname}: holder failed to set up its mounts: {' | '.join(detail)}")
     return proc.pid
 
 
@@ -108,7 +108,7 @@ def run(pid: int, argv: list[str], *, check: bool = True, timeout: float = 60,
     )
     if check and proc.returncode != 0:
         out = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-5:]
-        raise HostError(
+        raise HostSetupError(
             f"host {host or pid}: `{' '.join(argv)}` exited {proc.returncode}: {' | '.join(out)}"
         )
     return proc

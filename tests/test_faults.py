@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ops import finetune as flow
 from ops import jobs, options, slurm, stream
-from ops import train as flow
 from ops.joblog import JobLog
 from tests.test_bad_input import FAB, _host_state, _made
 from tests.test_jobs_render import inventory

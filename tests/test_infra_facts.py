@@ -8,7 +8,7 @@ import pulumi_aws as aws
 import pytest
 
 from infra.config import ConfigError
-from infra.facts import gpu_node_facts, gres_type, real_memory_mib
+from infra.instance_types import gpu_node_facts, gres_type, real_memory_mib
 from tests.test_infra_mocks import INSTANCE_TYPES, ClusterMocks
 
 
@@ -86,7 +86,7 @@ def test_one_efa_interface_per_network_card(info, itype, efa, expected):
 def test_efa_interfaces_are_capped_by_what_the_type_allows():
     from types import SimpleNamespace
 
-    from infra.facts import efa_interface_count
+    from infra.instance_types import efa_interface_count
 
     # More cards than EFA interfaces (or no card figure at all): the smaller number, at least 1.
     assert efa_interface_count(SimpleNamespace(efa_supported=True, maximum_network_cards=8,

@@ -223,6 +223,6 @@ def test_failed_up_cleans_up(lc, monkeypatch):
         return text if role == "controller" else "#!/bin/bash\necho 'no GPUs here' >&2\nexit 7\n"
 
     monkeypatch.setattr(render, "bootstrap_script", failing)
-    with pytest.raises(hosts.HostError, match="gpu-node-0[12].*no GPUs here"):
+    with pytest.raises(hosts.HostSetupError, match="gpu-node-0[12].*no GPUs here"):
         cluster.up(nodes=NODES, gpus=GPUS, fresh_keys=True, out=lambda _m: None)
     assert_nothing_left(set())

@@ -78,8 +78,8 @@ def wait_for(what: str, probe, timeout: float, interval: float = 0.5):
 
 def test_node_with_wrong_munge_key_is_repaired_and_named(local_cluster):
     from localcluster import daemons, layout
+    from ops import finetune as flow
     from ops import remote
-    from ops import train as flow
 
     inv, _ = local_cluster
     assert on("controller", "srun", "-N2", "hostname").returncode == 0  # healthy to begin with

@@ -135,7 +135,7 @@ def test_summary_and_loss_png(tmp_path):
 
 
 def test_run_dir_never_overwrites_another_jobs_run(tmp_path, monkeypatch):
-    from ops import train as flow
+    from ops import finetune as flow
 
     monkeypatch.setattr(flow, "RUNS", tmp_path)
     first = flow.run_dir("2", "/scratch/slurm-gpu/jobs/20261203-091312-aaaaaa")
