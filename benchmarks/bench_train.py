@@ -47,6 +47,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 PEAK_FLOPS = 989e12  # dense bf16, H100/H200 SXM datasheet
+RECIPES = ("seed", "project", "project-compiled", "project-eager")
 EFFECTIVE_BATCH = (2, 8)  # the seed's per-device batch x accumulation = 16 examples per step
 
 QWEN3_4B = dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
@@ -73,11 +74,64 @@ def make_workload(n: int, vocab: int, seed: int = 0, max_length: int = 1024, pro
     return rows
 
 
+# Alpaca under the seed's template (see make_alpaca_lengths): published per-row token statistics.
+ALPACA = dict(instruction_mean=14.0, input_mean_nonempty=25.0, input_share=0.4, output_mean=65.0,
+              template_tokens=9, template_input_tokens=5)
+
+
+def make_alpaca_lengths(n: int, seed: int = 0, max_length: int = 1024) -> list[tuple[int, int]]:
+    """(prompt, response) token counts distributed like Alpaca under the seed's template.
+
+    Alpaca (52k rows) has about 14 tokens of instruction, 10 of input (40% of rows have one, about 25
+    tokens each) and 65 of output per row; its outputs are right-skewed (many one-liners, a tail of
+    long answers). Lognormals with those means: instruction sigma 0.4, input sigma 0.6, output sigma
+    0.9 (median 43, 99th percentile about 350). The seed's template adds about 9 tokens
+    ("### Instruction:\n" ... "\n\n### Response:\n") and 5 more with an input ("\n\n### Input:\n");
+    the response ends with EOS (+1). Rows are about 102 tokens on average, median about 85.
+    """
+    rng = np.random.default_rng(seed)
+
+    def lognormal(mean: float, sigma: float, size: int) -> np.ndarray:
+        return rng.lognormal(math.log(mean) - sigma ** 2 / 2, sigma, size)
+
+    a = ALPACA
+    instruction = np.maximum(3, np.round(lognormal(a["instruction_mean"], 0.4, n)))
+    has_input = rng.random(n) < a["input_share"]
+    inputs = np.where(has_input, np.maximum(1, np.round(lognormal(a["input_mean_nonempty"], 0.6, n))), 0)
+    output = np.maximum(1, np.round(lognormal(a["output_mean"], 0.9, n))) + 1  # + EOS
+    prompt = instruction + inputs + a["template_tokens"] + np.where(has_input, a["template_input_tokens"], 0)
+    out = []
+    for p, r in zip(prompt.astype(int), output.astype(int), strict=True):
+        p = min(int(p), max_length - 4)
+        out.append((p, min(int(r), max_length - p)))
+    return out
+
+
+def make_alpaca_workload(n: int, vocab: int, seed: int = 0, max_length: int = 1024) -> list[dict]:
+    """Seeded synthetic rows with Alpaca's length distribution (make_alpaca_lengths), as token ids."""
+    rng = np.random.default_rng(seed + 1)
+    rows = []
+    for p, r in make_alpaca_lengths(n, seed, max_length):
+        rows.append({"input_ids": rng.integers(2, vocab, p + r).tolist(), "completion_mask": [0] * p + [1] * r})
+    return rows
+
+
+WORKLOADS = {
+    # ~258-token rows (the benchmark of issue 5): longer than Alpaca.
+    "long-258": lambda n, vocab, tiny: make_workload(n, vocab, seed=0, max_length=256 if tiny else 1024,
+                                                     prompt_median=15 if tiny else 60,
+                                                     response_median=30 if tiny else 150),
+    # The users' workload: Alpaca-length rows under the seed's template (~102 tokens).
+    "alpaca-102": lambda n, vocab, tiny: make_alpaca_workload(n, vocab, seed=0, max_length=256 if tiny else 1024),
+}
+
+
 def workload_stats(rows: list[dict]) -> dict:
     lengths = np.array([len(r["input_ids"]) for r in rows])
     completions = np.array([sum(r["completion_mask"]) for r in rows])
     return {"examples": len(rows), "tokens": int(lengths.sum()), "mean_length": float(lengths.mean()),
-            "median_length": float(np.median(lengths)), "max_length": int(lengths.max()),
+            "median_length": float(np.median(lengths)), "p90_length": float(np.percentile(lengths, 90)),
+            "p99_length": float(np.percentile(lengths, 99)), "max_length": int(lengths.max()),
             "mean_prompt": float((lengths - completions).mean()), "mean_response": float(completions.mean())}
 
 
@@ -117,6 +171,10 @@ def make_tokenizer():
 def make_model(cfg: dict, device: str, attn: str):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    from training import packing
+
+    if attn == packing.PACKED_SDPA:
+        packing.register_packed_attention()
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     config = Qwen3Config(**cfg, pad_token_id=1, eos_token_id=0, bos_token_id=0)
     torch.manual_seed(0)
@@ -178,7 +236,7 @@ class StepClock:
         self.flops_scored_head += sum(example_flops(n, s, self.counts) for n, s in zip(lengths, per, strict=False))
 
 
-def ProfileSteps(first: int, last: int):
+def ProfileSteps(first: int, last: int, tag: str = "project"):
     """A callback that profiles optimizer steps first..last (GPU kernels) and prints the top kernels."""
     from transformers import TrainerCallback
 
@@ -204,22 +262,32 @@ def ProfileSteps(first: int, last: int):
                 print(text, flush=True)
                 out = os.environ.get("OUT")
                 if out:
-                    Path(out, "profile.txt").write_text(text)
-                    self.prof.export_chrome_trace(str(Path(out, "trace.json")))
+                    Path(out, f"profile-{tag}.txt").write_text(text)
                 self.prof = None
 
     return _Profile()
 
 
+def seed_layout(examples_per_step: int) -> tuple[int, int]:
+    """The seed's micro-batch x accumulation for a given number of examples per optimizer step."""
+    micro = min(EFFECTIVE_BATCH[0], examples_per_step)
+    if examples_per_step % micro:
+        raise SystemExit(f"--examples-per-step {examples_per_step}: must be a multiple of {micro}")
+    return micro, examples_per_step // micro
+
+
 def run_recipe(name: str, rows: list[dict], cfg: dict, device: str, steps: int, warmup: int, out_dir: str,
-               compile_model: bool | None, logging_steps: int, profile: tuple[int, int] | None = None) -> dict:
+               compile_model: bool | None, logging_steps: int, profile: tuple[int, int] | None = None,
+               examples_per_step: int = 16) -> dict:
     from datasets import Dataset
 
     from training import packing
     from training.args import ModelArguments, TrainConfig
     from training.train import build_trainer
 
-    project = name == "project"
+    project = name.startswith("project")
+    if project and compile_model is None:
+        compile_model = {"project-compiled": True, "project-eager": False}.get(name)
     attn = packing.ATTN_IMPLEMENTATION if project else "sdpa"
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -227,29 +295,29 @@ def run_recipe(name: str, rows: list[dict], cfg: dict, device: str, steps: int, 
     model = make_model(cfg, device, attn)
     tokenizer = make_tokenizer()
     train_args = TrainConfig(
-        output_dir=os.path.join(out_dir, name), per_device_train_batch_size=EFFECTIVE_BATCH[0],
-        gradient_accumulation_steps=EFFECTIVE_BATCH[1], learning_rate=2e-4, num_train_epochs=1,
+        output_dir=os.path.join(out_dir, name), per_device_train_batch_size=seed_layout(examples_per_step)[0],
+        gradient_accumulation_steps=seed_layout(examples_per_step)[1], learning_rate=2e-4, num_train_epochs=1,
         max_steps=steps if steps > 0 else -1, logging_steps=logging_steps, save_strategy="no",
         report_to="none", max_length=1024, seed=42, activation_checkpointing=True, completion_only_loss=True,
-        use_cpu=device == "cpu", disable_tqdm=True, dataloader_num_workers=0)
+        use_cpu=device == "cpu", disable_tqdm=True, dataloader_num_workers=0,
+        compile_layers=compile_model if project else None)
     model_args = ModelArguments(model_name_or_path="synthetic-qwen3")
     trainer = build_trainer(model, tokenizer, Dataset.from_list(rows), model_args, train_args,
                             flex_packing=project)
-    if project and compile_model is not None and compile_model != bool(trainer.compiled_layers):
-        raise SystemExit("set --compile before the trainer is built (PackedSFTTrainer compiles on GPU)")
     if project:
         first = packing.pack_examples(
             [{"input_ids": r["input_ids"], "labels": r["input_ids"]}
-             for r in rows[:EFFECTIVE_BATCH[0] * EFFECTIVE_BATCH[1]]],
+             for r in rows[:examples_per_step]],
             pad_token_id=1)
-        mask = packing.attention_mask_for(model, first["document_ids"].to(device))
+        mask = packing.attention_mask_for(model, first["document_ids"].to(device)) \
+            if model.config._attn_implementation == "flex_attention" else None
         if hasattr(mask, "sparsity"):
-            print(f"block mask of a 16-example row: {first['input_ids'].shape[1]} tokens, "
+            print(f"block mask of a {examples_per_step}-example row: {first['input_ids'].shape[1]} tokens, "
                   f"sparsity {mask.sparsity():.1f}%", flush=True)
     counts = model_counts(cfg, lora_r=model_args.lora_r)
     clock = StepClock(trainer, counts, warmup)
     if profile:
-        trainer.add_callback(ProfileSteps(*profile))
+        trainer.add_callback(ProfileSteps(*profile, tag=f"{name}-{examples_per_step}-{len(rows)}"))
     output = trainer.train()
     end_t, end_tok, end_flops, end_step, end_sflops = clock.end
     runtime = end_t - clock.start
@@ -261,8 +329,12 @@ def run_recipe(name: str, rows: list[dict], cfg: dict, device: str, steps: int, 
         "gradient_accumulation": trainer.args.gradient_accumulation_steps,
         "activation_checkpointing": bool(getattr(trainer.args, "activation_checkpointing", False)
                                          or trainer.args.gradient_checkpointing),
-        "attention": attn,
+        "attention": getattr(model.config, "_attn_implementation", attn),
         "compiled_layers": getattr(trainer, "compiled_layers", 0),
+        "compile_reason": getattr(trainer, "compile_reason", None),
+        "token_budget": getattr(trainer.data_collator, "token_budget", None),
+        "mean_token_accuracy": next((h["mean_token_accuracy"] for h in reversed(trainer.state.log_history)
+                                     if "mean_token_accuracy" in h), None),
         "tokens": int(end_tok),
         "train_runtime_s": round(runtime, 2),
         "trainer_train_runtime_s": output.metrics.get("train_runtime"),
@@ -289,17 +361,116 @@ def run_recipe(name: str, rows: list[dict], cfg: dict, device: str, steps: int, 
     return row
 
 
+# ---------------------------------------------------------------- time to adapters
+
+def write_word_model(directory: Path, cfg: dict, device: str) -> None:
+    """The model (random weights, bf16 on GPU) and a word-level tokenizer of the same vocabulary, saved
+    like a hub snapshot, so `python -m training.train` loads it as it would Qwen3-4B. Every word `wN`
+    is one token, so a text row's token count is known."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|pad|>", "###", "Instruction:", "Input:", "Response:"]
+    vocab = {w: i for i, w in enumerate(specials)}
+    vocab.update({f"w{i}": i for i in range(len(specials), cfg["vocab_size"])})
+    tok = Tokenizer(models.WordLevel(vocab, "<|pad|>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>")
+    model = make_model(cfg, device, "sdpa")
+    model.config.pad_token_id, model.config.eos_token_id = 1, 0
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    del model
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def write_alpaca_text(path: Path, n: int, vocab: int, seed: int = 0) -> None:
+    """n Alpaca-format JSON rows whose token counts under `write_word_model`'s tokenizer and the seed's
+    template follow make_alpaca_lengths (the template is 4 words, 6 with an input, against about 9
+    and 14 tokens under Qwen3's tokenizer: the instruction and input make up the difference)."""
+    rng = np.random.default_rng(seed + 2)
+    rows = []
+    for p, r in make_alpaca_lengths(n, seed):
+        has_input = rng.random() < ALPACA["input_share"]
+        words = p - 4 - (2 if has_input else 0)
+        n_input = max(1, words // 3) if has_input else 0
+        n_instr = max(1, words - n_input)
+        text = lambda k: " ".join(f"w{int(x)}" for x in rng.integers(6, vocab, k))  # noqa: E731
+        rows.append({"instruction": text(n_instr), "input": text(n_input) if n_input else "",
+                     "output": text(max(1, r - 1))})  # - 1: the trainer appends EOS
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def time_to_adapters(cfg: dict, work: Path, rows: int, runs: list[tuple[str, dict]], timeout: int = 300) -> list[dict]:
+    """Run `python -m training.train` (the production entry point, the seed's config) as a fresh process
+    per entry of `runs` (label, extra environment) and time process start -> adapters written."""
+    model_dir, data = work / "model", work / "data.jsonl"
+    if not (model_dir / "config.json").exists():
+        t = time.time()
+        write_word_model(model_dir, cfg, "cuda" if torch.cuda.is_available() else "cpu")
+        print(f"saved the model in {time.time() - t:.1f} s", flush=True)
+    write_alpaca_text(data, rows, cfg["vocab_size"])
+    results = []
+    for label, env_extra in runs:
+        out = work / f"out-{label}"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **env_extra}
+        cmd = [sys.executable, "-m", "training.train", "--config", str(REPO / "training/configs/qwen3-4b-lora.yaml"),
+               "--model_name_or_path", str(model_dir), "--dataset_name", str(data), "--n_examples", "0",
+               "--output_dir", str(out)]
+        import subprocess
+
+        started = time.time()
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        ended = time.time()
+        log_text = proc.stdout + proc.stderr
+        if os.environ.get("OUT"):
+            Path(os.environ["OUT"], f"tta-{label}.log").write_text(log_text)
+        adapters = out / "adapter_model.safetensors"
+        metrics = next((json.loads(line.split(" ", 1)[1]) for line in log_text.splitlines()
+                        if line.startswith("SLURM_GPU_METRICS ")), {})
+        timing = metrics.get("timing", {})
+        row = {"label": label, "env": env_extra, "rc": proc.returncode,
+               "time_to_adapters_s": round(timing["adapters_written"] - started, 2) if "adapters_written" in timing
+               else (round(adapters.stat().st_mtime - started, 2) if adapters.exists() else None),
+               "process_wall_s": round(ended - started, 2),
+               "phases_s": {k: round(v - started, 2) for k, v in timing.items()},
+               **{k: metrics.get(k) for k in ("train_steps", "train_tokens", "train_runtime", "tokens_per_s",
+                                              "train_loss", "mean_token_accuracy", "compiled_layers",
+                                              "compile_reason")}}
+        if proc.returncode:
+            print(log_text[-4000:], flush=True)
+        print(f"TTA {json.dumps(row)}", flush=True)
+        results.append(row)
+    return results
+
+
+# ---------------------------------------------------------------- main
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true", help="tiny Qwen3 and a short workload (CPU check)")
+    parser.add_argument("--workloads", default="long-258", help=f"comma-separated: {', '.join(WORKLOADS)}")
     parser.add_argument("--examples", type=int, default=None, help="workload size (default 2000; tiny: 64)")
-    parser.add_argument("--recipes", default="seed,project", help="comma-separated: seed, project")
+    parser.add_argument("--examples-per-step", default="16", help="comma-separated examples per optimizer step")
+    parser.add_argument("--recipes", default="seed,project",
+                        help="comma-separated: seed, project (compiles or not as train.py decides), "
+                             "project-compiled, project-eager")
     parser.add_argument("--seed-steps", type=int, default=12, help="optimizer steps of the seed recipe (0 = epoch)")
     parser.add_argument("--project-steps", type=int, default=0, help="optimizer steps of the project (0 = epoch)")
     parser.add_argument("--warmup-steps", type=int, default=None, help="steps left out of the steady rates")
     parser.add_argument("--logging-steps", type=int, default=10)
+    parser.add_argument("--memory-gib", type=float, default=None,
+                        help="cap this process's GPU memory (an L4 offers about 22 GiB)")
+    parser.add_argument("--time-to-adapters", default=None, metavar="WORKDIR",
+                        help="instead: run `python -m training.train` on 250 Alpaca-length rows twice, with a "
+                             "fresh then a warm compile cache (in WORKDIR), and time process start -> adapters")
+    parser.add_argument("--tta-rows", type=int, default=250, help="rows of the time-to-adapters run")
+    parser.add_argument("--tta-runs", default="cold,warm", help="cold,warm and/or eager,compiled (forced)")
     parser.add_argument("--results-dir", type=Path, default=REPO / "benchmarks" / "results")
+    parser.add_argument("--results-name", default=None, help="results file name suffix (default: the GPU)")
     parser.add_argument("--no-write", action="store_true", help="print only; write no results file")
     parser.add_argument("--profile", default=None, help="FIRST:LAST optimizer steps to profile (GPU)")
     args = parser.parse_args(argv)
@@ -307,48 +478,114 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--device cuda: no GPU visible (use --device cpu --tiny)")
 
     cfg = TINY if args.tiny else QWEN3_4B
-    n = args.examples or (64 if args.tiny else 2000)
-    rows = make_workload(n, cfg["vocab_size"], seed=0, max_length=256 if args.tiny else 1024,
-                         prompt_median=15 if args.tiny else 60, response_median=30 if args.tiny else 150)
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     results = {"date": dt.date.today().isoformat(), "gpu": gpu, "torch": torch.__version__,
                "model": "tiny-qwen3" if args.tiny else "Qwen3-4B architecture, random weights",
-               "workload": workload_stats(rows), "peak_flops": PEAK_FLOPS, "rows": []}
+               "peak_flops": PEAK_FLOPS, "workloads": {}, "rows": []}
     import peft
     import transformers  # noqa: E401
     import trl
     results["versions"] = {"transformers": transformers.__version__, "trl": trl.__version__,
                            "peft": peft.__version__}
+    if args.memory_gib and args.device == "cuda":
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_gib * 2**30 / total))
+        results["memory_cap_gib"] = args.memory_gib
+
+    if args.time_to_adapters:
+        work = Path(args.time_to_adapters)
+        cache = work / "compile-cache"
+        runs = []
+        for label in [x.strip() for x in args.tta_runs.split(",") if x.strip()]:
+            env = {"TORCHINDUCTOR_CACHE_DIR": str(cache), "TRITON_CACHE_DIR": str(cache / "triton")}
+            if label == "cold":
+                import shutil
+                shutil.rmtree(cache, ignore_errors=True)
+                runs.append((label, env))
+            elif label == "warm":
+                runs.append((label, env))
+            elif label in ("eager", "compiled-cold", "compiled-warm"):
+                env["TRAINING_COMPILE"] = "0" if label == "eager" else "1"
+                if label == "compiled-cold":
+                    env["TORCHINDUCTOR_CACHE_DIR"] = str(work / "compile-cache-forced")
+                    env["TRITON_CACHE_DIR"] = str(work / "compile-cache-forced" / "triton")
+                runs.append((label, env))
+            else:
+                parser.error(f"--tta-runs: unknown run {label!r}")
+        # each run is its own process: a cold run must not see the previous run's cache
+        tta = []
+        for label, env in runs:
+            if label == "cold":
+                import shutil
+                shutil.rmtree(cache, ignore_errors=True)
+            tta += time_to_adapters(cfg, work, args.tta_rows, [(label, env)])
+        results["time_to_adapters"] = tta
+        by = {r["label"]: r for r in tta}
+        for label in ("cold", "warm"):
+            if label in by:
+                results[f"time_to_adapters_{label}_s"] = by[label]["time_to_adapters_s"]
+        results["workloads"]["alpaca-102"] = workload_stats(make_alpaca_workload(args.tta_rows, cfg["vocab_size"]))
+        suffix = args.results_name or gpu_slug(gpu, args.tiny) + "-time-to-adapters"
+        if not args.no_write:
+            write_results(results, args.results_dir / f"{results['date']}-{suffix}.json")
+        return results
+
+    n = args.examples or (64 if args.tiny else 2000)
+    profile = tuple(int(x) for x in args.profile.split(":")) if args.profile else None
     with tempfile.TemporaryDirectory() as tmp:
-        for name in [r.strip() for r in args.recipes.split(",") if r.strip()]:
-            if name not in ("seed", "project"):
-                parser.error(f"--recipes: unknown recipe {name!r}; use seed and/or project")
-            steps = args.seed_steps if name == "seed" else args.project_steps
-            warmup = args.warmup_steps if args.warmup_steps is not None else (2 if name == "seed" else 5)
-            started = time.time()
-            profile = tuple(int(x) for x in args.profile.split(":")) if args.profile else None
-            row = run_recipe(name, rows, cfg, args.device, steps, warmup, tmp, None, args.logging_steps, profile)
-            row = {"gpu": gpu, **row, "wall_s": round(time.time() - started, 1)}
-            results["rows"].append(row)
-            print(f"BENCH {json.dumps(row)}", flush=True)
-    by = {r["recipe"]: r for r in results["rows"]}
-    if "seed" in by and "project" in by:
-        by["project"]["seed_recipe_tokens_per_s"] = by["seed"]["tokens_per_s"]
-        by["project"]["speedup"] = by["project"]["tokens_per_s"] / by["seed"]["tokens_per_s"]
-        by["project"]["speedup_incl_warmup"] = (by["project"]["tokens_per_s_incl_warmup"]
-                                                / by["seed"]["tokens_per_s_incl_warmup"])
-    print(f"{'recipe':8} {'tok/s':>9} {'MFU':>6} {'MFU(C)':>6} {'tok/s(all)':>10} {'MFU(all)':>8} {'peak GiB':>8} "
+        for workload in [w.strip() for w in args.workloads.split(",") if w.strip()]:
+            if workload not in WORKLOADS:
+                parser.error(f"--workloads: unknown workload {workload!r}; use {', '.join(WORKLOADS)}")
+            rows = WORKLOADS[workload](n, cfg["vocab_size"], args.tiny)
+            results["workloads"][workload] = workload_stats(rows)
+            print(f"workload {workload}: {json.dumps(results['workloads'][workload])}", flush=True)
+            for per_step in [int(x) for x in args.examples_per_step.split(",") if x.strip()]:
+                for name in [r.strip() for r in args.recipes.split(",") if r.strip()]:
+                    if name not in RECIPES:
+                        parser.error(f"--recipes: unknown recipe {name!r}; use {', '.join(RECIPES)}")
+                    steps = args.seed_steps if name == "seed" else args.project_steps
+                    warmup = args.warmup_steps if args.warmup_steps is not None else (2 if name == "seed" else 5)
+                    started = time.time()
+                    try:
+                        row = run_recipe(name, rows, cfg, args.device, steps, warmup, tmp, None, args.logging_steps,
+                                         profile if name.startswith("project") else None,
+                                         examples_per_step=per_step)
+                    except Exception as e:  # noqa: BLE001 - one failed recipe must not lose the others' figures
+                        import traceback
+
+                        traceback.print_exc()
+                        kind = "out of memory" if isinstance(e, torch.OutOfMemoryError) else type(e).__name__
+                        row = {"recipe": name, "examples_per_step": per_step, "error": f"{kind}: {e}"[:400]}
+                        gc.collect()
+                        if torch.cuda.is_available():
+                            torch.cuda.empty_cache()
+                    row = {"gpu": gpu, "workload": workload, **row, "wall_s": round(time.time() - started, 1)}
+                    if args.memory_gib:
+                        row["memory_cap_gib"] = args.memory_gib
+                    results["rows"].append(row)
+                    print(f"BENCH {json.dumps(row)}", flush=True)
+                seed = next((r for r in results["rows"] if r["recipe"] == "seed" and r["workload"] == workload
+                             and r["examples_per_step"] == per_step and "tokens_per_s" in r), None)
+                project = next((r for r in results["rows"] if r["recipe"].startswith("project")
+                                and r["workload"] == workload
+                                and r["examples_per_step"] == per_step and "tokens_per_s" in r), None)
+                if seed and project:
+                    project["seed_recipe_tokens_per_s"] = seed["tokens_per_s"]
+                    project["speedup"] = project["tokens_per_s"] / seed["tokens_per_s"]
+                    project["speedup_incl_warmup"] = (project["tokens_per_s_incl_warmup"]
+                                                      / seed["tokens_per_s_incl_warmup"])
+    print(f"{'workload':11} {'ex/st':>5} {'recipe':8} {'tok/s':>9} {'MFU':>6} {'tok/s(all)':>10} {'peak GiB':>8} "
           f"{'runtime s':>9} {'loss':>7}")
     for r in results["rows"]:
+        if "tokens_per_s" not in r:
+            print(f"{r['workload']:11} {r['examples_per_step']:5} {r['recipe']:8} {r.get('error', '')[:80]}")
+            continue
         mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "-"
-        print(f"{r['recipe']:8} {r['tokens_per_s']:9.0f} {r['mfu']:6.1%} {r['mfu_scored_head']:6.1%} "
-              f"{r['tokens_per_s_incl_warmup']:10.0f} {r['mfu_incl_warmup']:8.1%} {mem:>8} "
-              f"{r['train_runtime_s']:9.1f} {r['final_loss']!s:>7}")
-    if "project" in by and "speedup" in by["project"]:
-        print(f"speedup (steady) {by['project']['speedup']:.1f}x, incl. warmup "
-              f"{by['project']['speedup_incl_warmup']:.1f}x on {gpu}")
+        print(f"{r['workload']:11} {r['examples_per_step']:5} {r['recipe']:8} {r['tokens_per_s']:9.0f} {r['mfu']:6.1%} "
+              f"{r['tokens_per_s_incl_warmup']:10.0f} {mem:>8} {r['train_runtime_s']:9.1f} {r['final_loss']!s:>7}")
     if not args.no_write:
-        write_results(results, args.results_dir / f"{results['date']}-{gpu_slug(gpu, args.tiny)}.json")
+        suffix = args.results_name or gpu_slug(gpu, args.tiny)
+        write_results(results, args.results_dir / f"{results['date']}-{suffix}.json")
     return results
 
 

@@ -67,13 +67,16 @@ def eager_flex(monkeypatch):
     monkeypatch.setattr(hf_flex, "compile_friendly_flex_attention", uncompiled)
 
 
-@pytest.mark.parametrize("attn", ["flex_attention", "sdpa"])
+@pytest.mark.parametrize("attn", [packing.PACKED_SDPA, "flex_attention", "sdpa"])
 def test_packed_logits_match_separate_runs(attn, eager_flex):
-    """flex + BlockMask (the GPU path) and SDPA + the same mask as a dense tensor (the CPU path)."""
+    """packed_sdpa (the path of training/train.py on GPU and CPU: each document gathered into a padded
+    batch for causal SDPA), flex + BlockMask, and SDPA + the same mask as a dense tensor."""
+    if attn == packing.PACKED_SDPA:
+        packing.register_packed_attention()
     model = tiny_model(attn)
     rows = synthetic_rows(4, seed=1)
     packed = packing.pack_examples(rows, pad_token_id=PAD_ID)
-    mask = packing.attention_mask_for(model, packed["document_ids"])
+    mask = packing.attention_mask_for(model, packed)
     if attn == "flex_attention":
         assert type(mask).__name__ == "BlockMask"
     with torch.no_grad():

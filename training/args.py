@@ -92,6 +92,24 @@ class TrainConfig(SFTConfig):
         metadata={"help": "bf16 mixed precision. Unset = on with a GPU; always off (fp32) without one."},
     )
 
+    compile_layers: bool | None = field(
+        default=None,
+        metadata={"help": "Packed path: torch.compile the decoder blocks. Unset = decided per run from this "
+                          "rank's tokens and whether the compile cache is warm (compiling pays off only on "
+                          "longer runs); the environment variable TRAINING_COMPILE=1/0 forces it."},
+    )
+    compile_cache_dir: str | None = field(
+        default=None,
+        metadata={"help": "Inductor and Triton compile caches (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR), on "
+                          "storage every node shares, so later jobs skip the compile; jobs set it to "
+                          "/scratch/torch-compile-cache. Unset = the environment's or torch's default."},
+    )
+    token_budget: int | None = field(
+        default=None,
+        metadata={"help": "Packed path: most tokens per packed micro-batch. Unset = from the GPU's free memory "
+                          "(a step with more tokens runs as several micro-batches)."},
+    )
+
     def __post_init__(self):
         # The same config runs on GPU nodes and on the CPU-only local cluster: bf16 needs a GPU.
         if not gpu_available():

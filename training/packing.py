@@ -22,9 +22,11 @@ step's examples reach the GPU:
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,13 +34,13 @@ import torch
 log = logging.getLogger(__name__)
 
 
-def _default_attention() -> str:
-    # flex attention has no backward on CPU (torch 2.13): there the packed row uses SDPA with the same
-    # document mask as a dense boolean tensor (exact, fine for small models).
-    return "flex_attention" if torch.cuda.is_available() else "sdpa"
-
-
-ATTN_IMPLEMENTATION = _default_attention()
+# The packed row's attention keeps each example to itself. On CPU: packed_sdpa_attention below (each
+# example gathered into a padded batch for causal SDPA; flex attention has no backward on CPU).
+# On a GPU the packed row uses flex attention with a document BlockMask (compiled blocks), or SDPA
+# with a dense document mask when the run is too short for compiling to pay: packed_sdpa compiled
+# measured 4.8k tokens/s on an H200 against flex's 11.7k (benchmarks/NOTES.md).
+PACKED_SDPA = "packed_sdpa"
+ATTN_IMPLEMENTATION = "flex_attention" if torch.cuda.is_available() else PACKED_SDPA
 # flex attention works on 128-token blocks: the packed row is padded up to a multiple of this.
 PAD_MULTIPLE = 128
 # Largest packed micro-batch in tokens; a step with more tokens runs as several micro-batches.
@@ -62,6 +64,8 @@ def pack_examples(examples: list[dict[str, Any]], pad_token_id: int, pad_to_mult
         y = torch.as_tensor(ex.get("labels", ex["input_ids"]), dtype=torch.long).clone()
         if x.numel() == 0:
             continue
+        if "completion_mask" in ex and "labels" not in ex:  # TRL's prompt/completion rows
+            y[torch.as_tensor(ex["completion_mask"], dtype=torch.bool).logical_not()] = -100
         y[0] = -100
         ids.append(x)
         labels.append(y)
@@ -75,13 +79,103 @@ def pack_examples(examples: list[dict[str, Any]], pad_token_id: int, pad_to_mult
         labels.append(torch.full((pad,), -100, dtype=torch.long))
         positions.append(torch.arange(pad, dtype=torch.long))
         docs.append(torch.full((pad,), len(examples), dtype=torch.int32))
+    row_labels = torch.cat(labels)
+    doc_lengths = [x.numel() for x in ids]  # the padding tail is a document of its own
+    # The LM head scores position p against label p + 1 only where that label counts: the positions
+    # and their targets are known here, on the host, so the GPU never has to be asked (no sync).
+    target_index = (row_labels[1:] != -100).nonzero().flatten()
     return {
         "input_ids": torch.cat(ids)[None],
-        "labels": torch.cat(labels)[None],
+        "labels": row_labels[None],
         "position_ids": torch.cat(positions)[None],
         "document_ids": torch.cat(docs)[None],
+        "target_index": target_index,
+        "target_ids": row_labels[1:][target_index],
         "num_real_tokens": n_real,
+        "num_targets": int(target_index.numel()),
+        **attention_indices(doc_lengths),
     }
+
+
+def _split_by_length(lengths: list[int]) -> int:
+    """Index k into `lengths` (sorted, longest first) that splits the documents into a long group
+    [:k] and a short group [k:] with the least padded attention work, B x L^2 summed over groups."""
+    best, best_cost = len(lengths), len(lengths) * lengths[0] ** 2
+    for k in range(1, len(lengths)):
+        cost = k * lengths[0] ** 2 + (len(lengths) - k) * lengths[k] ** 2
+        if cost < best_cost:
+            best, best_cost = k, cost
+    return best
+
+
+def attention_indices(doc_lengths: list[int], multiple: int = 8) -> dict[str, torch.Tensor]:
+    """Indices that lay the packed row's documents out as two padded batches (long and short
+    documents), one document per row, for causal SDPA (flash attention on a GPU); and back.
+
+    `attn_gather_long` / `attn_gather_short` [B, L]: the row position of each padded slot (padding
+    slots repeat the document's first token: they come after the real ones, so causal attention
+    never lets a real token see them). `attn_scatter` [T]: the slot of each row position in the
+    two batches, concatenated. Two groups always (one may hold a one-token dummy), so the compiled
+    graph sees the same structure every step; their lengths vary (dynamic shapes).
+    """
+    starts = [0]
+    for n in doc_lengths[:-1]:
+        starts.append(starts[-1] + n)
+    order = sorted(range(len(doc_lengths)), key=lambda i: -doc_lengths[i])
+    sorted_lengths = [doc_lengths[i] for i in order]
+    k = _split_by_length(sorted_lengths)
+    groups = [order[:k], order[k:]]
+    scatter = torch.empty(sum(doc_lengths), dtype=torch.long)
+    gathers, offset = [], 0
+    for group in groups:
+        width = -(-max([doc_lengths[i] for i in group] or [1]) // multiple) * multiple
+        # At least two rows per group (dummy rows repeat token 0; their outputs are never read): a batch
+        # of one would make the compiled graph specialise on size 1 and recompile when it changes.
+        gather = torch.zeros((max(len(group), 2), width), dtype=torch.long)
+        for row, i in enumerate(group):
+            n, start = doc_lengths[i], starts[i]
+            gather[row, :n] = torch.arange(start, start + n)
+            gather[row, n:] = start
+            scatter[start:start + n] = torch.arange(offset + row * width, offset + row * width + n)
+        gathers.append(gather)
+        offset += gather.shape[0] * width
+    return {"attn_gather_long": gathers[0], "attn_gather_short": gathers[1], "attn_scatter": scatter}
+
+
+def packed_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Attention for a packed row [1, H, T, D]: gather each document into a padded batch (two of them:
+    long and short documents), run causal SDPA (flash attention on a GPU, no mask tensor), scatter
+    the outputs back to the row. `attention_mask` = (gather_long, gather_short, scatter). Exact: no
+    token attends outside its document. Returns [1, T, H, D] like transformers' attention functions."""
+    import torch.nn.functional as F
+
+    if not isinstance(attention_mask, tuple):  # not a packed row (generation, a single sequence)
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    gather_long, gather_short, scatter = attention_mask
+    heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[3]
+    rows = [t[0].transpose(0, 1) for t in (query, key, value)]  # [T, H, D]
+    outputs = []
+    for gather in (gather_long, gather_short):
+        b, width = gather.shape
+        flat = gather.reshape(-1)
+        q, k, v = (x.index_select(0, flat).view(b, width, h, dim).transpose(1, 2)
+                   for x, h in zip(rows, (heads, kv_heads, kv_heads), strict=True))
+        if kv_heads != heads:  # grouped-query attention: share each KV head among its query heads
+            k = k[:, :, None].expand(b, kv_heads, heads // kv_heads, width, dim).reshape(b, heads, width, dim)
+            v = v[:, :, None].expand(b, kv_heads, heads // kv_heads, width, dim).reshape(b, heads, width, dim)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
+                                             dropout_p=dropout if module.training else 0.0)
+        outputs.append(out.transpose(1, 2).reshape(b * width, heads, dim))
+    return torch.cat(outputs).index_select(0, scatter)[None], None
+
+
+def register_packed_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention)
 
 
 def split_by_token_budget(lengths: list[int], token_budget: int) -> list[list[int]]:
@@ -116,7 +210,9 @@ class PackedCollator:
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         lengths = [len(ex["input_ids"]) for ex in examples]
-        groups = split_by_token_budget(lengths, self.token_budget)
+        # A rank whose share of the epoch's last, short step is empty still steps (DDP needs every
+        # rank): one padding row with nothing to score.
+        groups = split_by_token_budget(lengths, self.token_budget) or [[]]
         micro = [pack_examples([examples[i] for i in g], self.pad_token_id, self.pad_to_multiple_of)
                  for g in groups]
         labels = torch.cat([m["labels"] for m in micro], dim=1)
@@ -155,12 +251,26 @@ def dense_document_mask(document_ids: torch.Tensor) -> torch.Tensor:
     return ((doc[:, None] == doc[None, :]) & (pos[:, None] >= pos[None, :]))[None, None]
 
 
-def attention_mask_for(model, document_ids: torch.Tensor):
-    """BlockMask for flex attention, a dense boolean mask for any other attention implementation."""
+def attention_mask_for(model, batch: dict[str, Any] | torch.Tensor):
+    """What the model's attention takes to keep a packed row's documents apart: the gather/scatter
+    indices for packed_sdpa (as the per-layer-type mapping Qwen3 passes through), a BlockMask for flex
+    attention, a dense boolean mask for any other implementation. `batch`: a pack_examples dict (or
+    its document_ids)."""
     config = getattr(model, "config", None)
-    if getattr(config, "_attn_implementation", None) == "flex_attention":
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation == PACKED_SDPA:
+        indices = (batch["attn_gather_long"], batch["attn_gather_short"], batch["attn_scatter"])
+        return {layer_type: indices for layer_type in set(getattr(config, "layer_types", None) or ["full_attention"])}
+    document_ids = batch["document_ids"] if isinstance(batch, dict) else batch
+    if implementation == "flex_attention":
         return document_block_mask(document_ids)
     return dense_document_mask(document_ids)
+
+
+def set_packed_attention(model) -> None:
+    """Switch a loaded model to packed_sdpa (the config's attention only selects a function per call)."""
+    register_packed_attention()
+    unwrap(model).config._attn_implementation = PACKED_SDPA
 
 
 # ---------------------------------------------------------------- arguments and model
@@ -183,7 +293,7 @@ def prepare_args(train_args):
     # the Trainer's NaN filter of the logged loss reads the loss every step (a sync), and a blocking
     # copy of the batch waits for the previous step's kernels.
     train_args.logging_nan_inf_filter = False
-    train_args.dataloader_pin_memory = True
+    train_args.dataloader_pin_memory = torch.cuda.is_available()
     config = getattr(train_args, "accelerator_config", None)
     if config is not None and hasattr(config, "non_blocking"):
         config.non_blocking = True
@@ -192,63 +302,300 @@ def prepare_args(train_args):
 
 def decoder_layers(model) -> list[torch.nn.Module]:
     """The transformer blocks of a (PEFT-wrapped) causal LM."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return list(base.model.layers)
+    return list(unwrap(model).model.layers)
+
+
+def unwrap(model):
+    """The transformers model under DDP and PEFT wrappers."""
+    model = getattr(model, "module", model)
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def compile_layers(model) -> int:
-    """torch.compile each decoder block (one graph, reused by every block; shapes become dynamic after
-    the first length change, so the varying packed length does not recompile). Returns the count."""
+    """torch.compile each decoder block: one graph, reused by every block, with the sequence length
+    dynamic from the first call (dynamic=True), so a new packed length never recompiles. Returns the count."""
     import torch._dynamo
 
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     if hasattr(torch._dynamo.config, "accumulated_cache_size_limit"):
         torch._dynamo.config.accumulated_cache_size_limit = max(
             torch._dynamo.config.accumulated_cache_size_limit, 512)
+    import torch.fx.experimental._config as fx_config
+
+    # Sizes that happen to be equal in the first step (two groups' widths, say) must not become one
+    # symbol: that would recompile the block when they differ.
+    fx_config.use_duck_shape = False
+    # Every block then gets an input that requires grad, the first one too (its input, the frozen
+    # embedding's output, would not): one graph for all 36 blocks instead of a second compile for block 0.
+    unwrap(model).enable_input_require_grads()
     layers = decoder_layers(model)
     for layer in layers:
-        layer.compile()
+        layer.compile(dynamic=True)
     return len(layers)
+
+
+# ---------------------------------------------------------------- compile or not
+
+# Measured on one H200 with Qwen3-4B shapes (benchmarks/NOTES.md); the decision needs only their
+# ratios to be about right on other GPUs: the eager step is launch-bound, the compiled step is not.
+EAGER_TOKENS_PER_S = 7_800.0     # Alpaca-length rows, 16 per step, dense-mask SDPA, eager blocks
+COMPILED_TOKENS_PER_S = 11_700.0  # the same, compiled blocks
+COMPILE_COLD_S = 60.0   # dynamo + inductor + triton for one block, forward and backward, empty caches
+COMPILE_WARM_S = 15.0   # the same from a warm inductor/triton cache (dynamo still traces); an estimate
+CACHE_MARKER = "slurm-gpu-compiled"
+
+
+def compile_cache_dir() -> Path | None:
+    directory = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    return Path(directory) if directory else None
+
+
+def compile_cache_key(model) -> str:
+    """What a compiled block depends on: torch, the GPU, the block's shapes and the adapters."""
+    import hashlib
+
+    config = unwrap(model).config
+    dims = [getattr(config, k, None) for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                                "num_key_value_heads", "head_dim", "model_type")]
+    peft_config = getattr(getattr(model, "module", model), "peft_config", None)
+    lora = sorted(str(v) for v in peft_config.values()) if isinstance(peft_config, dict) else []
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    text = json.dumps([torch.__version__, gpu, dims, lora])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def compile_cache_warm(model) -> bool:
+    directory = compile_cache_dir()
+    return bool(directory) and (directory / CACHE_MARKER / compile_cache_key(model)).exists()
+
+
+def mark_compile_cache(model) -> None:
+    directory = compile_cache_dir()
+    if directory:
+        marker = directory / CACHE_MARKER / compile_cache_key(model)
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+
+
+def choose_compile(tokens: float, cache_warm: bool) -> tuple[bool, str]:
+    """Compile the decoder blocks only when it pays for this run's tokens (this rank's share):
+    eager time vs compile time + compiled time."""
+    eager = tokens / EAGER_TOKENS_PER_S
+    compiled = (COMPILE_WARM_S if cache_warm else COMPILE_COLD_S) + tokens / COMPILED_TOKENS_PER_S
+    reason = (f"{tokens:,.0f} tokens on this rank: eager ~{eager:.0f} s, compiled ~{compiled:.0f} s "
+              f"({'warm' if cache_warm else 'cold'} compile cache)")
+    return compiled < eager, reason
+
+
+def compile_setting(setting: bool | None = None) -> bool | None:
+    """TRAINING_COMPILE=1/0 forces compiling on/off; otherwise `setting` (None = decide per run)."""
+    env = os.environ.get("TRAINING_COMPILE", "").strip().lower()
+    if env in ("1", "true", "on"):
+        return True
+    if env in ("0", "false", "off"):
+        return False
+    return setting
+
+
+# ---------------------------------------------------------------- memory
+
+# Activation memory kept for the backward pass, per token, per (hidden unit x layer): measured ~4 MiB
+# per token for Qwen3-4B (2560 x 36) on an H200: 4.8 MiB with 2.3k-token rows, 6.4 MiB with 4.1k-token
+# rows (compiled blocks; the LM head buffers grow with it); eager blocks keep more (7.2 MiB).
+ACTIVATION_BYTES_PER_UNIT = {"compiled": 80.0, "eager": 112.0, "checkpointed": 8.0}
+# The LM head's tiles and fp32 gradient buffers, the allocator's fragmentation, the CUDA context.
+MEMORY_RESERVE_BYTES = 2.5 * 2**30
+
+
+def usable_gpu_bytes() -> float:
+    """Memory the process may still take: free memory, within the per-process fraction if one is set."""
+    free, total = torch.cuda.mem_get_info()
+    cap = total * torch.cuda.get_per_process_memory_fraction()
+    reserved, allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
+    return min(free + reserved, cap) - allocated
+
+
+def token_budget_for(model, mode: str, usable: float | None = None) -> int:
+    """Largest packed micro-batch (tokens, a multiple of PAD_MULTIPLE) whose activations fit."""
+    config = unwrap(model).config
+    per_token = ACTIVATION_BYTES_PER_UNIT[mode] * config.hidden_size * config.num_hidden_layers
+    usable = usable_gpu_bytes() if usable is None else usable
+    budget = int((usable - MEMORY_RESERVE_BYTES) / per_token) // PAD_MULTIPLE * PAD_MULTIPLE
+    return max(0, min(budget, DEFAULT_TOKEN_BUDGET))
+
+
+# ---------------------------------------------------------------- every example once per epoch
+
+class StepShardSampler:
+    """Batches of one rank: each optimizer step takes the next `per_rank x world` examples of a seeded
+    permutation and gives rank r its contiguous share; the last, short step is split as evenly as
+    possible. Every example once per epoch over all ranks (no padding by repetition, nothing dropped),
+    and ceil(N / (per_rank x world)) steps on every rank. Same permutation as accelerate's
+    SeedableRandomSampler (randperm seeded with seed + epoch), so one rank sees the order of the
+    seed's padded batches."""
+
+    def __init__(self, n: int, per_rank: int, world: int, rank: int, seed: int, shuffle: bool = True):
+        self.n, self.per_rank, self.world, self.rank, self.seed, self.shuffle = n, per_rank, world, rank, seed, shuffle
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return -(-self.n // (self.per_rank * self.world))
+
+    def order(self) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.n))
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.n, generator=generator).tolist()
+
+    def __iter__(self):
+        order = self.order()
+        step = self.per_rank * self.world
+        for start in range(0, self.n, step):
+            chunk = order[start:start + step]
+            base, extra = divmod(len(chunk), self.world)
+            lo = self.rank * base + min(self.rank, extra)
+            yield chunk[lo:lo + base + (self.rank < extra)]
+        self.epoch += 1
+
+
+# ---------------------------------------------------------------- LM head
+
+def add_packed_lm_head(model) -> None:
+    """`model(..., packed_head=True, target_index=I, target_ids=Y)` returns (log_probs, is_top1) of the
+    positions I (flattened row) against Y, through TRL's chunked LM-head kernel (vocabulary tiles, no
+    [tokens, vocab] logits). The argmax test is folded into the same tiles, so the token accuracy
+    costs no pass over the vocabulary; the positions come from the host, so no GPU sync."""
+    from trl.kernels import ChunkedLogProbFunction
+    from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
+
+    original_forward = model.forward
+
+    def packed_forward(self, *args, packed_head: bool = False, target_index=None, target_ids=None, **kwargs):
+        if not packed_head:
+            return original_forward(*args, **kwargs)
+        for key in ("labels", "output_attentions", "output_hidden_states", "return_dict"):
+            kwargs.pop(key, None)
+        kwargs["use_cache"] = False
+        hidden = getattr(self, self.base_model_prefix)(*args, **kwargs).last_hidden_state
+        lm_head = self.get_output_embeddings()
+        hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, target_index)
+        log_probs, _, _, _, is_top1 = ChunkedLogProbFunction.apply(
+            hidden, lm_head.weight, lm_head.bias, target_ids, 1.0, _CHUNKED_LOGPROB_CHUNK_SIZE, None, 1.0,
+            ("is_top1",))
+        return log_probs, is_top1
+
+    import types
+    model.forward = types.MethodType(packed_forward, model)
 
 
 # ---------------------------------------------------------------- trainer
 
 def _packed_trainer_class():
     from trl import SFTTrainer
-    from trl.trainer.utils import add_fused_lm_head
 
     class PackedSFTTrainer(SFTTrainer):
-        """SFTTrainer whose steps are packed rows with a document BlockMask (see the module docstring).
+        """SFTTrainer whose steps are packed rows with a document mask (see the module docstring).
 
-        `compile_model`: None = compile the decoder layers when on a GPU.
+        `compile_model`: None = decide per run (choose_compile; TRAINING_COMPILE=1/0 forces it).
         """
 
         def __init__(self, *args, compile_model: bool | None = None, **kwargs):
             super().__init__(*args, **kwargs)
             self.model.config.use_cache = False
-            base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-            # Re-patch the fused LM head to compute the log-probabilities only: SFTTrainer also asks for
-            # entropy and top-1 hits, which feed per-step metrics (and a host sync) every step.
-            add_fused_lm_head(base, outputs=("log_probs",))
-            if compile_model is None:  # TRAINING_COMPILE=0 turns it off (debugging, quick runs)
-                compile_model = torch.cuda.is_available() and os.environ.get("TRAINING_COMPILE", "1") != "0"
+            add_packed_lm_head(unwrap(self.model))
+            self.planned_tokens = self._planned_tokens()
+            compile_model = compile_setting(compile_model)
+            self.cache_warm = compile_cache_warm(self.model)
+            if compile_model is None:
+                compile_model, self.compile_reason = (False, "no GPU") if not torch.cuda.is_available() else \
+                    choose_compile(self.planned_tokens, self.cache_warm)
+            else:
+                self.compile_reason = "forced by TRAINING_COMPILE or the caller"
+            if getattr(unwrap(self.model).config, "_attn_implementation", None) == PACKED_SDPA:
+                register_packed_attention()
+            if getattr(unwrap(self.model).config, "_attn_implementation", None) in (PACKED_SDPA, "flex_attention"):
+                if not compile_model and torch.cuda.is_available():
+                    # Eager on a GPU: one SDPA call with a dense document mask launches far fewer kernels
+                    # than packed_sdpa's gathers (eager steps are launch-bound); fine for the short runs
+                    # that skip compiling.
+                    unwrap(self.model).config._attn_implementation = "sdpa"
             self.compiled_layers = compile_layers(self.model) if compile_model else 0
+            self._set_token_budget()
+            log.info("packed path: compile=%s (%s); token budget %d per micro-batch",
+                     bool(self.compiled_layers), self.compile_reason, self.data_collator.token_budget)
             self.real_tokens_seen = 0
+            self._correct = None  # device tensor: top-1 hits since the last log
+            self._scored = 0  # targets since the last log (host int)
 
+        # ---- data
+        def _planned_tokens(self) -> float:
+            """Tokens this rank will train on in this run (after tokenization and truncation)."""
+            lengths = [len(x) for x in self.train_dataset["input_ids"]]
+            world = max(1, self.args.world_size)
+            if self.args.max_steps and self.args.max_steps > 0:
+                per_step = self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps
+                return min(self.args.max_steps * per_step, len(lengths) / world) * (sum(lengths) / len(lengths))
+            return sum(lengths) * self.args.num_train_epochs / world
+
+        def _set_token_budget(self) -> None:
+            collator = self.data_collator
+            if not isinstance(collator, PackedCollator) or getattr(self.args, "token_budget", None):
+                return
+            if not torch.cuda.is_available():
+                return
+            mode = "compiled" if self.compiled_layers else "eager"
+            budget = token_budget_for(self.model, mode)
+            longest = self.args.max_length or 1024
+            if budget < longest:
+                # Not even one row of the maximum length fits: recompute activations in backward.
+                unwrap(self.model).gradient_checkpointing_enable({"use_reentrant": False})
+                budget = token_budget_for(self.model, "checkpointed")
+                log.warning("GPU memory allows no %d-token row without recomputation: activation "
+                            "checkpointing on", longest)
+            collator.token_budget = max(budget, PAD_MULTIPLE)
+
+        def get_train_dataloader(self):
+            """One rank's share of every optimizer step (StepShardSampler), without accelerate's
+            even-batch padding, which would repeat examples."""
+            from torch.utils.data import DataLoader
+
+            dataset = self.train_dataset
+            sampler = StepShardSampler(
+                len(dataset), self.args.per_device_train_batch_size, max(1, self.args.world_size),
+                self.args.process_index, self.args.data_seed if self.args.data_seed is not None else self.args.seed)
+            return DataLoader(dataset, batch_sampler=sampler, collate_fn=self.data_collator,
+                              num_workers=self.args.dataloader_num_workers,
+                              pin_memory=self.args.dataloader_pin_memory)
+
+        def get_batch_samples(self, epoch_iterator, num_batches, device):
+            batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+            if torch.is_tensor(num_items) and num_items.device.type == "cpu":
+                num_items = int(num_items)  # a host number: no copy to the GPU, no sync
+            return batches, num_items
+
+        # ---- step
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            inputs = dict(inputs)
-            block_mask = attention_mask_for(self.model, inputs.pop("document_ids"))
-            inputs.pop("num_real_tokens", None)
-            outputs = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"],
-                            attention_mask=block_mask, labels=inputs["labels"], use_cache=False,
-                            fused_lm_head=True)
-            valid = (inputs["labels"][:, 1:] != -100).sum()
-            denominator = num_items_in_batch if num_items_in_batch is not None else valid
-            loss = -outputs.log_probs.sum() / torch.as_tensor(denominator).clamp(min=1)
+            mask = attention_mask_for(unwrap(self.model), inputs)
+            log_probs, is_top1 = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"],
+                                       attention_mask=mask, use_cache=False, packed_head=True,
+                                       target_index=inputs["target_index"], target_ids=inputs["target_ids"])
+            denominator = num_items_in_batch if num_items_in_batch is not None else inputs["num_targets"]
+            if torch.is_tensor(denominator):
+                denominator = denominator.clamp(min=1)
+            else:
+                denominator = max(int(denominator), 1)
+            loss = -log_probs.sum() / denominator
             if self.args.average_tokens_across_devices and num_items_in_batch is not None:
                 # num_items_in_batch counts every rank's tokens and DDP averages the gradients.
                 loss = loss * self.accelerator.num_processes
-            return (loss, outputs) if return_outputs else loss
+            hits = is_top1.sum()
+            self._correct = hits if self._correct is None else self._correct + hits
+            self._scored += int(inputs["num_targets"])
+            return (loss, (log_probs, is_top1)) if return_outputs else loss
 
         def training_step(self, model, inputs, num_items_in_batch=None):
             """One optimizer step's examples: forward + backward over each packed micro-batch."""
@@ -267,11 +614,28 @@ def _packed_trainer_class():
                         loss = self.compute_loss(model, micro, num_items_in_batch=num_items_in_batch)
                     self.accelerator.backward(loss)
                 total = loss.detach() if total is None else total + loss.detach()
+            if self.compiled_layers and self.state.global_step == 0 and torch.cuda.is_available():
+                mark_compile_cache(self.model)  # the next run on this cache finds the blocks compiled
             return total
 
         def log(self, logs, start_time=None):
             self._metrics["train" if self.model.training else "eval"].pop("num_tokens", None)
+            if "loss" in logs:  # every rank logs the same steps: the all-reduce below meets
+                accuracy = self._token_accuracy()
+                if accuracy is not None:
+                    logs["mean_token_accuracy"] = accuracy
             super().log(logs, start_time)
+
+        def _token_accuracy(self) -> float | None:
+            """Top-1 hits / scored tokens since the last log, over all ranks (read at log time only)."""
+            device = self.args.device
+            hits = self._correct.float() if self._correct is not None else torch.zeros((), device=device)
+            counts = torch.stack([hits.to(device), torch.tensor(float(self._scored), device=device)])
+            if self.args.world_size > 1 and torch.distributed.is_initialized():
+                torch.distributed.all_reduce(counts)
+            self._correct, self._scored = None, 0
+            hits, scored = counts.tolist()
+            return hits / scored if scored else None
 
     return PackedSFTTrainer
 

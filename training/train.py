@@ -99,14 +99,27 @@ def load_model(model_args: ModelArguments, train_args: TrainConfig, flex_packing
     attn_implementation = model_args.attn_implementation
     if flex_packing:
         from training import packing  # the fast path needs an attention that takes its document mask
+        packing.register_packed_attention()
         attn_implementation = packing.ATTN_IMPLEMENTATION
+    # Straight onto this rank's GPU: no staging copy of the weights in host memory.
+    device_map = {"": torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))} if gpu_available() else None
     return AutoModelForCausalLM.from_pretrained(
         model_args.model_name_or_path,
         revision=model_args.model_revision,
         trust_remote_code=train_args.trust_remote_code,
         attn_implementation=attn_implementation,
         dtype=dtype if dtype == "auto" else getattr(torch, dtype),
+        device_map=device_map,
     )
+
+
+def use_compile_cache(directory: str | None) -> None:
+    """Point Inductor's and Triton's caches at `directory` (shared storage: the compiled blocks of one
+    job serve every later job and node), unless the environment already names them."""
+    if not directory:
+        return
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", directory)
+    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(os.environ["TORCHINDUCTOR_CACHE_DIR"], "triton"))
 
 
 def make_collator(tokenizer, train_args: TrainConfig, flex_packing: bool):
@@ -162,7 +175,9 @@ def build_trainer(model, tokenizer, dataset, model_args: ModelArguments, train_a
         from training import packing
         train_args = packing.prepare_args(train_args)
         trainer_cls = packing.PackedSFTTrainer
+    extra = {"compile_model": train_args.compile_layers} if flex_packing else {}
     trainer = trainer_cls(
+        **extra,
         model=model,
         args=train_args,
         train_dataset=dataset,
@@ -257,6 +272,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     from transformers import set_seed
 
     data_args, model_args, train_args = parse_args(argv)
+    timing = {"args_parsed": time.time()}
+    use_compile_cache(train_args.compile_cache_dir)
     logging.basicConfig(level=logging.INFO if _rank() == 0 else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     set_seed(train_args.seed)
@@ -268,8 +285,11 @@ def main(argv: list[str] | None = None) -> dict | None:
         log.info("%d examples from %s; flex_packing=%s; bf16=%s", len(dataset), data_args.dataset_name,
                  flex_packing, train_args.bf16)
         tokenizer = load_tokenizer(model_args, train_args)
+        timing["data_ready"] = time.time()
         model = load_model(model_args, train_args, flex_packing)
+        timing["model_loaded"] = time.time()
     trainer = build_trainer(model, tokenizer, dataset, model_args, train_args, flex_packing, make_callbacks())
+    timing["trainer_built"] = time.time()
 
     resume = train_args.resume_from_checkpoint or find_resume_checkpoint(train_args.output_dir)
     start_epoch, start_step = 0.0, 0
@@ -283,11 +303,16 @@ def main(argv: list[str] | None = None) -> dict | None:
     train_output = trainer.train(resume_from_checkpoint=resume)
     log.info("training took %.1f s", time.time() - started)
 
+    timing["trained"] = time.time()
     trainer.save_model(train_args.output_dir)  # the adapters (and tokenizer), rank 0 writes
+    timing["adapters_written"] = time.time()
     trainer.save_state()  # trainer_state.json in output_dir
     if not trainer.is_world_process_zero():
         return None
     metrics = collect_metrics(trainer, train_output, start_epoch, start_step, dataset_tokens(trainer.train_dataset))
+    metrics["timing"] = timing  # wall-clock (epoch) seconds of each phase, for time-to-adapters
+    metrics["compiled_layers"] = getattr(trainer, "compiled_layers", None)
+    metrics["compile_reason"] = getattr(trainer, "compile_reason", None)
     write_metrics(train_args.output_dir, metrics)
     write_completed(train_args.output_dir, metrics)
     return metrics
