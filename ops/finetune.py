@@ -179,17 +179,6 @@ def ensure_tiny(cl: Cluster, job_dir: str, say: Say) -> tuple[str, str]:
     return model, data
 
 
-# training.data's validation, run on a GPU node before training/ is uploaded anywhere.
-_CHECK_DATA = """
-import sys
-try:
-    print(len(load_local_rows(sys.argv[1])))
-except DataError as exc:
-    print(exc, file=sys.stderr)
-    sys.exit(3)
-"""
-
-
 def tiny_paths(inv: Inventory) -> tuple[str, str]:
     """(model, data) that training.make_tiny makes on /scratch (named by local-tiny.yaml)."""
     tiny = f"{inv.scratch}/{TINY_DIR}"
@@ -203,6 +192,18 @@ def _where(opts: TrainOptions, flag: str) -> str:
         return f"--{flag} {value}"
     key = "model_name_or_path" if flag == "model" else "dataset_name"
     return f"{key} {value} (from --config {opts.config.name})"
+
+
+def check_data_on(node: Connection, python: str, data: str):
+    """training/data.py's validation of `data`, run on `node` as that real file (copied to a
+    temporary path: training/ is not uploaded yet)."""
+    q = shlex.quote
+    remote = f"/tmp/slurm-gpu-check-data-{uuid.uuid4().hex[:12]}.py"
+    node.put(io.BytesIO((TRAINING_DIR / "data.py").read_bytes()), remote=remote)
+    try:
+        return node.run(f"{q(python)} {q(remote)} {q(data)}", hide=True, warn=True, in_stream=False)
+    finally:
+        node.run(f"rm -f {q(remote)}", hide=True, warn=True, in_stream=False)
 
 
 def check_inputs(cl: Cluster, opts: TrainOptions, say: Say) -> None:
@@ -226,9 +227,7 @@ def check_inputs(cl: Cluster, opts: TrainOptions, say: Say) -> None:
     data = opts.data_path
     if data and data.startswith("/") and data not in tiny:
         name = inv.gpu_nodes[0].name
-        code = (TRAINING_DIR / "data.py").read_text() + _CHECK_DATA
-        res = cl.nodes[name].run(f"{shlex.quote(inv.python)} -c {shlex.quote(code)} {shlex.quote(data)}",
-                                 hide=True, warn=True, in_stream=False)
+        res = check_data_on(cl.nodes[name], inv.python, data)
         if not res.ok:
             why = (res.stderr or res.stdout).strip().splitlines() or [f"exit {res.exited}"]
             raise TrainError(f"{_where(opts, 'data')}: {why[-1]} (checked on {name} before uploading anything)")

@@ -248,3 +248,21 @@ def test_make_tiny_same_seed_same_weights(tmp_path):
     make_tiny(tmp_path / "b", 20, seed=5)
     wa, wb = load_file(tmp_path / "a/model/model.safetensors"), load_file(tmp_path / "b/model/model.safetensors")
     assert wa.keys() == wb.keys() and all((wa[k] == wb[k]).all() for k in wa)
+
+
+def test_data_py_runs_alone_as_the_node_side_check(tmp_path):
+    """fab copies training/data.py by itself to a GPU node and runs it (ops.finetune.check_data_on)."""
+    import shutil
+    import subprocess
+    import sys
+
+    alone = tmp_path / "check.py"
+    shutil.copy(Path(train.__file__).resolve().parent / "data.py", alone)
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"instruction": "Say hi", "input": "", "output": "hi"}\n' * 3)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"instruction": "Say hi"}\n')
+    ok = subprocess.run([sys.executable, str(alone), str(good)], capture_output=True, text=True, cwd=tmp_path)
+    assert (ok.returncode, ok.stdout.strip()) == (0, "3"), ok.stderr
+    no = subprocess.run([sys.executable, str(alone), str(bad)], capture_output=True, text=True, cwd=tmp_path)
+    assert no.returncode == 3 and "output" in no.stderr and no.stdout == ""

@@ -169,3 +169,24 @@ def load_instruction_dataset(source: str, split: str = "train", config: str | No
     return Dataset.from_list([
         {"prompt": format_prompt(r["instruction"], r["input"]), "completion": r["output"]} for r in rows
     ])
+
+
+def main(argv: list[str]) -> int:
+    """`python data.py FILE`: print FILE's count of valid rows, or its problem and exit 3.
+
+    `fab train` copies this file alone to a GPU node and runs it there, before training/ is
+    uploaded anywhere (so it imports nothing else of the package)."""
+    import sys
+
+    try:
+        print(len(load_local_rows(argv[0])))
+    except DataError as exc:
+        print(exc, file=sys.stderr)
+        return 3
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))
