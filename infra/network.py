@@ -40,29 +40,10 @@ class NetworkComponent(pulumi.ComponentResource):
         )
 
         # Public: no map_public_ip_on_launch either; the controller asks for its own public IP.
-        self.public_subnet = aws.ec2.Subnet(
-            f"{name}-public-subnet",
-            vpc_id=self.vpc.id,
-            cidr_block=public_subnet_cidr,
-            availability_zone=availability_zone,
-            map_public_ip_on_launch=False,
-            tags=tags("public"),
-            opts=child,
-        )
-        self.public_route_table = aws.ec2.RouteTable(
-            f"{name}-public-rt", vpc_id=self.vpc.id, tags=tags("public"), opts=child
-        )
-        self.public_default_route = aws.ec2.Route(
-            f"{name}-public-default-route",
-            route_table_id=self.public_route_table.id,
-            destination_cidr_block="0.0.0.0/0",
-            gateway_id=self.internet_gateway.id,
-            opts=child,
-        )
-        self.public_route_table_association = aws.ec2.RouteTableAssociation(
-            f"{name}-public-rta", subnet_id=self.public_subnet.id,
-            route_table_id=self.public_route_table.id, opts=child,
-        )
+        (self.public_subnet, self.public_route_table, self.public_default_route,
+         self.public_route_table_association) = self._routed_subnet(
+            name, "public", public_subnet_cidr, availability_zone, tags("public"), child,
+            gateway_id=self.internet_gateway.id)
 
         # One NAT gateway (and its one Elastic IP) for every GPU node's outbound traffic.
         self.nat_eip = aws.ec2.Eip(
@@ -78,29 +59,10 @@ class NetworkComponent(pulumi.ComponentResource):
             opts=pulumi.ResourceOptions(parent=self, depends_on=[self.internet_gateway]),
         )
 
-        self.gpu_subnet = aws.ec2.Subnet(
-            f"{name}-gpu-subnet",
-            vpc_id=self.vpc.id,
-            cidr_block=subnet_cidr,
-            availability_zone=availability_zone,
-            map_public_ip_on_launch=False,
-            tags=tags("gpu-private"),
-            opts=child,
-        )
-        self.gpu_route_table = aws.ec2.RouteTable(
-            f"{name}-gpu-rt", vpc_id=self.vpc.id, tags=tags("gpu-private"), opts=child
-        )
-        self.gpu_default_route = aws.ec2.Route(
-            f"{name}-gpu-default-route",
-            route_table_id=self.gpu_route_table.id,
-            destination_cidr_block="0.0.0.0/0",
-            nat_gateway_id=self.nat_gateway.id,
-            opts=child,
-        )
-        self.gpu_route_table_association = aws.ec2.RouteTableAssociation(
-            f"{name}-gpu-rta", subnet_id=self.gpu_subnet.id,
-            route_table_id=self.gpu_route_table.id, opts=child,
-        )
+        (self.gpu_subnet, self.gpu_route_table, self.gpu_default_route,
+         self.gpu_route_table_association) = self._routed_subnet(
+            name, "gpu", subnet_cidr, availability_zone, tags("gpu-private"), child,
+            nat_gateway_id=self.nat_gateway.id)
 
         # What a host must wait for to have a route out at first boot (cloud-init installs packages).
         self.controller_internet = [self.internet_gateway, self.public_default_route,
@@ -114,3 +76,21 @@ class NetworkComponent(pulumi.ComponentResource):
             "natGatewayId": self.nat_gateway.id,
             "natPublicIp": self.nat_eip.public_ip,
         })
+
+    def _routed_subnet(self, name: str, kind: str, cidr: str, availability_zone: str,
+                       tags: dict[str, str], child: pulumi.ResourceOptions, **default_route):
+        """A subnet (no public IPs on launch), its route table with 0.0.0.0/0 to `default_route`'s
+        target (internet or NAT gateway), and their association."""
+        subnet = aws.ec2.Subnet(
+            f"{name}-{kind}-subnet", vpc_id=self.vpc.id, cidr_block=cidr,
+            availability_zone=availability_zone, map_public_ip_on_launch=False, tags=tags, opts=child,
+        )
+        table = aws.ec2.RouteTable(f"{name}-{kind}-rt", vpc_id=self.vpc.id, tags=tags, opts=child)
+        route = aws.ec2.Route(
+            f"{name}-{kind}-default-route", route_table_id=table.id,
+            destination_cidr_block="0.0.0.0/0", opts=child, **default_route,
+        )
+        association = aws.ec2.RouteTableAssociation(
+            f"{name}-{kind}-rta", subnet_id=subnet.id, route_table_id=table.id, opts=child,
+        )
+        return subnet, table, route, association

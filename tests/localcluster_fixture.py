@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fcntl
 import shutil
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -43,3 +44,19 @@ def fresh_cluster(nodes: int = 2, gpus: int = 2, fresh_keys: bool = False, idle_
             finally:
                 for d in job_dirs:
                     shutil.rmtree(layout.SCRATCH / Path(d).relative_to("/scratch"), ignore_errors=True)
+
+
+def run(c, cmd: str, **kwargs):
+    """c.run on a cluster host, quiet, with no stdin forwarded (pytest captures it)."""
+    kwargs.setdefault("in_stream", False)
+    return c.run(cmd, hide=True, **kwargs)
+
+
+def wait_for(probe, timeout: float = 60, interval: float = 0.3):
+    """probe()'s first truthy value, or its last value once `timeout` seconds have passed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval)

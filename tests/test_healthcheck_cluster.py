@@ -29,7 +29,7 @@ import pytest
 
 from localcluster import layout
 from ops import remote
-from tests.localcluster_fixture import fresh_cluster
+from tests.localcluster_fixture import fresh_cluster, run, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -52,11 +52,6 @@ def lc():
             cl.close()
 
 
-def run(c, cmd: str, **kwargs):
-    kwargs.setdefault("in_stream", False)
-    return c.run(cmd, hide=True, **kwargs)
-
-
 def node_table(ctl) -> dict[str, tuple[str, str]]:
     """{node: (state, reason)} from `sinfo -N` ("" when there is no reason)."""
     out = run(ctl, "sinfo -h -N -o '%N|%T|%E'").stdout
@@ -73,15 +68,6 @@ def drain_reasons(ctl) -> dict[str, str]:
 def slurmd_start(ctl, node: str) -> str:
     m = re.search(r"SlurmdStartTime=(\S+)", run(ctl, f"scontrol show node {node}").stdout)
     return m[1] if m else ""
-
-
-def wait_for(probe, timeout: float = 60, interval: float = 0.3):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(interval)
 
 
 def restart_slurmd(inv, cl, node: str) -> None:

@@ -100,3 +100,11 @@ def test_a_forbidden_import_is_caught(rel, source, edge):
 def test_allowed_and_outside_imports_pass():
     assert violations({"infra/cluster.py": "import json\nfrom bootstrap.inventory import Inventory\n",
                        "ops/finetune.py": "from ops import slurm\nimport fabric\n"}) == []
+
+
+def test_no_module_level_getattr():
+    """No class factory hides behind a module `__getattr__`: every name a module offers is defined."""
+    hidden = [rel for rel, source in project_modules().items()
+              for node in ast.parse(source, rel).body
+              if isinstance(node, ast.FunctionDef) and node.name == "__getattr__"]
+    assert hidden == []

@@ -12,14 +12,13 @@ from __future__ import annotations
 import io
 import re
 import subprocess
-import time
 
 import pytest
 
 from bootstrap import render
 from localcluster import cluster, hosts, layout, netns
 from ops import munge, remote
-from tests.localcluster_fixture import fresh_cluster
+from tests.localcluster_fixture import fresh_cluster, run, wait_for
 
 NODES, GPUS = 2, 2
 NODE_NAMES = ["gpu-node-01", "gpu-node-02"]
@@ -34,24 +33,9 @@ def lc():
         conns.close()
 
 
-def run(c, cmd: str, **kwargs):
-    """c.run, quiet, with no stdin forwarded (pytest captures it)."""
-    kwargs.setdefault("in_stream", False)
-    return c.run(cmd, hide=True, **kwargs)
-
-
 def sinfo_nodes(controller) -> dict[str, tuple[str, str]]:
     out = run(controller, "sinfo -h -N -o '%N %T %G'").stdout
     return {n: (state, gres) for n, state, gres in (line.split() for line in out.splitlines())}
-
-
-def wait_for(probe, timeout: float = 60, interval: float = 0.3):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(interval)
 
 
 # ------------------------------------------------------------------ options (no root needed)

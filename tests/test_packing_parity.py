@@ -114,7 +114,7 @@ def _train(tmp_path, name: str, packed: bool, rows: list[dict], steps: int):
     ds = Dataset.from_list(rows)
     if packed:
         args = packing.prepare_args(args)
-        trainer = packing.PackedSFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok,
+        trainer = packing.packed_trainer_class()(model=model, args=args, train_dataset=ds, processing_class=tok,
                                            peft_config=lora, data_collator=packing.make_collator(tok, args))
     else:
         trainer = SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok, peft_config=lora)

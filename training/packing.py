@@ -16,12 +16,13 @@ step's examples reach the GPU:
 - no gradient checkpointing, and the decoder layers are compiled (torch.compile) on a GPU.
 
 `training/train.py` uses it by default when a GPU is present (`flex_packing` unset): it calls
-`prepare_args` and builds `PackedSFTTrainer` with `make_collator`'s collator.
+`prepare_args` and builds `packed_trainer_class()` (PackedSFTTrainer) with `make_collator`'s collator.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -494,7 +495,9 @@ def add_packed_lm_head(model) -> None:
 
 # ---------------------------------------------------------------- trainer
 
-def _packed_trainer_class():
+@functools.cache
+def packed_trainer_class():
+    """PackedSFTTrainer, built on first use: importing TRL stays out of `import training.packing`."""
     from trl import SFTTrainer
 
     class PackedSFTTrainer(SFTTrainer):
@@ -638,12 +641,3 @@ def _packed_trainer_class():
             return hits / scored if scored else None
 
     return PackedSFTTrainer
-
-
-def __getattr__(name: str):
-    # Imported lazily so that `import training.packing` stays cheap (train.py checks for the module).
-    if name == "PackedSFTTrainer":
-        cls = _packed_trainer_class()
-        globals()[name] = cls
-        return cls
-    raise AttributeError(name)

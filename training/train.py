@@ -174,7 +174,7 @@ def build_trainer(model, tokenizer, dataset, model_args: ModelArguments, train_a
         # One packed row per optimizer step (same examples per step), no checkpointing, compiled layers.
         from training import packing
         train_args = packing.prepare_args(train_args)
-        trainer_cls = packing.PackedSFTTrainer
+        trainer_cls = packing.packed_trainer_class()
     extra = {"compile_model": train_args.compile_layers} if flex_packing else {}
     trainer = trainer_cls(
         **extra,
