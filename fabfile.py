@@ -7,6 +7,7 @@ cluster (`fab local.up`).
 from __future__ import annotations
 
 import functools
+import os
 import shlex
 
 from invoke import Collection, task
@@ -15,13 +16,14 @@ from paramiko.ssh_exception import AuthenticationException, NoValidConnectionsEr
 
 from localcluster.tasks import ns as local_ns
 from ops import finetune as flow
-from ops import inventory, jobs, munge, options, power, slurm, stream
+from ops import hostkeys, inventory, jobs, munge, options, power, slurm, sshcmd, stream
 from ops import reconfigure as reconf
 from ops.cloudinit import CloudInitFailed
 from ops.remote import Cluster, HostError, connect, each
 
 _USER_ERRORS = (options.OptionError, inventory.InventoryError, HostError, slurm.SlurmError,
-                munge.MungeKeyError, CloudInitFailed, flow.TrainError, reconf.ReconfigureError)
+                munge.MungeKeyError, CloudInitFailed, flow.TrainError, reconf.ReconfigureError,
+                hostkeys.HostKeyError)
 
 
 def _clean_errors(fn):
@@ -266,5 +268,27 @@ def reconfigure(c, target=None, stack=None, identity=None, force=False):
         cl.close()
 
 
-ns = Collection(train, status, logs, cancel, reconfigure)
+@task(positional=["host"], help={
+    "host": "controller or a GPU node name, e.g. gpu-node-02 (see `fab status`)",
+    "command": "run this command instead of an interactive shell",
+    "target": "aws (default) or local", "stack": "Pulumi stack", "identity": "SSH private key",
+})
+@_clean_errors
+def ssh(c, host, command=None, target=None, stack=None, identity=None):
+    """Open a shell on a host: `fab ssh controller`, `fab ssh gpu-node-02` (through the controller).
+
+    Runs OpenSSH with the stack's key, the controller as jump host, and the cluster's pinned
+    host keys (StrictHostKeyChecking=yes): the same keys fab's own connections check.
+    """
+    opts = options.parse(target=target, stack=stack, identity=_identity(c, identity))
+    inv = inventory.load(opts.target, opts.stack)
+    name = str(host).strip()
+    pins = hostkeys.Pins(inv)
+    argv = sshcmd.ssh_argv(inv, name, pins.path, identity=opts.identity or inv.ssh_key_file, command=command)
+    for needed in {inv.controller.name, name}:
+        pins.keys(needed)  # pinned (or read from the EC2 console output) before ssh runs
+    os.execvp(argv[0], argv)
+
+
+ns = Collection(train, status, logs, cancel, reconfigure, ssh)
 ns.add_collection(local_ns, "local")

@@ -18,12 +18,13 @@ from infra.security import SecurityComponent
 SERVICE_CMD = "sudo systemctl {action} {service}"
 
 
-def build_inventory(facts: ClusterFacts, controller_public_ip: str | None, region: str | None) -> dict:
+def build_inventory(facts: ClusterFacts, controller_public_ip: str | None, region: str | None,
+                    instance_ids: dict[str, str] | None = None) -> dict:
     """The `inventory` output: bootstrap.inventory.Inventory as a plain dict."""
     inv = from_facts(
         facts, target="aws", controller_public_ip=controller_public_ip,
         python=TRAINING_PYTHON,  # where the GPU nodes' bootstrap installs the training stack
-        service_cmd=SERVICE_CMD, extra=_extra(facts, region),
+        service_cmd=SERVICE_CMD, extra=_extra(facts, region, instance_ids or {}),
     )
     return asdict(inv)
 
@@ -32,8 +33,10 @@ def build_inventory(facts: ClusterFacts, controller_public_ip: str | None, regio
 POWER_UP_TIME = "~2-4 minutes"
 
 
-def _extra(facts: ClusterFacts, region: str | None) -> dict:
+def _extra(facts: ClusterFacts, region: str | None, instance_ids: dict[str, str]) -> dict:
     extra: dict = {"region": region} if region else {}
+    if instance_ids:  # fab reads each host's SSH host keys from its console output by id
+        extra["instance_ids"] = instance_ids
     if facts.power_save is not None:
         extra.update(idle_stop_s=facts.power_save.suspend_time, power_up_time=POWER_UP_TIME,
                      resume_timeout_s=facts.power_save.resume_timeout)
@@ -85,8 +88,10 @@ class ClusterComponent(pulumi.ComponentResource):
             {"name": h.name, "private_ip": h.ip, "role": role}
             for h, role in [(facts.controller, "controller")] + [(h, "gpu") for h in facts.gpu_nodes]
         ]
-        self.inventory = self.nodes.controller.public_ip.apply(
-            lambda ip: build_inventory(facts, ip, region))
+        names = [facts.controller.name] + [h.name for h in facts.gpu_nodes]
+        self.inventory = pulumi.Output.all(
+            self.nodes.controller.public_ip, self.nodes.controller.id, *[n.id for n in self.nodes.gpu_nodes]
+        ).apply(lambda v: build_inventory(facts, v[0], region, dict(zip(names, v[1:], strict=True))))
 
         self.register_outputs({
             "controllerPublicIp": self.controller_public_ip,

@@ -349,7 +349,8 @@ def make_inventory(nodes: int, gpus: int, idle_stop_s: int = 0) -> Inventory:
         # Hosts share this machine's filesystem, so the repo's venv is the nodes' Python.
         python=str(REPO / ".venv" / "bin" / "python"),
         service_cmd=f"{layout.HOSTCTL} {{action}} {{service}}",
-        ssh_key_file=str(layout.CLUSTER_KEY), extra=power.inventory_extra(idle_stop_s),
+        ssh_key_file=str(layout.CLUSTER_KEY),
+        extra={**power.inventory_extra(idle_stop_s), "known_hosts": str(layout.KNOWN_HOSTS)},
     )
 
 

@@ -8,6 +8,7 @@ host that failed in one error instead of stopping at the first.
 
 from __future__ import annotations
 
+import base64
 import shlex
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -15,8 +16,11 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from fabric import Config, Connection
+from paramiko import PKey, RejectPolicy
+from paramiko.ssh_exception import BadHostKeyException, SSHException
 
 from bootstrap.inventory import Inventory
+from ops import hostkeys
 
 T = TypeVar("T")
 CONNECT_TIMEOUT_S = 20
@@ -44,6 +48,40 @@ class Cluster:
             c.close()
 
 
+class PinnedConnection(Connection):
+    """A Fabric connection that accepts only its host's pinned SSH key (ops/hostkeys.py),
+    never an unknown one (Fabric's own default is paramiko's AutoAddPolicy)."""
+
+    def __init__(self, *args, node_name: str, pins: hostkeys.Pins, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.node_name, self.pins = node_name, pins
+        self.client.set_missing_host_key_policy(RejectPolicy())
+
+    def open(self):
+        if self.is_connected:
+            return None
+        expected = self.pins.keys(self.node_name)
+        # Under the address used now, so paramiko asks for the pinned key type and compares.
+        lookup = self.host if self.port == 22 else f"[{self.host}]:{self.port}"
+        store = self.client.get_host_keys()
+        for keytype, blob in expected:
+            store.add(lookup, keytype, PKey.from_type_string(keytype, base64.b64decode(blob)))
+        try:
+            return super().open()
+        except BadHostKeyException as exc:
+            presented = (exc.key.get_name(), exc.key.get_base64())
+            raise hostkeys.HostKeyError(hostkeys.mismatch_message(
+                self.node_name, self.host, self.pins.path, expected, presented)) from None
+        except SSHException as exc:
+            if "known_hosts" not in str(exc):
+                raise
+            # It offered none of the pinned key types: as bad as a wrong key.
+            raise hostkeys.HostKeyError(
+                f"{self.node_name} ({self.host}) offered no host key of a pinned type "
+                f"({', '.join(t for t, _ in expected)}, from {self.pins.path}): do not connect; if the "
+                "host was rebuilt, delete its lines from that file and run the command again") from None
+
+
 def _config() -> Config:
     # Remote commands never read the user's terminal: nothing we run is interactive, and a
     # forwarded stdin breaks under pytest or cron. (The munge key goes in by explicit in_stream.)
@@ -56,11 +94,14 @@ def connect(inv: Inventory, identity: str | None = None) -> Cluster:
     # With a key given, use only it (an agent's keys could lock us out after too many tries).
     kwargs = {"key_filename": [key], "look_for_keys": False, "allow_agent": False} if key else {}
     ctl_ip = inv.controller.public_ip or inv.controller.private_ip
-    ctl = Connection(ctl_ip, user=inv.ssh_user, connect_kwargs=dict(kwargs),
-                     connect_timeout=CONNECT_TIMEOUT_S, config=_config())
+    pins = hostkeys.Pins(inv)
+    ctl = PinnedConnection(ctl_ip, user=inv.ssh_user, connect_kwargs=dict(kwargs),
+                           connect_timeout=CONNECT_TIMEOUT_S, config=_config(),
+                           node_name=inv.controller.name, pins=pins)
     nodes = {
-        n.name: Connection(n.private_ip, user=inv.ssh_user, gateway=ctl, config=_config(),
-                           connect_kwargs=dict(kwargs), connect_timeout=CONNECT_TIMEOUT_S)
+        n.name: PinnedConnection(n.private_ip, user=inv.ssh_user, gateway=ctl, config=_config(),
+                                 connect_kwargs=dict(kwargs), connect_timeout=CONNECT_TIMEOUT_S,
+                                 node_name=n.name, pins=pins)
         for n in inv.gpu_nodes
     }
     return Cluster(inv, ctl, nodes)
