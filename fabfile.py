@@ -60,9 +60,13 @@ def _identity(c, identity):
 
 
 def _cluster(c, target, stack, identity) -> tuple[Cluster, str]:
+    """Connections to the cluster, the controller's opened: a wrong key or a down host fails here,
+    by its own cause, before the task does anything."""
     opts = options.parse(target=target, stack=stack, identity=_identity(c, identity))
     inv = inventory.load(opts.target, opts.stack)
-    return connect(inv, opts.identity), opts.target
+    cl = connect(inv, opts.identity)
+    cl.controller.open()
+    return cl, opts.target
 
 
 @task(help={
@@ -114,8 +118,10 @@ def status(c, target=None, stack=None, identity=None):
     try:
         print(f"{inv.target} cluster {inv.cluster_name!r}: {len(inv.gpu_nodes)} GPU node(s) x "
               f"{inv.gpus_per_node} {inv.gpu_type}")
+        ctld_up = False
         try:
-            powers = power.node_power(cl.controller) or {}
+            ctld_up = slurm.controller_up(cl.controller)  # sinfo would retry for a minute without it
+            powers = (power.node_power(cl.controller) or {}) if ctld_up else {}
         except (OSError, SSHException):  # reported below: the controller does not answer
             powers = {}
         idle_stop = inv.extra.get("idle_stop_s")
@@ -141,17 +147,16 @@ def status(c, target=None, stack=None, identity=None):
             print(f"  {node.name:<14} {node.role:<10} {addr:<16} {pw:<22} {text}")
         if up.get("controller", "").startswith("UNREACHABLE"):
             raise Exit("fab status: the controller is unreachable", code=1)
-        ping = cl.controller.run("scontrol ping", hide=True, warn=True)
-        if not ping.ok or "DOWN" in ping.stdout:
-            why = (ping.stdout + ping.stderr).strip().splitlines()
+        if not ctld_up:
             restart = inv.service_cmd.format(action="restart", service="slurmctld")
-            raise Exit(f"fab status: slurmctld is not answering on the controller ({why[-1] if why else 'no reply'})"
-                       f"; jobs may still run on the nodes. Restart it there (`{restart}`) and check its log "
+            raise Exit("fab status: slurmctld is DOWN on the controller (`scontrol ping`); jobs may still "
+                       f"run on the nodes. Restart it there (`{restart}`) and check its log "
                        "(/var/log/slurm/slurmctld.log)", code=1)
         print(cl.controller.run("sinfo -N -o '%N %9T %G %E'", hide=True, warn=True).stdout.rstrip())
         print(cl.controller.run("squeue -o '%.8i %.22j %.8u %.10T %.10M %.6D %R'", hide=True,
                                 warn=True).stdout.rstrip())
-        sick = [n for n in slurm.node_states(cl.controller).values() if n.needs_resume or n.health_drained]
+        sick = [n for n in slurm.node_states(cl.controller).values()
+                if n.needs_resume or n.health_drained or n.state.endswith("*")]
         for n in sick:
             print(f"note: {n.name} is {n.state}" + (f" ({n.reason})" if n.reason else "") + f": {_node_fix(n)}")
         if sick:

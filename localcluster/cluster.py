@@ -407,14 +407,15 @@ def status(out: Out = print) -> bool:
             running = {svc: service_running(pid, svc) for svc in services_of(e["role"])}
             word = "up" if all(running.values()) else "degraded"
             detail = " ".join(f"{svc}:{'up' if ok else 'DOWN'}" for svc, ok in running.items())
-            if e["role"] == "controller":
+            if e["role"] == "controller" and running.get("slurmctld"):
                 ctl_pid = pid
         else:
             word, detail = "down", "-"
         healthy &= word == "up"
         out(f"{e['name']:<14}{e['ip']:<15}{word:<7}{detail}")
     if ctl_pid is None:
-        out("controller is down: no node table")
+        out("slurmctld (or the controller) is down: no node table; `fab local.down && fab local.up` "
+            "makes the cluster again")
         return False
     try:
         r = hosts.run(ctl_pid, ["sinfo", "-N", "-o", "%14N %10T %16G %5c %8m %P"], check=False,

@@ -29,6 +29,15 @@ class ControllerUnreachable(SlurmError):
     """slurmctld did not answer (down, restarting, unreachable): the state of jobs is unknown."""
 
 
+QUERY_TIMEOUT_S = 20
+
+
+def controller_up(ctl: Connection) -> bool:
+    """`scontrol ping`: answers at once, also when slurmctld is down (other queries retry ~1 min)."""
+    res = ctl.run("scontrol ping", hide=True, warn=True)
+    return res.ok and "is UP" in res.stdout
+
+
 @dataclass(frozen=True)
 class NodeState:
     name: str
@@ -198,10 +207,12 @@ def job(ctl: Connection, job_id: str) -> Job | None:
 
     Raises ControllerUnreachable when slurmctld does not answer: "unknown" is not "gone".
     """
-    res = ctl.run(f"scontrol show job -o {shlex.quote(job_id)}", hide=True, warn=True)
+    # scontrol retries for about a minute when slurmctld is down; ask for a quicker answer.
+    res = ctl.run(f"timeout {QUERY_TIMEOUT_S} scontrol show job -o {shlex.quote(job_id)}", hide=True, warn=True)
     if res.ok and "JobId=" in res.stdout:
         return job_from_fields(parse_scontrol_job(res.stdout.splitlines()[0]))
-    err = (res.stderr or res.stdout).strip()
+    err = (res.stderr or res.stdout).strip() or (f"no answer within {QUERY_TIMEOUT_S} s"
+                                                   if res.exited == 124 else "")
     if res.ok or "invalid job id" in err.lower():
         return None
     raise ControllerUnreachable(f"slurmctld does not answer (`scontrol show job {job_id}`: "

@@ -72,10 +72,14 @@ def follow(ctl: Connection, job_id: str, log_path: str, say: Callable[[str], Non
     sftp = ctl.sftp()
     offset, last_state, last_restarts = 0, None, 0
     lost_since: float | None = None
+    last_error = ""
     while True:
         try:
+            if lost_since is not None and not slurm.controller_up(ctl):  # a quick probe while it is down
+                raise slurm.ControllerUnreachable(last_error)
             job = slurm.job(ctl, job_id)
         except slurm.ControllerUnreachable as exc:
+            last_error = str(exc)
             now = time.monotonic()
             if lost_since is None:
                 lost_since = now
