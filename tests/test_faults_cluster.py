@@ -31,8 +31,8 @@ import pytest
 import yaml
 
 from localcluster import daemons, layout
+from ops import finetune as flow
 from ops import remote, slurm, stream
-from ops import train as flow
 from ops.joblog import JobLog
 from tests.localcluster_fixture import fresh_cluster
 from tests.test_node_loss import holder, on, wait_for
