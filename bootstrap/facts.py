@@ -11,6 +11,8 @@ import ipaddress
 import json
 from dataclasses import asdict, dataclass, field
 
+from bootstrap.platform import AWS, Platform
+
 # Host addresses inside the subnet: AWS reserves the first four and the last
 # one, so the controller sits at .10 and GPU node i (1-based) at .10 + i.
 CONTROLLER_OFFSET = 10
@@ -63,8 +65,8 @@ class ClusterFacts:
     subnet_cidr: str
     ssh_user: str = "ubuntu"
     scratch: str = "/scratch"
-    # gres.conf File= prefix: /dev/nvidia on AWS; plain stand-in files locally.
-    gpu_device_prefix: str = "/dev/nvidia"
+    # gres.conf File= prefix; None: the platform's (/dev/nvidia on AWS, stand-in files locally).
+    gpu_device_prefix: str | None = None
     efa: bool = True
     nvlink: bool = False
     # Seconds before slurmctld marks a silent slurmd DOWN (and requeues its --requeue jobs), and
@@ -75,6 +77,12 @@ class ClusterFacts:
     # None: nodes never stop when idle (no power-save keys in slurm.conf).
     power_save: PowerSave | None = None
     extra: dict = field(default_factory=dict, compare=False, hash=False)
+    # What the hosts boot (OS, Python, Slurm version, cgroups, driver): bootstrap/platform.py.
+    platform: Platform = AWS
+
+    def __post_init__(self) -> None:
+        if self.gpu_device_prefix is None:
+            object.__setattr__(self, "gpu_device_prefix", self.platform.gpu_device_prefix)
 
     @property
     def hosts(self) -> tuple[Host, ...]:
@@ -125,6 +133,14 @@ def facts_from_dict(data: dict) -> ClusterFacts:
             "gpu_nodes": tuple(Host(**h) for h in data["gpu_nodes"]),
             "shape": NodeShape(**data["shape"]),
             "power_save": PowerSave(**data["power_save"]) if data.get("power_save") else None,
+            "platform": _platform_from(data.get("platform")),
         })
     except (KeyError, TypeError) as exc:
         raise ValueError(f"cluster facts are malformed ({exc})") from exc
+
+
+def _platform_from(data: dict | None) -> Platform:
+    """Facts saved before the platform was recorded were AWS's."""
+    if not data:
+        return AWS
+    return Platform(**{**data, "wheel_platforms": tuple(data["wheel_platforms"])})

@@ -1,12 +1,11 @@
 """Which AMI the cluster boots.
 
-By default the newest AWS Deep Learning Base GPU AMI for Ubuntu 22.04 in the
-region (the seed's image): NVIDIA driver, CUDA, and the EFA stack with the
-aws-ofi-nccl plugin under /opt/amazon. In the EC2 image catalogue its name is
-"Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04) <YYYYMMDD>"; the
+By default the newest image matching the AWS platform's `ami_name`
+(bootstrap/platform.py: the Deep Learning Base GPU AMI for Ubuntu 24.04, with the
+NVIDIA driver, CUDA, and the EFA stack with aws-ofi-nccl under /opt/amazon); the
 ARM64 build carries "ARM64" in its name and is excluded by the architecture
 filter. The controller boots the same image: one OS for every host keeps the
-bootstrap single.
+bootstrap single. Why 24.04: docs/PLATFORM.md.
 """
 
 from __future__ import annotations
@@ -15,10 +14,11 @@ from dataclasses import dataclass
 
 import pulumi_aws as aws
 
+from bootstrap.platform import AWS
 from infra.config import ConfigError, StackConfig
 from infra.instance_types import ARCH
 
-DLAMI_NAME = "Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04) *"
+DLAMI_NAME = AWS.ami_name
 AMAZON = "amazon"
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pulumi
 
 from bootstrap.facts import ClusterFacts, PowerSave, plan_hosts
+from bootstrap.platform import AWS
 from infra import config as stack_config
 from infra.ami import resolve_ami
 from infra.cluster import ClusterComponent
@@ -52,6 +53,7 @@ def plan(cfg: stack_config.StackConfig) -> tuple[ClusterFacts, str, str, int]:
         efa=cfg.efa,
         nvlink=gpu.nvlink,
         power_save=power_save(cfg, pulumi.Config("aws").get("region")),
+        platform=AWS,
     )
     return facts, az, ami.id, gpu.efa_interfaces
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from bootstrap import render
 from bootstrap.facts import ClusterFacts, NodeShape, plan_hosts
 from bootstrap.inventory import Inventory, from_facts
+from bootstrap.platform import LOCAL
 from localcluster import daemons, hosts, layout, netns, power
 from ops import hostkeys
 
@@ -133,7 +134,7 @@ def cluster_facts(nodes: int, gpus: int, idle_stop_s: int = 0) -> ClusterFacts:
     return ClusterFacts(
         cluster_name=layout.CLUSTER_NAME, controller=ctl, gpu_nodes=gpu_hosts,
         shape=machine_shape(gpus), subnet_cidr=layout.SUBNET, ssh_user="root",
-        scratch="/scratch", gpu_device_prefix=layout.GPU_DEVICE_PREFIX, efa=False, nvlink=False,
+        scratch="/scratch", platform=LOCAL, efa=False, nvlink=False,
         # A lost host is marked DOWN (and its job requeued) in seconds, not AWS's 180 s. The
         # requeued job waits cred_expire before it starts again; it must stay above slurmctld's
         # 60 s retry of the terminate request to the lost node, or that late retry kills the new

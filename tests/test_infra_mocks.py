@@ -70,7 +70,7 @@ def ami_result(image_id: str = DLAMI_ID, root_gib: int = DLAMI_ROOT_GIB, arch: s
     return {
         "id": image_id,
         "imageId": image_id,
-        "name": "Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04) 20261006",
+        "name": "Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 24.04) 20261006",
         "architecture": arch,
         "rootDeviceName": "/dev/sda1",
         "blockDeviceMappings": [

@@ -504,10 +504,11 @@ def test_ami_bigger_than_the_root_volume_refused():
     assert mocks.components == []
 
 
-def test_default_ami_is_the_newest_dlami_for_ubuntu_22_04():
+def test_default_ami_is_the_newest_dlami_for_ubuntu_24_04():
     run = run_program(stack_config())
     (call,) = [a for t, a in run.mocks.calls if t == "aws:ec2/getAmi:getAmi"]
     assert call["mostRecent"] is True and call["owners"] == ["amazon"]
     filters = {f["name"]: f["values"] for f in call["filters"]}
-    assert filters["name"] == ["Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04) *"]
+    # Ubuntu 24.04: Python 3.12 meets the pins' Requires-Python >= 3.11 (22.04 has 3.10).
+    assert filters["name"] == ["Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 24.04) *"]
     assert filters["architecture"] == ["x86_64"]

@@ -6,6 +6,7 @@ import json
 import subprocess
 
 from bootstrap.inventory import Inventory, InventoryError
+from bootstrap.platform import AWS as AWS_PLATFORM
 from ops.targets import CONFIGS, Target, register
 
 
@@ -13,7 +14,7 @@ class Aws(Target):
     name = "aws"
     describe = "the current Pulumi stack, the default"
     default_config = CONFIGS / "qwen3-4b-lora.yaml"
-    device_prefix = "/dev/nvidia"
+    device_prefix = AWS_PLATFORM.gpu_device_prefix
     real_gpus = True
     nccl_efa = True
     hub_offline = False

@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 
 from bootstrap.inventory import LOCAL_INVENTORY, Inventory, InventoryError
+from bootstrap.platform import LOCAL as LOCAL_PLATFORM
 from ops.targets import CONFIGS, Target, register
 
 # gres.conf File= prefix: the local hosts' GPUs are plain stand-in files (localcluster creates them).
-GPU_DEVICE_PREFIX = "/var/lib/slurm/gpu-standin/nvidia"
+GPU_DEVICE_PREFIX = LOCAL_PLATFORM.gpu_device_prefix
 
 
 class Local(Target):

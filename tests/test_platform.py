@@ -1,0 +1,55 @@
+"""The target platforms are data (bootstrap/platform.py) that the stack and the rendered files read."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from bootstrap import render
+from bootstrap.facts import ClusterFacts, NodeShape, facts_from_dict, facts_to_dict, plan_hosts
+from bootstrap.platform import AWS, LOCAL, platform
+from localcluster import cluster as local_cluster
+
+
+def _facts(**kw) -> ClusterFacts:
+    ctl, nodes = plan_hosts("10.0.1.0/24", 2)
+    return ClusterFacts("t", ctl, nodes, NodeShape(48, 184800, 4, "l4"), "10.0.1.0/24", **kw)
+
+
+def test_aws_target_is_ubuntu_24_04_with_python_3_12_and_slurm_23_11():
+    assert AWS.ami_name == "Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 24.04) *"
+    assert (AWS.os, AWS.python, AWS.slurm, AWS.cgroup) == ("Ubuntu 24.04", "3.12", "23.11", True)
+    assert AWS.efa_dir == "/opt/amazon/efa" and AWS.real_gpus
+    assert platform("aws") is AWS and platform("local") is LOCAL
+
+
+def test_local_platform_is_this_machines_debian():
+    """The LOCAL facts are checked against the machine the local cluster runs on."""
+    assert (LOCAL.python, LOCAL.slurm, LOCAL.cgroup, LOCAL.real_gpus) == ("3.11", "22.05", False, False)
+    if 'VERSION_ID="12"' not in open("/etc/os-release").read():
+        pytest.skip(f"this machine is not {LOCAL.os}, which the LOCAL platform describes")
+    assert f"{sys.version_info.major}.{sys.version_info.minor}" == LOCAL.python
+    out = subprocess.run(["dpkg-query", "-W", "-f=${Version}", "slurm-wlm"],
+                         capture_output=True, text=True, check=True).stdout
+    assert out.startswith(LOCAL.slurm + "."), out
+
+
+def test_facts_carry_the_platform_and_its_device_prefix():
+    assert _facts().platform is AWS and _facts().gpu_device_prefix == "/dev/nvidia"
+    local = local_cluster.cluster_facts(1, 2)
+    assert local.platform is LOCAL and local.gpu_device_prefix == LOCAL.gpu_device_prefix
+    assert f"File={LOCAL.gpu_device_prefix}[0-1]" in render.render_gres_conf(local)
+    # An explicit prefix (tests' temporary device dirs) still wins.
+    assert replace(_facts(), gpu_device_prefix="/tmp/x/nvidia").gpu_device_prefix == "/tmp/x/nvidia"
+
+
+def test_platform_survives_the_inventory_round_trip():
+    for p in (AWS, LOCAL):
+        facts = _facts(platform=p)
+        assert facts_from_dict(facts_to_dict(facts)) == facts
+    old = facts_to_dict(_facts())
+    del old["platform"]  # inventories written before the platform was recorded: AWS
+    assert facts_from_dict(old).platform is AWS
