@@ -1,0 +1,48 @@
+"""Every pin the GPU nodes install has a wheel for the target platform's Python (issue 11 item 2).
+
+The nodes install `render.training_pins()` (read from requirements.txt) into a venv of the
+image's python3 (bootstrap-gpu.sh.j2's `training` step); this asks pip, without installing,
+whether that works on the AWS platform of bootstrap/platform.py. The controller installs no
+Python packages (render.PACKAGES: apt only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from bootstrap import render
+from bootstrap.facts import ClusterFacts, NodeShape, plan_hosts
+from bootstrap.platform import AWS
+from bootstrap.wheels import check_wheels, describe
+
+PINS = [f"{name}=={version}" for name, version in render.training_pins().items()]
+
+
+def test_gpu_nodes_install_exactly_the_pins_checked_here():
+    script = render.bootstrap_script(_facts(), "gpu")
+    assert f"want='{' '.join(PINS)}'" in script
+
+
+def test_every_pin_has_a_wheel_for_the_aws_target():
+    check = check_wheels(PINS, AWS)
+    assert check.ok, describe(check, AWS)
+
+
+@pytest.mark.slow
+def test_python_3_10_of_the_ubuntu_22_04_image_fails_naming_the_pins():
+    """The check can fail: Ubuntu 22.04's Deep Learning Base image has Python 3.10, and
+    transformers, trl and accelerate need >= 3.11."""
+    old = replace(AWS, os="Ubuntu 22.04", python="3.10")
+    check = check_wheels(PINS, old)
+    assert not check.ok
+    failed = {req.split("==")[0] for req in check.missing}
+    assert failed == {"transformers", "trl", "accelerate"}, describe(check, old)
+    report = describe(check, old)
+    assert "Python 3.10" in report and "transformers==5.24.0" in report
+
+
+def _facts():
+    ctl, nodes = plan_hosts("10.0.1.0/24", 2)
+    return ClusterFacts("t", ctl, nodes, NodeShape(48, 184800, 4, "l4"), "10.0.1.0/24")
