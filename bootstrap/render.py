@@ -33,6 +33,8 @@ ROLES = ("controller", "gpu")
 SLURM_CONF_DIR = "/etc/slurm/"  # configless: slurmctld serves every file here to the GPU nodes
 SLURM_CONF = "/etc/slurm/slurm.conf"
 GRES_CONF = "/etc/slurm/gres.conf"
+# Only where the platform has cgroups (bootstrap/platform.py); slurmctld serves it to the nodes.
+CGROUP_CONF = "/etc/slurm/cgroup.conf"
 EXPORTS_FILE = "/etc/exports.d/slurm-gpu.exports"
 HOSTS_BLOCK_FILE = "/etc/slurm-gpu/hosts.block"
 # Configless GPU nodes: slurmd's options (--conf-server) and the systemd drop-in that reads them.
@@ -68,7 +70,10 @@ TRAINING_PACKAGES = ("torch", "transformers", "trl", "peft", "datasets", "accele
 # Debian/Ubuntu packages per role (cloud-init installs them; the `packages` step checks).
 PACKAGES = {
     "controller": ("slurm-wlm", "munge", "nfs-common", "nfs-kernel-server"),
-    "gpu": ("slurm-wlm", "munge", "nfs-common", "python3-venv", "python3-pip"),
+    # python3-dev and a C compiler: Triton (torch.compile, flex attention) builds C against
+    # Python.h at run time.
+    "gpu": ("slurm-wlm", "munge", "nfs-common", "python3-venv", "python3-pip", "python3-dev",
+            "build-essential"),
 }
 
 # Steps of each role's bootstrap script, in order (SLURM_GPU_SKIP_STEPS picks from these).
@@ -76,7 +81,7 @@ STEPS = {
     "controller": ("hostname", "hosts", "packages", "dirs", "munge", "nfs", "scratch", "services"),
     "gpu": (
         "hostname", "hosts", "packages", "dirs", "munge", "healthcheck", "nfs", "scratch",
-        "training", "services",
+        "training", "gpus", "services",
     ),
 }
 # What the local cluster skips (SLURM_GPU_SKIP_STEPS) when it runs these scripts in a
@@ -127,6 +132,7 @@ def _context(facts: ClusterFacts) -> dict:
     gpu_files = f"{prefix}0" if last == 0 else f"{prefix}[0-{last}]"
     return {
         "facts": facts,
+        "platform": facts.platform,
         "cluster_name": facts.cluster_name,
         "controller": facts.controller,
         "gpu_nodes": facts.gpu_nodes,
@@ -141,6 +147,7 @@ def _context(facts: ClusterFacts) -> dict:
         "paths": {
             "slurm_conf": SLURM_CONF,
             "gres_conf": GRES_CONF,
+            "cgroup_conf": CGROUP_CONF,
             "exports": EXPORTS_FILE,
             "hosts_block": HOSTS_BLOCK_FILE,
             "slurmd_env": SLURMD_ENV_FILE,
@@ -194,6 +201,10 @@ def render_gres_conf(facts: ClusterFacts) -> str:
     return _TEMPLATES.get_template("gres.conf.j2").render(**_context(facts))
 
 
+def render_cgroup_conf(facts: ClusterFacts) -> str:
+    return _TEMPLATES.get_template("cgroup.conf.j2").render(**_context(facts))
+
+
 def render_hosts(facts: ClusterFacts) -> str:
     """The cluster's "IP name" lines between begin/end markers (see `merge_hosts`)."""
     return _TEMPLATES.get_template("hosts.j2").render(**_context(facts))
@@ -240,6 +251,8 @@ def render_files(facts: ClusterFacts) -> dict[str, str]:
         SLURMD_ENV_FILE: render_slurmd_env(facts),
         SLURMD_DROPIN: render_slurmd_dropin(facts),
     }
+    if facts.platform.cgroup:
+        files[CGROUP_CONF] = render_cgroup_conf(facts)
     if facts.power_save is not None and facts.power_save.provider == "ec2":
         files[SUSPEND_PATH] = render_power_program(facts, "suspend")
         files[RESUME_PATH] = render_power_program(facts, "resume")
@@ -251,7 +264,7 @@ def render_files(facts: ClusterFacts) -> dict[str, str]:
 NOT_FOR_ROLE = {
     "controller": (HEALTHCHECK_PATH, SLURMD_ENV_FILE, SLURMD_DROPIN),
     # slurmctld runs the power programs: only the controller has them.
-    "gpu": (EXPORTS_FILE, SLURM_CONF, GRES_CONF, SUSPEND_PATH, RESUME_PATH),
+    "gpu": (EXPORTS_FILE, SLURM_CONF, GRES_CONF, CGROUP_CONF, SUSPEND_PATH, RESUME_PATH),
 }
 
 

@@ -178,6 +178,8 @@ def write_files(facts: ClusterFacts, specs: list[HostSpec]) -> None:
     rendered = render.render_files(facts)
     _write(layout.ETC_SLURM / Path(render.SLURM_CONF).name, rendered[render.SLURM_CONF])
     _write(layout.ETC_SLURM / Path(render.GRES_CONF).name, rendered[render.GRES_CONF])
+    if render.CGROUP_CONF in rendered:  # not on the LOCAL platform (no cgroups)
+        _write(layout.ETC_SLURM / Path(render.CGROUP_CONF).name, rendered[render.CGROUP_CONF])
     block = rendered[render.HOSTS_BLOCK_FILE]
     _write(layout.ETC_SLURM_GPU / Path(render.HOSTS_BLOCK_FILE).name, block)
     # GPU hosts run slurmd configless (hostctl reads --conf-server from here), as on AWS.

@@ -3,6 +3,7 @@
 import base64
 import gzip
 import re
+from dataclasses import replace
 
 import jinja2
 import pytest
@@ -10,6 +11,7 @@ import yaml
 
 from bootstrap import render
 from bootstrap.facts import ClusterFacts, NodeShape, plan_hosts
+from bootstrap.platform import LOCAL
 
 
 def make_facts(name, subnet, nodes, shape, **kw) -> ClusterFacts:
@@ -82,8 +84,10 @@ def test_slurm_conf_settings(case):
     # With memory as a resource, a job that asks for nothing must fit on a node.
     assert int(s["DefMemPerCPU"]) * facts.shape.cpus <= facts.shape.real_memory_mib
     assert s["SchedulerType"] == "sched/backfill"
-    assert s["ProctrackType"] == "proctrack/linuxproc"
-    assert s["TaskPlugin"] == "task/none"
+    # AWS (cgroups): jobs confined; tasks keep slurmd's unlimited MEMLOCK (EFA).
+    assert s["ProctrackType"] == "proctrack/cgroup"
+    assert s["TaskPlugin"] == "task/cgroup,task/affinity"
+    assert s["PropagateResourceLimitsExcept"] == "MEMLOCK"
     assert s["ReturnToService"] == "1"
     assert s["SlurmdTimeout"] == "180"
     assert s["JobRequeue"] == "1"
@@ -164,8 +168,14 @@ def test_render_files_paths():
         "/etc/slurm/slurm.conf", "/etc/slurm/gres.conf", "/etc/exports.d/slurm-gpu.exports",
         render.HOSTS_BLOCK_FILE, render.HEALTHCHECK_PATH,
         "/etc/slurm-gpu/slurmd.env", "/etc/systemd/system/slurmd.service.d/slurm-gpu.conf",
+        "/etc/slurm/cgroup.conf",  # the AWS platform has cgroups
     }
     assert all(p.startswith("/") and text.endswith("\n") for p, text in files.items())
+    # The local platform has none: no cgroup.conf, and slurm.conf asks for no cgroup plugin.
+    local = render.render_files(replace(FACTS["l4x2"], platform=LOCAL))
+    assert set(local) == set(files) - {"/etc/slurm/cgroup.conf"}
+    assert "cgroup" not in settings(local["/etc/slurm/slurm.conf"])["ProctrackType"]
+    assert settings(local["/etc/slurm/slurm.conf"])["TaskPlugin"] == "task/none"
 
 
 def test_missing_variable_raises(monkeypatch):

@@ -15,6 +15,7 @@ import pytest
 
 from bootstrap import render
 from bootstrap.facts import NodeShape
+from bootstrap.platform import LOCAL as LOCAL_PLATFORM
 from tests.test_bootstrap_render import FACTS, make_facts
 
 
@@ -121,8 +122,14 @@ for i in 1 2; do SLURM_GPU_SKIP_STEPS="$SKIP" "$SCRIPT" > "$LOGDIR/run$i.log" 2>
 """
 
 
-def run_in_sandbox(tmp_path, facts, role, host, skip):
+def run_in_sandbox(tmp_path, facts, role, host, skip, gpus_present=None, expect_ok=True):
+    """`gpus_present`: indices of the stand-in GPU files a GPU host gets (default all)."""
     files = tmp_path / "files"
+    if role == "gpu":
+        for i in range(facts.shape.gpu_count) if gpus_present is None else gpus_present:
+            dev = files / f"{facts.gpu_device_prefix}{i}".lstrip("/")
+            dev.parent.mkdir(parents=True, exist_ok=True)
+            dev.touch()
     for path, text in render.render_files(facts).items():
         dest = files / path.lstrip("/")
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -144,6 +151,9 @@ def run_in_sandbox(tmp_path, facts, role, host, skip):
         env=env, capture_output=True, text=True, timeout=120,
     )
     logs = "".join((logdir / f).read_text() for f in ("run1.log", "run2.log") if (logdir / f).exists())
+    if not expect_ok:
+        assert res.returncode != 0, logs
+        return None, logs
     assert res.returncode == 0, res.stdout + res.stderr + logs
     return (logdir / "report").read_text(), logs
 
@@ -153,8 +163,9 @@ def stats(report):
 
 
 # The project's own bridge range: these tests put addresses only on a private loopback.
+# The LOCAL platform: stand-in GPU files, no driver to open.
 LOCAL = make_facts("sandbox", "10.213.0.0/24", 2, NodeShape(2, 1000, 2, "l4"), ssh_user="root",
-                   scratch="/var/tmp/slurm-gpu-scratch")
+                   scratch="/var/tmp/slurm-gpu-scratch", platform=LOCAL_PLATFORM)
 
 
 @pytest.mark.cluster
@@ -174,6 +185,16 @@ def test_gpu_bootstrap_runs_and_is_idempotent(tmp_path):
     assert "marker_role=role=gpu" in report
     assert "step munge" in logs and "skip training" in logs
     assert "made a node-local one" in logs
+    assert f"GPU check: 2 device files present ({LOCAL.gpu_device_prefix}[0-1])" in logs
+
+
+@pytest.mark.cluster
+def test_gpu_bootstrap_names_a_missing_gpu_and_stops_before_slurmd(tmp_path):
+    _, logs = run_in_sandbox(tmp_path, LOCAL, "gpu", LOCAL.gpu_nodes[0], "packages nfs scratch training",
+                             gpus_present=[0], expect_ok=False)
+    assert f"GPU check: missing {LOCAL.gpu_device_prefix}1 (gres.conf File={LOCAL.gpu_device_prefix}[0-1]" in logs
+    assert 'step "gpus" failed' in logs
+    assert "step services" not in logs  # slurmd is never started
 
 
 @pytest.mark.cluster

@@ -1,0 +1,73 @@
+"""The rendered AWS first boot of the default stack (2 x g6.12xlarge) does things in the
+right order for the image it boots (issue 11 item 3): GPU devices opened and checked before
+slurmd starts, python3-dev and a C compiler, cgroup confinement, unlimited MEMLOCK."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import yaml
+
+from bootstrap import render
+from bootstrap.platform import AWS
+from bootstrap.slurm_keys import unknown_keys
+from tests.test_infra_mocks import run_program, stack_config
+from tests.test_infra_program import _decoded_files, _instances
+
+
+@pytest.fixture(scope="module")
+def user_data():
+    run = run_program(stack_config())  # the defaults: 2 x g6.12xlarge (4 x L4 each)
+    controller, gpus = _instances(run)
+    assert [g.inputs["instanceType"] for g in gpus] == ["g6.12xlarge"] * 2
+    raw = {"controller": controller[0].inputs["userData"]}
+    raw.update({g.inputs["tags"]["Name"]: g.inputs["userData"] for g in gpus})
+    assert all(len(text.encode()) <= render.MAX_USER_DATA_BYTES for text in raw.values())
+    return {name: yaml.safe_load(text) for name, text in raw.items()}
+
+
+def _files(doc):
+    return _decoded_files(doc)
+
+
+def test_gpu_nodes_get_python_headers_and_a_compiler(user_data):
+    for name, doc in user_data.items():
+        if name != "controller":
+            assert {"python3-dev", "build-essential", "python3-venv"} <= set(doc["packages"]), name
+
+
+def test_gpus_are_opened_and_checked_before_slurmd_starts(user_data):
+    doc = next(d for n, d in user_data.items() if n != "controller")
+    script = _files(doc)[render.BOOTSTRAP_PATH]
+    steps = re.search(r"^ALL_STEPS=\((.*)\)$", script, re.M).group(1).split()
+    assert steps.index("gpus") < steps.index("services") == len(steps) - 1
+    gpus = script[script.index("step_gpus() {"):script.index("step_services() {")]
+    assert gpus.index("nvidia-persistenced") < gpus.index("nvidia-smi -L") < gpus.index('[ -e "$dev" ]')
+    assert "devices=(/dev/nvidia0 /dev/nvidia1 /dev/nvidia2 /dev/nvidia3)" in gpus
+    assert 'die "GPU check: missing ${missing[*]} (gres.conf File=/dev/nvidia[0-3]: 4 x l4); slurmd is not started' in gpus
+    # The training venv is made by the image's Python, which the pins were checked for.
+    assert f"die \"the training pins need Python {AWS.python}" in script
+    dropin = _files(doc)[render.SLURMD_DROPIN]
+    assert "After=nvidia-persistenced.service" in dropin and "ExecStartPre=-/usr/bin/nvidia-smi -L" in dropin
+    assert "LimitMEMLOCK=infinity" in dropin and "Delegate=yes" in dropin
+
+
+def test_jobs_are_confined_by_cgroups_and_keep_unlimited_memlock(user_data):
+    files = _files(user_data["controller"])
+    conf = files[render.SLURM_CONF]
+    assert "\nProctrackType=proctrack/cgroup\n" in conf
+    assert "\nTaskPlugin=task/cgroup,task/affinity\n" in conf
+    assert "\nPropagateResourceLimitsExcept=MEMLOCK\n" in conf
+    assert "enable_configless" in conf  # slurmctld serves cgroup.conf with slurm.conf
+    cgroup = files[render.CGROUP_CONF]
+    for key in ("ConstrainDevices=yes", "ConstrainCores=yes", "ConstrainRAMSpace=yes"):
+        assert f"\n{key}\n" in cgroup
+    for path, kind in ((render.SLURM_CONF, "slurm.conf"), (render.GRES_CONF, "gres.conf"),
+                       (render.CGROUP_CONF, "cgroup.conf")):
+        assert unknown_keys(files[path], kind, AWS.slurm) == [], path
+    # GPU nodes carry none of these: configless slurmd fetches them from slurmctld.
+    for name, doc in user_data.items():
+        if name != "controller":
+            assert not any(p.startswith("/etc/slurm/") for p in _files(doc)), name
+
