@@ -15,8 +15,8 @@ from invoke.exceptions import Exit
 from paramiko.ssh_exception import AuthenticationException, NoValidConnectionsError, SSHException
 
 from localcluster.tasks import ns as local_ns
+from ops import cloudinit, hostkeys, inventory, jobs, munge, options, power, slurm, sshcmd, stream
 from ops import finetune as flow
-from ops import hostkeys, inventory, jobs, munge, options, power, slurm, sshcmd, stream
 from ops import reconfigure as reconf
 from ops.cloudinit import CloudInitFailed
 from ops.remote import Cluster, HostError, connect, each
@@ -147,6 +147,13 @@ def status(c, target=None, stack=None, identity=None):
             print(f"  {node.name:<14} {node.role:<10} {addr:<16} {pw:<22} {text}")
         if up.get("controller", "").startswith("UNREACHABLE"):
             raise Exit("fab status: the controller is unreachable", code=1)
+        failed_boot = _bootstrap_failures({n: c for n, c in conns.items()
+                                           if not up.get(n, "").startswith("UNREACHABLE")})
+        for name, why in failed_boot.items():
+            print(f"note: {name}: {why}")
+        if failed_boot:
+            raise Exit(f"fab status: the first boot failed on {', '.join(failed_boot)} (above: the step and "
+                       "the end of its log)", code=1)
         if not ctld_up:
             restart = inv.service_cmd.format(action="restart", service="slurmctld")
             raise Exit("fab status: slurmctld is DOWN on the controller (`scontrol ping`); jobs may still "
@@ -163,6 +170,15 @@ def status(c, target=None, stack=None, identity=None):
             raise Exit(f"fab status: {len(sick)} of {len(inv.gpu_nodes)} GPU node(s) not in service", code=1)
     finally:
         cl.close()
+
+
+def _bootstrap_failures(conns: dict) -> dict[str, str]:
+    """host -> its failed bootstrap step and the end of that step's log (hosts that answer)."""
+    try:
+        found = each("bootstrap status", conns, lambda n, conn: cloudinit.bootstrap_failure(conn))
+    except HostError as exc:  # a host that cannot be read is not a failed boot: reported elsewhere
+        found = {n: None for n in conns if n not in exc.failures}
+    return {n: why for n, why in sorted(found.items()) if why}
 
 
 def _node_fix(n: slurm.NodeState) -> str:

@@ -52,6 +52,9 @@ TRAINING_PYTHON = f"{TRAINING_VENV}/bin/python"
 # Per-host state (under /var/lib/slurm, which the local cluster gives each host).
 STATE_DIR = "/var/lib/slurm/slurm-gpu"
 MARKER_PATH = f"{STATE_DIR}/bootstrap.done"
+# Each bootstrap step's record: <step>.status ("running|ok|skipped|failed ... <UTC time>") and
+# <step>.log (its output); ops/cloudinit.py reads them to name a failed step.
+STEPS_DIR = f"{STATE_DIR}/bootstrap"
 HOSTS_BEGIN = "# BEGIN slurm-gpu hosts"
 HOSTS_END = "# END slurm-gpu hosts"
 
@@ -158,6 +161,7 @@ def _context(facts: ClusterFacts) -> dict:
             "venv": TRAINING_VENV,
             "state_dir": STATE_DIR,
             "marker": MARKER_PATH,
+            "steps_dir": STEPS_DIR,
             "suspend": SUSPEND_PATH,
             "resume": RESUME_PATH,
             "power_log": POWER_LOG,

@@ -1,4 +1,5 @@
-"""Waiting for cloud-init to finish the first boot of every AWS host.
+"""Waiting for cloud-init to finish the first boot of every AWS host, and reading the
+bootstrap script's per-step record (render.STEPS_DIR) on every host.
 
 `cloud-init status --format json` says "running" while the bootstrap runs, "done" when
 it finished and "error" (with the failing module's message) when it did not. A host
@@ -8,16 +9,62 @@ still booting may refuse SSH for a while, which counts as "not yet", not as fail
 from __future__ import annotations
 
 import json
+import shlex
 import time
 
 from fabric import Connection
 
+from bootstrap.render import BOOTSTRAP_PATH, STEPS_DIR
+
 STATUS_CMD = "cloud-init status --format json"
 POLL_S = 10.0
+TAIL_LINES = 15  # of a failed step's log
+# "<step> <status line>" for every step the bootstrap recorded (nothing before it ran).
+STEPS_CMD = (f"for f in {shlex.quote(STEPS_DIR)}/*.status; do [ -e \"$f\" ] || continue; "
+             "printf '%s %s\\n' \"$(basename \"$f\" .status)\" \"$(head -n 1 \"$f\")\"; done")
 
 
 class CloudInitFailed(RuntimeError):
     pass
+
+
+class BootstrapFailed(CloudInitFailed):
+    """A bootstrap step failed on a host: the message names the step and ends with its log."""
+
+    plain_reason = True  # remote.reason shows the message as it is
+
+
+def parse_steps(text: str) -> dict[str, str]:
+    """step -> its status line ("ok 2026-...", "failed exit 1 at line 40 2026-...", ...)."""
+    steps = {}
+    for line in text.splitlines():
+        step, _, status = line.strip().partition(" ")
+        if step:
+            steps[step] = status
+    return steps
+
+
+def bootstrap_failure(c: Connection) -> str | None:
+    """None unless a bootstrap step failed on the host behind `c`; then which step, how, and
+    the last lines of its log."""
+    steps = parse_steps(c.run(STEPS_CMD, hide=True, warn=True).stdout)
+    failed = [(s, st) for s, st in steps.items() if st.startswith("failed")]
+    if not failed:
+        return None
+    step, status = failed[0]
+    log = f"{STEPS_DIR}/{step}.log"
+    tail = c.run(f"tail -n {TAIL_LINES} {shlex.quote(log)}", hide=True, warn=True).stdout.rstrip()
+    lines = "\n".join(f"      | {ln}" for ln in tail.splitlines()) or "      | (the log is empty)"
+    when = status.removeprefix("failed").strip()
+    return (f"bootstrap step {step!r} failed ({when}); last lines of {log}:\n{lines}\n"
+            f"    fix the cause, then re-run it on the host: sudo {BOOTSTRAP_PATH}")
+
+
+def check_bootstrap(c: Connection) -> None:
+    """Raise BootstrapFailed when a bootstrap step failed on the host behind `c`."""
+    failure = bootstrap_failure(c)
+    if failure:
+        raise BootstrapFailed(failure)
 
 
 def interpret(status_json: str) -> str | None:
@@ -50,6 +97,7 @@ def wait_done(c: Connection, timeout_s: float = 1800, poll_s: float = POLL_S) ->
             last = f"no SSH yet ({type(exc).__name__})"
             c.close()
         else:
+            check_bootstrap(c)  # a failed step is reported at once, not waited on
             verdict = interpret(out)
             if verdict == "":
                 return

@@ -45,12 +45,16 @@ def step(say: Say, n: int, text: str) -> None:
 
 
 def wait_cloud_init(cl: Cluster, say: Say) -> None:
+    hosts = {"controller": cl.controller, **cl.nodes}
     if not targets.of(cl.inventory).cloud_init:
-        step(say, 1, f"cloud-init: skipped (the {cl.inventory.target} cluster is configured by `fab local.up`)")
+        step(say, 1, f"cloud-init: skipped (the {cl.inventory.target} cluster is configured by `fab local.up`); "
+                     "checking every host's bootstrap steps")
+        # A host whose bootstrap step failed is named with the step and its log's last lines.
+        each("bootstrap", hosts, lambda n, c: cloudinit.check_bootstrap(c))
         return
     step(say, 1, f"cloud-init: waiting for {len(cl.inventory.nodes)} hosts to finish booting")
-    each("cloud-init", {"controller": cl.controller}, lambda n, c: cloudinit.wait_done(c))
-    each("cloud-init", cl.nodes, lambda n, c: cloudinit.wait_done(c))
+    # In parallel: a failed bootstrap step on any host ends the wait at its next poll.
+    each("cloud-init", hosts, lambda n, c: cloudinit.wait_done(c))
 
 
 def sync_munge_key(cl: Cluster, say: Say) -> list[str]:

@@ -127,6 +127,8 @@ def reason(exc: BaseException) -> str:
     """A one-line reason for a failure (stderr of a failed command, not a traceback)."""
     from paramiko.ssh_exception import AuthenticationException
 
+    if getattr(exc, "plain_reason", False):  # already says what failed and how to fix it
+        return str(exc)
     if isinstance(exc, AuthenticationException):
         return f"the SSH key was refused ({exc}); pass --identity with the cluster's private key"
     result = getattr(exc, "result", None)
