@@ -181,7 +181,9 @@ def test_node_loss_requeues_and_resumes_from_checkpoint(local_cluster, tmp_path)
     ranks = len(inv.gpu_nodes) * inv.gpus_per_node  # 2 x 2
     examples, save_steps = 320, 2
     cfg = yaml.safe_load((REPO / "training" / "configs" / "local-tiny.yaml").read_text())
-    cfg.update(save_steps=save_steps, save_total_limit=3)
+    # Five epochs (100 optimizer steps): the packed path trains one epoch of these rows in a few seconds, and the
+    # job log reaches `fab train` in chunks (one per poll), so a shorter run can end before the kill lands.
+    cfg.update(save_steps=save_steps, save_total_limit=3, num_train_epochs=5)
     config = tmp_path / "node-loss.yaml"
     config.write_text(yaml.safe_dump(cfg))
     # What an uninterrupted run does: each rank sees ceil(examples / ranks) rows per epoch.
