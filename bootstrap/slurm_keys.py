@@ -68,8 +68,6 @@ ACCEPTED_KEYS: dict[str, dict[str, frozenset[str]]] = {
     },
 }
 
-FILE_KINDS = ("slurm.conf", "gres.conf", "cgroup.conf")
-
 
 def config_keys(text: str, kind: str = "slurm.conf") -> list[tuple[str, str]]:
     """(line kind, key) of every setting in a Slurm config file's text. In slurm.conf the first

@@ -29,42 +29,21 @@ class SecurityComponent(pulumi.ComponentResource):
             opts=child,
         )
         sg = self.group.id
-        self.ssh_from_admin = aws.vpc.SecurityGroupIngressRule(
-            f"{name}-ssh-from-admin",
-            security_group_id=sg,
-            ip_protocol="tcp",
-            from_port=22,
-            to_port=22,
-            cidr_ipv4=admin_cidr,
-            description="SSH from the admin CIDR only",
-            tags=tags,
-            opts=child,
-        )
-        self.all_from_self = aws.vpc.SecurityGroupIngressRule(
-            f"{name}-all-from-self",
-            security_group_id=sg,
-            ip_protocol="-1",
-            referenced_security_group_id=sg,
-            description="all traffic between cluster nodes (Slurm, NFS, NCCL, EFA)",
-            tags=tags,
-            opts=child,
-        )
-        self.all_to_self = aws.vpc.SecurityGroupEgressRule(
-            f"{name}-all-to-self",
-            security_group_id=sg,
-            ip_protocol="-1",
-            referenced_security_group_id=sg,
-            description="all traffic to cluster nodes; EFA needs this self-referencing egress",
-            tags=tags,
-            opts=child,
-        )
-        self.all_to_internet = aws.vpc.SecurityGroupEgressRule(
-            f"{name}-all-to-internet",
-            security_group_id=sg,
-            ip_protocol="-1",
-            cidr_ipv4="0.0.0.0/0",
-            description="outbound internet for package installs and model downloads",
-            tags=tags,
-            opts=child,
-        )
+
+        def rule(kind, suffix: str, description: str, **peer):
+            return kind(f"{name}-{suffix}", security_group_id=sg, description=description,
+                        tags=tags, opts=child, **peer)
+
+        ingress, egress = aws.vpc.SecurityGroupIngressRule, aws.vpc.SecurityGroupEgressRule
+        self.ssh_from_admin = rule(ingress, "ssh-from-admin", "SSH from the admin CIDR only",
+                                   ip_protocol="tcp", from_port=22, to_port=22, cidr_ipv4=admin_cidr)
+        self.all_from_self = rule(ingress, "all-from-self",
+                                  "all traffic between cluster nodes (Slurm, NFS, NCCL, EFA)",
+                                  ip_protocol="-1", referenced_security_group_id=sg)
+        self.all_to_self = rule(egress, "all-to-self",
+                                "all traffic to cluster nodes; EFA needs this self-referencing egress",
+                                ip_protocol="-1", referenced_security_group_id=sg)
+        self.all_to_internet = rule(egress, "all-to-internet",
+                                    "outbound internet for package installs and model downloads",
+                                    ip_protocol="-1", cidr_ipv4="0.0.0.0/0")
         self.register_outputs({"securityGroupId": self.group.id})

@@ -1,5 +1,6 @@
 """Power saving on the local cluster: the same slurm.conf keys as AWS, with programs that
-stop and start a GPU host's slurmd instead of an EC2 instance (localcluster/power.sh).
+stop and start a GPU host's slurmd instead of an EC2 instance (localcluster/power.sh,
+installed by files.py).
 
 slurmctld runs the programs as SlurmUser, which may not touch another host's daemons;
 they reach each GPU host over SSH with a key of their own that sshd restricts to one
@@ -8,8 +9,6 @@ forced command (stop or start slurmd), checking the host key pinned in known_hos
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from pathlib import Path
 
 from bootstrap.facts import PowerSave
@@ -63,21 +62,3 @@ def power_save(idle_stop_s: int) -> PowerSave | None:
                      suspend_timeout=SUSPEND_TIMEOUT_S, resume_timeout=RESUME_TIMEOUT_S,
                      provider="local", interval=INTERVAL_S)
 
-
-def install() -> None:
-    """The programs, SlurmUser's key, and its restricted line in the hosts' authorized_keys
-    (call after the cluster's own authorized_keys is written)."""
-    for dest in (SUSPEND, RESUME, NODE_COMMAND):
-        shutil.copyfile(SOURCE, dest)
-        dest.chmod(0o755)  # slurmctld refuses a program that is group or world writable
-    KEY_DIR.mkdir(mode=0o700, exist_ok=True)
-    shutil.chown(KEY_DIR, SLURM_USER, SLURM_USER)
-    if not KEY.exists():
-        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "slurm-gpu-local-power",
-                        "-f", str(KEY)], check=True)
-    for path in (KEY, KEY.with_suffix(".pub")):
-        shutil.chown(path, SLURM_USER, SLURM_USER)
-    KEY.chmod(0o600)
-    line = f'restrict,command="{NODE_COMMAND}" {KEY.with_suffix(".pub").read_text().strip()}\n'
-    with open(layout.AUTHORIZED_KEYS, "a") as f:
-        f.write(line)

@@ -29,7 +29,7 @@ def up(c, nodes=None, gpus=None, fresh_keys=False, idle_stop=None):
     Idempotent: a healthy cluster of the same size is left alone; for another size
     run `fab local.down` first.
     """
-    # Defaults of None make invoke pass the raw text, so `cluster.validate` can
+    # Defaults of None make invoke pass the raw text, so `preflight.validate` can
     # report a bad value by option name instead of invoke's traceback.
     try:
         cluster.up(nodes=layout.DEFAULT_NODES if nodes is None else nodes,

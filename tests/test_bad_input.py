@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from infra.config import ConfigError, StackConfig
-from localcluster import cluster, layout
+from localcluster import cluster, layout, plan
 from ops import options
 from tests.localcluster_fixture import cluster_lock
 from tests.test_infra_mocks import ADMIN_CIDR, SSH_KEY, ClusterMocks, run_program, stack_config
@@ -198,7 +198,7 @@ def test_train_options(kwargs, expected):
 
 
 def test_train_options_against_the_cluster():
-    inv = cluster.make_inventory(2, 2)
+    inv = plan.make_inventory(2, 2)
     opts = options.parse(target="local", nodes="3")
     with pytest.raises(options.OptionError) as info:
         options.check_against(opts, inv)

@@ -16,7 +16,7 @@ import subprocess
 import pytest
 
 from bootstrap import render
-from localcluster import cluster, hosts, layout, netns
+from localcluster import cluster, files, hosts, layout, netns, plan, preflight, state
 from ops import munge, remote
 from tests.localcluster_fixture import fresh_cluster, run, wait_for
 
@@ -48,21 +48,21 @@ def sinfo_nodes(controller) -> dict[str, tuple[str, str]]:
 )
 def test_bad_options_are_refused_by_name(nodes, gpus, flag):
     with pytest.raises(cluster.ClusterError, match=flag):
-        cluster.validate(nodes, gpus)
+        preflight.validate(nodes, gpus)
 
 
 def test_good_options_pass():
-    assert cluster.validate("3", 8) == (3, 8)
+    assert preflight.validate("3", 8) == (3, 8)
 
 
 def test_hostctl_passes_shellcheck():
-    r = subprocess.run(["shellcheck", str(cluster.HOSTCTL_SRC)], capture_output=True, text=True)
+    r = subprocess.run(["shellcheck", str(files.HOSTCTL_SRC)], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout
 
 
 def test_inventory_points_at_the_repo_venv_and_hostctl():
-    inv = cluster.make_inventory(3, 2)
-    assert inv.python == str(cluster.REPO / ".venv" / "bin" / "python")
+    inv = plan.make_inventory(3, 2)
+    assert inv.python == str(plan.REPO / ".venv" / "bin" / "python")
     assert inv.service_cmd.format(action="restart", service="munge") == f"{layout.HOSTCTL} restart munge"
     assert [(n.name, n.private_ip) for n in inv.nodes] == [
         ("controller", "10.213.0.10"), ("gpu-node-01", "10.213.0.11"),
@@ -163,14 +163,14 @@ def test_status_shows_hosts_and_node_table(lc):
 
 @pytest.mark.cluster
 def test_up_again_is_a_no_op_and_another_size_is_refused(lc):
-    before = [h["pid"] for h in cluster.load_state()["hosts"]]
+    before = [h.pid for h in state.load().hosts]
     messages: list[str] = []
     cluster.up(nodes=NODES, gpus=GPUS, out=messages.append)
     assert "already up" in messages[0]
-    assert [h["pid"] for h in cluster.load_state()["hosts"]] == before
+    assert [h.pid for h in state.load().hosts] == before
     with pytest.raises(cluster.ClusterError, match="fab local.down"):
         cluster.up(nodes=NODES + 1, gpus=GPUS, out=lambda _m: None)
-    assert [h["pid"] for h in cluster.load_state()["hosts"]] == before
+    assert [h.pid for h in state.load().hosts] == before
 
 
 def assert_nothing_left(ns_ids: set[str]) -> None:
@@ -190,7 +190,7 @@ def assert_nothing_left(ns_ids: set[str]) -> None:
 
 @pytest.mark.cluster
 def test_down_leaves_nothing(lc):
-    ns_ids = {i for h in cluster.load_state()["hosts"] for i in h["ns"]}
+    ns_ids = {i for h in state.load().hosts for i in h.ns}
     assert hosts.processes_in(ns_ids)  # the test would be vacuous otherwise
     cluster.down(out=lambda _m: None)
     assert_nothing_left(ns_ids)

@@ -48,9 +48,9 @@ def local_cluster():
 
 def holder(name: str) -> int:
     """PID of a host's holder process (every command in that host is nsenter'ed through it)."""
-    from localcluster import cluster
+    from localcluster import state
 
-    return next(e["pid"] for e in cluster.load_state()["hosts"] if e["name"] == name)
+    return state.load().host(name).pid
 
 
 def on(name: str, *argv: str, timeout: float = 60) -> subprocess.CompletedProcess:

@@ -11,7 +11,7 @@ import pytest
 from bootstrap import render
 from bootstrap.facts import ClusterFacts, NodeShape, facts_from_dict, facts_to_dict, plan_hosts
 from bootstrap.platform import AWS, LOCAL, platform
-from localcluster import cluster as local_cluster
+from localcluster import plan as local_plan
 
 
 def _facts(**kw) -> ClusterFacts:
@@ -39,7 +39,7 @@ def test_local_platform_is_this_machines_debian():
 
 def test_facts_carry_the_platform_and_its_device_prefix():
     assert _facts().platform is AWS and _facts().gpu_device_prefix == "/dev/nvidia"
-    local = local_cluster.cluster_facts(1, 2)
+    local = local_plan.cluster_facts(1, 2)
     assert local.platform is LOCAL and local.gpu_device_prefix == LOCAL.gpu_device_prefix
     assert f"File={LOCAL.gpu_device_prefix}[0-1]" in render.render_gres_conf(local)
     # An explicit prefix (tests' temporary device dirs) still wins.

@@ -13,7 +13,7 @@ from bootstrap import render
 from bootstrap.facts import ClusterFacts, PowerSave
 from bootstrap.platform import AWS, LOCAL
 from bootstrap.slurm_keys import ACCEPTED_KEYS, config_keys, unknown_keys
-from localcluster import cluster as local_cluster
+from localcluster import plan as local_plan
 from tests.test_bootstrap_render import FACTS
 
 KIND = {render.SLURM_CONF: "slurm.conf", render.GRES_CONF: "gres.conf", render.CGROUP_CONF: "cgroup.conf"}
@@ -23,8 +23,8 @@ EC2_POWER = PowerSave(1800, render.SUSPEND_PATH, render.RESUME_PATH, 300, 900, "
 def stacks() -> dict[str, ClusterFacts]:
     out = {f"aws-{name}": facts for name, facts in FACTS.items()}
     out["aws-l4x2-idle-stop"] = replace(FACTS["l4x2"], power_save=EC2_POWER)
-    out["local"] = local_cluster.cluster_facts(2, 2)
-    out["local-idle-stop"] = local_cluster.cluster_facts(2, 2, idle_stop_s=30)
+    out["local"] = local_plan.cluster_facts(2, 2)
+    out["local-idle-stop"] = local_plan.cluster_facts(2, 2, idle_stop_s=30)
     return out
 
 

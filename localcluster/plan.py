@@ -1,0 +1,58 @@
+"""The local cluster as data, before anything is made: its hosts, the ClusterFacts the
+rendered files come from, and the inventory `fab` reaches it with."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from bootstrap.facts import ClusterFacts, NodeShape, plan_hosts
+from bootstrap.inventory import Inventory, from_facts
+from bootstrap.platform import LOCAL
+from localcluster import layout, power
+from localcluster.state import HostSpec
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def host_specs(nodes: int) -> list[HostSpec]:
+    """The controller, then gpu-node-01..NN, at the addresses of docs/ARCHITECTURE.md."""
+    ctl, gpu_hosts = plan_hosts(layout.SUBNET, nodes)
+    return [HostSpec(ctl.name, ctl.ip, "controller", 0)] + [
+        HostSpec(h.name, h.ip, "gpu", i) for i, h in enumerate(gpu_hosts, start=1)
+    ]
+
+
+def machine_shape(gpus: int) -> NodeShape:
+    """What every GPU host reports: this machine's CPUs, memory a little under its own."""
+    mem_kib = next(int(ln.split()[1]) for ln in Path("/proc/meminfo").read_text().splitlines()
+                   if ln.startswith("MemTotal:"))
+    return NodeShape(cpus=os.cpu_count() or 1, real_memory_mib=int(mem_kib / 1024 * 0.9),
+                     gpu_count=gpus, gpu_type=layout.GPU_TYPE)
+
+
+def cluster_facts(nodes: int, gpus: int, idle_stop_s: int = 0) -> ClusterFacts:
+    ctl, gpu_hosts = plan_hosts(layout.SUBNET, nodes)
+    return ClusterFacts(
+        cluster_name=layout.CLUSTER_NAME, controller=ctl, gpu_nodes=gpu_hosts,
+        shape=machine_shape(gpus), subnet_cidr=layout.SUBNET, ssh_user="root",
+        scratch="/scratch", platform=LOCAL, efa=False, nvlink=False,
+        # A lost host is marked DOWN (and its job requeued) in seconds, not AWS's 180 s. The
+        # requeued job waits cred_expire before it starts again; it must stay above slurmctld's
+        # 60 s retry of the terminate request to the lost node, or that late retry kills the new
+        # attempt (same job id) when the node is back.
+        slurmd_timeout=15, cred_expire=70, power_save=power.power_save(idle_stop_s),
+    )
+
+
+def make_inventory(nodes: int, gpus: int, idle_stop_s: int = 0) -> Inventory:
+    facts = cluster_facts(nodes, gpus, idle_stop_s)
+    return from_facts(
+        facts, target="local", controller_public_ip=facts.controller.ip,
+        # Hosts share this machine's filesystem, so the repo's venv is the nodes' Python.
+        python=str(REPO / ".venv" / "bin" / "python"),
+        service_cmd=f"{layout.HOSTCTL} {{action}} {{service}}",
+        ssh_key_file=str(layout.CLUSTER_KEY),
+        extra={**power.inventory_extra(idle_stop_s), "known_hosts": str(layout.KNOWN_HOSTS)},
+    )
+
