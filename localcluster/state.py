@@ -115,14 +115,16 @@ def _strings(values: list, key: str) -> list[str]:
 
 
 def _host(data, i: int) -> HostEntry:
-    _need(isinstance(data, dict), f"hosts[{i}] is not an object")
-    role = _get(data, "role", str)
-    _need(role in ROLES, f"hosts[{i}] has role {role!r}")
-    pid = data.get("pid")
-    _need(pid is None or (isinstance(pid, int) and not isinstance(pid, bool)), f"hosts[{i}] has pid {pid!r}")
-    return HostEntry(name=_get(data, "name", str), ip=_get(data, "ip", str), role=role,
-                     index=_get(data, "index", int), pid=pid,
-                     ns=tuple(_strings(_get(data, "ns", list, []), f"hosts[{i}].ns")))
+    try:
+        _need(isinstance(data, dict), "not an object")
+        role = _get(data, "role", str)
+        _need(role in ROLES, f"role {role!r} is not one of {', '.join(ROLES)}")
+        pid = data.get("pid")
+        _need(pid is None or (isinstance(pid, int) and not isinstance(pid, bool)), f"pid {pid!r}")
+        return HostEntry(name=_get(data, "name", str), ip=_get(data, "ip", str), role=role,
+                         index=_get(data, "index", int), pid=pid, ns=tuple(_strings(_get(data, "ns", list, []), "ns")))
+    except StateFileError as exc:
+        raise StateFileError(f"hosts[{i}]: {exc}") from None
 
 
 def load() -> ClusterState | None:

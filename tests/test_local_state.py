@@ -79,10 +79,12 @@ def test_a_file_from_before_idle_stop_reads(state_file):
     (json.dumps({k: v for k, v in OLD_FILE.items() if k != "hosts"}), "no 'hosts'"),
     (json.dumps({**OLD_FILE, "nodes": "2"}), "'nodes' is '2'"),
     (json.dumps({**OLD_FILE, "gpus": True}), "'gpus' is True"),
-    (json.dumps({**OLD_FILE, "hosts": ["controller"]}), "hosts[0] is not an object"),
-    (json.dumps({**OLD_FILE, "hosts": [{**OLD_FILE["hosts"][0], "role": "login"}]}), "role 'login'"),
-    (json.dumps({**OLD_FILE, "hosts": [{**OLD_FILE["hosts"][0], "pid": "4242"}]}), "pid '4242'"),
-    (json.dumps({**OLD_FILE, "hosts": [{**OLD_FILE["hosts"][0], "ns": [4026532000]}]}), "hosts[0].ns"),
+    (json.dumps({**OLD_FILE, "hosts": [{k: v for k, v in OLD_FILE["hosts"][0].items() if k != "ip"}]}),
+     "hosts[0]: no 'ip'"),
+    (json.dumps({**OLD_FILE, "hosts": ["controller"]}), "hosts[0]: not an object"),
+    (json.dumps({**OLD_FILE, "hosts": [{**OLD_FILE["hosts"][0], "role": "login"}]}), "hosts[0]: role 'login'"),
+    (json.dumps({**OLD_FILE, "hosts": [{**OLD_FILE["hosts"][0], "pid": "4242"}]}), "hosts[0]: pid '4242'"),
+    (json.dumps({**OLD_FILE, "hosts": [{**OLD_FILE["hosts"][0], "ns": [4026532000]}]}), "hosts[0]: 'ns' holds a non-string"),
 ])
 def test_a_corrupt_file_is_named_with_the_fix(state_file, text, problem):
     state_file.write_text(text)
