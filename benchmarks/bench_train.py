@@ -47,7 +47,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 PEAK_FLOPS = 989e12  # dense bf16, H100/H200 SXM datasheet
-RECIPES = ("seed", "project", "project-compiled", "project-eager")
+RECIPES = ("seed", "project", "project-compiled", "project-eager", "project-compiled-nographs",
+           "project-eager-graphs")
 EFFECTIVE_BATCH = (2, 8)  # the seed's per-device batch x accumulation = 16 examples per step
 
 QWEN3_4B = dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
@@ -123,6 +124,9 @@ WORKLOADS = {
                                                      response_median=30 if tiny else 150),
     # The users' workload: Alpaca-length rows under the seed's template (~102 tokens).
     "alpaca-102": lambda n, vocab, tiny: make_alpaca_workload(n, vocab, seed=0, max_length=256 if tiny else 1024),
+    # The memory worst case: every row at the maximum length (issue 13 item 3, the 22 GiB cap run).
+    "max-1024": lambda n, vocab, tiny: make_workload(n, vocab, seed=0, max_length=256 if tiny else 1024,
+                                                     prompt_median=60, response_median=100_000),
 }
 
 
@@ -236,12 +240,55 @@ class StepClock:
         self.flops_scored_head += sum(example_flops(n, s, self.counts) for n, s in zip(lengths, per, strict=False))
 
 
+def kernel_summary(prof, steps: int, wall: float) -> dict:
+    """GPU busy time (the union of kernel intervals, not a sum that double-counts overlaps), kernels
+    per step, and GPU time by kind of kernel, from a finished torch.profiler run."""
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    busy, cur_s, cur_e = 0.0, None, None
+    for s, e in spans:
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        busy += cur_e - cur_s
+    kinds = {"gemm": ("gemm", "sm90_xmma", "cutlass", "nvjet", "cublas"), "flex_attention": ("flex",),
+             "optimizer": ("adam", "multi_tensor", "foreach", "fused_adam"), "copy/fill": ("memcpy", "memset", "fill",
+                                                                                        "copy")}
+    by_kind: dict[str, float] = {}
+    for e in kernels:
+        name = e.name.lower()
+        kind = next((k for k, keys in kinds.items() if any(x in name for x in keys)), "other")
+        if kind == "other" and name.startswith("triton"):
+            kind = "triton (fused elementwise)"
+        by_kind[kind] = by_kind.get(kind, 0.0) + (e.time_range.end - e.time_range.start)
+    cpu_ops = {}
+    watched = ("Optimizer.step", "Optimizer.zero_grad", "aten::item", "aten::_local_scalar_dense",
+               "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "cudaLaunchKernel",
+               "cuLaunchKernel", "CompiledFunction", "CompiledFunctionBackward", "Torch-Compiled Region")
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith(watched):
+            key = e.name.split("#")[0]
+            cpu_ops[key] = cpu_ops.get(key, 0.0) + (e.time_range.end - e.time_range.start)
+    return {"steps": steps, "wall_ms_per_step": wall * 1e3 / steps, "gpu_busy_ms_per_step": busy / 1e3 / steps,
+            "gpu_busy_share": busy / 1e6 / wall, "kernels_per_step": len(kernels) / steps,
+            "gpu_ms_per_step_by_kind": {k: round(v / 1e3 / steps, 2) for k, v in sorted(by_kind.items(),
+                                                                                   key=lambda kv: -kv[1])},
+            "cpu_ms_per_step": {k: round(v / 1e3 / steps, 2) for k, v in cpu_ops.items()}}
+
+
 def ProfileSteps(first: int, last: int, tag: str = "project"):
-    """A callback that profiles optimizer steps first..last (GPU kernels) and prints the top kernels."""
+    """A callback that profiles optimizer steps first..last (GPU kernels and CPU ops), prints the
+    GPU busy share, kernels per step, time by kind and the top kernels, and (under $OUT) saves the
+    table and a gzipped Chrome trace."""
     from transformers import TrainerCallback
 
     class _Profile(TrainerCallback):
         prof = None
+        summary = None
 
         def on_step_end(self, args, state, control, **kw):
             if state.global_step == first - 1:
@@ -254,15 +301,26 @@ def ProfileSteps(first: int, last: int, tag: str = "project"):
                 torch.cuda.synchronize()
                 wall = time.perf_counter() - self.t0
                 self.prof.__exit__(None, None, None)
+                steps = last - first + 1
+                self.summary = kernel_summary(self.prof, steps, wall)
                 events = self.prof.key_averages()
                 table = events.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=70)
-                busy = sum(e.self_device_time_total for e in events) / 1e6
-                text = (f"profile steps {first}..{last}: wall {wall:.3f} s, device busy {busy:.3f} s "
-                        f"({busy / wall:.0%})\n{table}")
-                print(text, flush=True)
+                cpu_table = events.table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=70)
+                text = (f"profile {tag} steps {first}..{last}: {json.dumps(self.summary, indent=1)}\n{table}\n"
+                        f"by CPU time:\n{cpu_table}")
+                print(f"PROFILE {tag} {json.dumps(self.summary)}", flush=True)
                 out = os.environ.get("OUT")
                 if out:
-                    Path(out, f"profile-{tag}.txt").write_text(text)
+                    Path(out, "r").mkdir(exist_ok=True)
+                    Path(out, "r", f"profile-{tag}.txt").write_text(text)
+                    if os.environ.get("BENCH_TRACE"):
+                        import gzip
+                        import shutil
+                        trace = Path(out, "r", f"trace-{tag}.json")
+                        self.prof.export_chrome_trace(str(trace))
+                        with open(trace, "rb") as f, gzip.open(f"{trace}.gz", "wb") as g:
+                            shutil.copyfileobj(f, g)
+                        trace.unlink()
                 self.prof = None
 
     return _Profile()
@@ -287,7 +345,15 @@ def run_recipe(name: str, rows: list[dict], cfg: dict, device: str, steps: int, 
 
     project = name.startswith("project")
     if project and compile_model is None:
-        compile_model = {"project-compiled": True, "project-eager": False}.get(name)
+        compile_model = {"project-compiled": True, "project-eager": False, "project-compiled-nographs": True,
+                         "project-eager-graphs": False}.get(name)
+    # Step CUDA graphs (training/step_graphs.py): as train.py decides, or forced by the recipe's name.
+    graphs = {"project-compiled-nographs": "0", "project-eager-graphs": "1"}.get(name)
+    saved_graphs = os.environ.pop("TRAINING_CUDA_GRAPHS", None)
+    if graphs is not None:
+        os.environ["TRAINING_CUDA_GRAPHS"] = graphs
+    elif saved_graphs is not None:
+        os.environ["TRAINING_CUDA_GRAPHS"] = saved_graphs
     attn = packing.ATTN_IMPLEMENTATION if project else "sdpa"
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -314,10 +380,14 @@ def run_recipe(name: str, rows: list[dict], cfg: dict, device: str, steps: int, 
         if hasattr(mask, "sparsity"):
             print(f"block mask of a {examples_per_step}-example row: {first['input_ids'].shape[1]} tokens, "
                   f"sparsity {mask.sparsity():.1f}%", flush=True)
+    os.environ.pop("TRAINING_CUDA_GRAPHS", None)
+    if saved_graphs is not None:
+        os.environ["TRAINING_CUDA_GRAPHS"] = saved_graphs
     counts = model_counts(cfg, lora_r=model_args.lora_r)
     clock = StepClock(trainer, counts, warmup)
-    if profile:
-        trainer.add_callback(ProfileSteps(*profile, tag=f"{name}-{examples_per_step}-{len(rows)}"))
+    profiler = ProfileSteps(*profile, tag=f"{name}-{examples_per_step}-{len(rows)}") if profile else None
+    if profiler:
+        trainer.add_callback(profiler)
     output = trainer.train()
     end_t, end_tok, end_flops, end_step, end_sflops = clock.end
     runtime = end_t - clock.start
@@ -344,6 +414,10 @@ def run_recipe(name: str, rows: list[dict], cfg: dict, device: str, steps: int, 
         "final_loss": next((h["loss"] for h in reversed(trainer.state.log_history) if "loss" in h), None),
         "train_loss": output.training_loss,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+        "profile": profiler.summary if profiler else None,
+        "step_graphs": ({"captured": trainer.step_graphs.captured, "replayed": trainer.step_graphs.replayed,
+                         "enabled": trainer.step_graphs.enabled, "max_tokens": trainer.step_graphs.max_tokens}
+                        if getattr(trainer, "step_graphs", None) else None),
     }
     if clock.mark and end_step > clock.mark[3]:
         t0, tok0, fl0, s0, sfl0 = clock.mark
@@ -456,8 +530,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--examples", type=int, default=None, help="workload size (default 2000; tiny: 64)")
     parser.add_argument("--examples-per-step", default="16", help="comma-separated examples per optimizer step")
     parser.add_argument("--recipes", default="seed,project",
-                        help="comma-separated: seed, project (compiles or not as train.py decides), "
-                             "project-compiled, project-eager")
+                        help="comma-separated: seed, project (compiles and graphs steps or not as train.py "
+                             "decides), project-compiled, project-eager (step graphs as decided), "
+                             "project-compiled-nographs, project-eager-graphs (step graphs forced off / on)")
     parser.add_argument("--seed-steps", type=int, default=12, help="optimizer steps of the seed recipe (0 = epoch)")
     parser.add_argument("--project-steps", type=int, default=0, help="optimizer steps of the project (0 = epoch)")
     parser.add_argument("--warmup-steps", type=int, default=None, help="steps left out of the steady rates")

@@ -13,7 +13,9 @@ step's examples reach the GPU:
 - the loss is the completion-only mean over the step's tokens, through TRL's fused LM head
   (log-probabilities of the valid positions in vocabulary tiles; no full fp32 logits), with no
   per-step metric that needs another pass over the vocabulary;
-- no gradient checkpointing, and the decoder layers are compiled (torch.compile) on a GPU.
+- no gradient checkpointing, and the decoder layers are compiled (torch.compile) on a GPU;
+- in one process, a compiled run of short steps replays each step as one CUDA graph
+  (training/step_graphs.py): such steps are launch-bound.
 
 `training/train.py` uses it by default when a GPU is present (`flex_packing` unset): it calls
 `prepare_args` and builds `packed_trainer_class()` (PackedSFTTrainer) with `make_collator`'s collator.
@@ -530,6 +532,8 @@ def packed_trainer_class():
             self._set_token_budget()
             log.info("packed path: compile=%s (%s); token budget %d per micro-batch",
                      bool(self.compiled_layers), self.compile_reason, self.data_collator.token_budget)
+            self.use_step_graphs = self._decide_step_graphs(compile_model)
+            self.step_graphs = None  # built at the first step, around the model the Trainer steps
             self.real_tokens_seen = 0
             self._correct = None  # device tensor: top-1 hits since the last log
             self._scored = 0  # targets since the last log (host int)
@@ -560,6 +564,50 @@ def packed_trainer_class():
                 log.warning("GPU memory allows no %d-token row without recomputation: activation "
                             "checkpointing on", longest)
             collator.token_budget = max(budget, PAD_MULTIPLE)
+
+        def _decide_step_graphs(self, compiled: bool) -> bool:
+            """CUDA graphs of whole steps (training/step_graphs.py): on a GPU, one process, compiled blocks
+            (the long runs; a short run would spend its few steps capturing) and short steps (launch-bound;
+            AUTO_MAX_MEAN_STEP_TOKENS). TRAINING_CUDA_GRAPHS=1/0 forces it (one process still required)."""
+            from training.step_graphs import AUTO_MAX_MEAN_STEP_TOKENS, graphs_setting
+
+            setting = graphs_setting(None)
+            # Forced without a GPU: the same bucketed steps, never captured (how tests check the path).
+            possible = max(1, self.args.world_size) == 1 and (torch.cuda.is_available() or setting is True)
+            lengths = [len(x) for x in self.train_dataset["input_ids"]]
+            step_tokens = sum(lengths) / max(len(lengths), 1) * self.args.per_device_train_batch_size
+            auto = bool(compiled) and step_tokens <= AUTO_MAX_MEAN_STEP_TOKENS
+            use = possible and (auto if setting is None else setting)
+            log.info("step CUDA graphs: %s (~%.0f tokens a step)", "on" if use else "off", step_tokens)
+            return use
+
+        def _graphs_for(self, model):
+            if not self.use_step_graphs:
+                return None
+            if self.step_graphs is None:
+                from training.step_graphs import StepGraphs
+
+                mode = "compiled" if self.compiled_layers else "eager"
+                # The graphs keep their own memory pool: graph only steps whose activations fit twice.
+                max_tokens = token_budget_for(self.model, mode, usable_gpu_bytes() / 2) \
+                    if torch.cuda.is_available() else DEFAULT_TOKEN_BUDGET
+                params = [p for p in model.parameters() if p.requires_grad]
+                flex = getattr(unwrap(self.model).config, "_attn_implementation", None) == "flex_attention"
+                self.step_graphs = StepGraphs(model, params, self.data_collator.pad_token_id, max_tokens, flex,
+                                              self.compute_loss_context_manager)
+                log.info("step CUDA graphs for packed rows of up to %d tokens", max_tokens)
+            return self.step_graphs if self.step_graphs.enabled else None
+
+        def _graph_step(self, graphs, micro, num_items_in_batch):
+            """One step of a single micro-batch through the step graphs (one process: the loss is the
+            mean over this row's scored tokens, the count the Trainer puts in num_items_in_batch, here
+            taken from the host so that nothing waits for the GPU)."""
+            scale = 1.0 / max(int(micro["num_targets"]), 1)
+            loss, hits, grads = graphs.step(micro, scale)
+            graphs.set_grads(grads)
+            self._correct = hits.clone() if self._correct is None else self._correct + hits
+            self._scored += int(micro["num_targets"])
+            return loss.clone()
 
         def get_train_dataloader(self):
             """One rank's share of every optimizer step (StepShardSampler), without accelerate's
@@ -607,6 +655,11 @@ def packed_trainer_class():
                 self.optimizer.train()
             self.real_tokens_seen += int(inputs.get("num_real_tokens", 0))
             micro_batches = self._prepare_inputs(inputs)["micro_batches"]
+            graphs = self._graphs_for(model)
+            if graphs is not None and len(micro_batches) == 1 and graphs.fits(micro_batches[0]):
+                loss = self._graph_step(graphs, micro_batches[0], num_items_in_batch)
+                self._after_first_step()
+                return loss
             total = None
             for i, micro in enumerate(micro_batches):
                 last = i == len(micro_batches) - 1
@@ -617,9 +670,12 @@ def packed_trainer_class():
                         loss = self.compute_loss(model, micro, num_items_in_batch=num_items_in_batch)
                     self.accelerator.backward(loss)
                 total = loss.detach() if total is None else total + loss.detach()
+            self._after_first_step()
+            return total
+
+        def _after_first_step(self) -> None:
             if self.compiled_layers and self.state.global_step == 0 and torch.cuda.is_available():
                 mark_compile_cache(self.model)  # the next run on this cache finds the blocks compiled
-            return total
 
         def log(self, logs, start_time=None):
             self._metrics["train" if self.model.training else "eval"].pop("num_tokens", None)

@@ -1,0 +1,110 @@
+"""Step graphs (training/step_graphs.py) pad each packed row to a bucket of fixed shape: the padding must
+change nothing. On CPU (no capture; the same function the graph records): loss, token hits and the
+gradients of a bucket-padded step equal those of the unpadded row, with a dense mask and with flex
+attention's BlockMask refreshed in place for a second, different row of the same bucket."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("trl")
+
+from tests.test_packing_parity import PAD_ID, eager_flex, synthetic_rows, tiny_model  # noqa: E402,F401
+from training import packing, step_graphs  # noqa: E402
+
+
+def reference(model, micro, flex: bool):
+    mask = packing.document_block_mask(micro["document_ids"]) if flex else \
+        packing.dense_document_mask(micro["document_ids"])
+    log_probs, is_top1 = model(input_ids=micro["input_ids"], position_ids=micro["position_ids"], attention_mask=mask,
+                               use_cache=False, packed_head=True, target_index=micro["target_index"],
+                               target_ids=micro["target_ids"])
+    loss = -log_probs.sum() / micro["num_targets"]
+    params = [p for p in model.parameters() if p.requires_grad]
+    return loss.detach(), is_top1.sum().float(), torch.autograd.grad(loss, params)
+
+
+def test_bucket_padded_step_matches_unpadded():
+    attn = "sdpa"  # flex attention has no backward on CPU; its BlockMask is checked below
+    model = tiny_model(attn).train()
+    packing.add_packed_lm_head(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    graphs = step_graphs.StepGraphs(model, params, PAD_ID, max_tokens=4096, flex=False)
+    assert not graphs.capture  # CPU: the recorded function runs directly
+    for seed in (1, 2):  # two different rows in the same 256-token bucket: the second reuses its buffers
+        micro = packing.pack_examples(synthetic_rows(2, seed=seed), pad_token_id=PAD_ID)  # <= 100 tokens
+        assert micro["input_ids"].shape[1] < step_graphs.TOKEN_BUCKET  # so the bucket adds padding
+        ref_loss, ref_hits, ref_grads = reference(model, micro, flex=False)
+        loss, hits, grads = graphs.step(micro, 1.0 / micro["num_targets"])
+        assert len(graphs.buckets) == 1
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        assert hits.item() == ref_hits.item()
+        for g, r in zip(grads, ref_grads, strict=True):
+            torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)
+    # Gradients handed to the parameters: set when empty, added when the Trainer accumulates.
+    graphs.set_grads(grads)
+    assert all(p.grad is g for p, g in zip(params, grads, strict=True))
+    doubled = [g * 2 for g in grads]
+    graphs.set_grads([g.clone() for g in grads])
+    for p, d in zip(params, doubled, strict=True):
+        torch.testing.assert_close(p.grad, d)
+
+
+def test_block_mask_refreshed_in_place(eager_flex):  # noqa: F811
+    """A bucket keeps one BlockMask (the graph holds its tensors): a later row of the same bucket must
+    leave it equal to a mask built afresh for that row, padding a document of its own."""
+    model = tiny_model("flex_attention")
+    graphs = step_graphs.StepGraphs(model, [], PAD_ID, max_tokens=4096, flex=True)
+    for seed in (1, 2):
+        micro = packing.pack_examples(synthetic_rows(2, seed=seed), pad_token_id=PAD_ID)
+        key = (step_graphs.TOKEN_BUCKET, step_graphs.TARGET_BUCKET)
+        b = graphs.buckets.setdefault(key, step_graphs._Bucket(*key, PAD_ID, micro["input_ids"].device))
+        kept = b.mask
+        graphs._fill(b, micro, 1.0)
+        if kept is not None:
+            assert b.mask is kept
+        t = micro["input_ids"].shape[1]
+        docs = torch.cat([micro["document_ids"][0], torch.full((b.tokens - t,), step_graphs.PAD_DOCUMENT,
+                                                               dtype=torch.int32)])[None]
+        expected = packing.document_block_mask(docs)
+        assert torch.equal(b.mask.to_dense(), expected.to_dense())
+        # the element mask the kernel evaluates reads the bucket's current document ids
+        q, k = torch.arange(b.tokens)[:, None], torch.arange(b.tokens)[None, :]
+        dense = b.mask.mask_mod(0, 0, q, k)
+        torch.testing.assert_close(dense[None, None], packing.dense_document_mask(docs))
+
+
+def test_graphs_setting(monkeypatch):
+    monkeypatch.setenv("TRAINING_CUDA_GRAPHS", "0")
+    assert step_graphs.graphs_setting(True) is False
+    monkeypatch.setenv("TRAINING_CUDA_GRAPHS", "on")
+    assert step_graphs.graphs_setting(None) is True
+    monkeypatch.delenv("TRAINING_CUDA_GRAPHS")
+    assert step_graphs.graphs_setting(None) is None
+    assert step_graphs.bucket(1, 256) == 256 and step_graphs.bucket(257, 256) == 512 and step_graphs.bucket(0, 256) == 256
+
+
+def test_trainer_step_graph_path_trains_the_same(tmp_path, monkeypatch):
+    """PackedSFTTrainer through the step-graph path (forced on; on CPU nothing is captured, the recorded
+    function runs each step) trains exactly as the ordinary packed path: same per-step losses, same
+    token accuracy, same LoRA weights (LoRA dropout 0)."""
+    from tests.test_packing_parity import _train
+
+    packing.register_packed_attention()
+    rows = synthetic_rows(16, seed=2)
+    monkeypatch.setenv("TRAINING_CUDA_GRAPHS", "0")
+    plain_losses, plain_w, plain = _train(tmp_path, "plain", True, rows, 4)
+    assert plain.step_graphs is None
+    monkeypatch.setenv("TRAINING_CUDA_GRAPHS", "1")
+    graph_losses, graph_w, graphed = _train(tmp_path, "graphs", True, rows, 4)
+    assert graphed.step_graphs is not None and graphed.step_graphs.steps == 4
+    assert len(plain_losses) == len(graph_losses) == 4
+    for a, b in zip(plain_losses, graph_losses, strict=True):
+        assert abs(a - b) <= 1e-5 * abs(a), (plain_losses, graph_losses)
+    accuracy = [[h["mean_token_accuracy"] for h in t.state.log_history if "mean_token_accuracy" in h]
+                for t in (plain, graphed)]
+    assert accuracy[0] == accuracy[1] and len(accuracy[0]) == 4
+    assert plain_w.keys() == graph_w.keys() and plain_w
+    for k in plain_w:
+        torch.testing.assert_close(plain_w[k], graph_w[k], atol=1e-6, rtol=1e-5)

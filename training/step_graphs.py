@@ -1,0 +1,173 @@
+"""CUDA graphs of whole packed training steps: forward, LM head, loss and backward replayed as one graph.
+
+A packed step of Alpaca-length rows (~1,600 tokens) is launch-bound: about 3,000 kernels, and on a GPU
+node's CPU the Python and launch work of the 36 compiled blocks takes longer than the GPU needs for them
+(profiled on an H200: GPU busy 18% of the step, benchmarks/NOTES.md). Replaying a captured graph costs
+one launch. A graph needs fixed shapes and addresses, so each step's packed row is padded to a bucket
+(TOKEN_BUCKET tokens, TARGET_BUCKET scored positions) and copied into that bucket's static buffers; the
+padding is a document of its own (it attends only to itself) and its targets weigh 0, so the loss,
+the gradients and the token accuracy are those of the unpadded row.
+
+A bucket is captured the second time it occurs (its first step runs the same function uncaptured, so a
+bucket seen once costs nothing extra), and only while its activations fit twice in the GPU's memory
+(the graph keeps its own memory pool). The gradients come out of the graph (torch.autograd.grad) and
+are handed to the parameters as `.grad`, so the Trainer's clipping, optimizer and zero_grad work as
+before. One process only: under DDP the gradient all-reduce hooks cannot run inside a graph.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+TOKEN_BUCKET = 256
+TARGET_BUCKET = 256
+# Decided per run (TRAINING_CUDA_GRAPHS unset): graphs for compiled runs whose steps average at most this
+# many tokens. Measured on an H200 (benchmarks/NOTES.md): 1,630-token steps 1.67x faster, 200-token
+# steps 6.1x; at ~4,100 tokens a step the uncaptured path was already GPU-bound (21,956 tokens/s on
+# 2026-12-03) and graphs add bucket padding, so longer steps keep the path measured then.
+AUTO_MAX_MEAN_STEP_TOKENS = 3072
+# Document id of the bucket padding (larger than any example index of a step).
+PAD_DOCUMENT = 2**30
+
+
+def bucket(n: int, quantum: int) -> int:
+    return max(quantum, -(-n // quantum) * quantum)
+
+
+def graphs_setting(setting: bool | None = None) -> bool | None:
+    """TRAINING_CUDA_GRAPHS=1/0 forces step graphs on/off; otherwise `setting` (None = decide per run)."""
+    env = os.environ.get("TRAINING_CUDA_GRAPHS", "").strip().lower()
+    if env in ("1", "true", "on"):
+        return True
+    if env in ("0", "false", "off"):
+        return False
+    return setting
+
+
+class _Bucket:
+    """Static inputs, the captured graph and its outputs for one (tokens, targets) shape."""
+
+    def __init__(self, tokens: int, targets: int, pad_token_id: int, device: torch.device):
+        self.tokens, self.targets = tokens, targets
+        self.input_ids = torch.full((1, tokens), pad_token_id, dtype=torch.long, device=device)
+        self.position_ids = torch.zeros((1, tokens), dtype=torch.long, device=device)
+        self.document_ids = torch.full((1, tokens), PAD_DOCUMENT, dtype=torch.int32, device=device)
+        self.target_index = torch.zeros(targets, dtype=torch.long, device=device)
+        self.target_ids = torch.zeros(targets, dtype=torch.long, device=device)
+        self.target_weight = torch.zeros(targets, dtype=torch.float32, device=device)
+        self.scale = torch.zeros((), dtype=torch.float32, device=device)
+        self.mask = None  # flex attention: a BlockMask over document_ids, refreshed in place each step
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.outputs = None
+        self.seen = 0
+
+
+class StepGraphs:
+    """Runs one packed micro-batch (a pack_examples dict on the GPU) as forward + backward, returning
+    (loss, top-1 hits, gradients of `params`), replayed from a CUDA graph once its bucket repeats."""
+
+    def __init__(self, model, params: list[torch.nn.Parameter], pad_token_id: int, max_tokens: int,
+                 flex: bool, context=None):
+        self.model, self.params, self.pad_token_id, self.max_tokens = model, params, pad_token_id, max_tokens
+        self.flex = flex
+        self.context = context
+        self.capture = torch.cuda.is_available()  # without a GPU: the same steps, never captured (tests)
+        self.buckets: dict[tuple[int, int], _Bucket] = {}
+        self.pool = None
+        self.enabled = True
+        self.captured = 0
+        self.replayed = 0
+        self.steps = 0
+
+    def fits(self, micro: dict[str, Any]) -> bool:
+        return self.enabled and bucket(int(micro["input_ids"].shape[1]), TOKEN_BUCKET) <= self.max_tokens
+
+    # ---- one step
+    def _fill(self, b: _Bucket, micro: dict[str, Any], scale: float) -> None:
+        t, n = int(micro["input_ids"].shape[1]), int(micro["num_targets"])
+        b.input_ids[:, :t].copy_(micro["input_ids"], non_blocking=True)
+        b.input_ids[:, t:].fill_(self.pad_token_id)
+        b.position_ids[:, :t].copy_(micro["position_ids"], non_blocking=True)
+        b.position_ids[:, t:].fill_(0)
+        b.document_ids[:, :t].copy_(micro["document_ids"], non_blocking=True)
+        b.document_ids[:, t:].fill_(PAD_DOCUMENT)
+        b.target_index[:n].copy_(micro["target_index"], non_blocking=True)
+        b.target_index[n:].fill_(0)
+        b.target_ids[:n].copy_(micro["target_ids"], non_blocking=True)
+        b.target_ids[n:].fill_(0)
+        b.target_weight[:n].fill_(1.0)
+        b.target_weight[n:].fill_(0.0)
+        b.scale.fill_(scale)
+        if self.flex:
+            from training.packing import document_block_mask
+
+            fresh = document_block_mask(b.document_ids)
+            if b.mask is None:
+                b.mask = fresh  # its mask_mod reads b.document_ids, whatever the step
+                return
+            for name, value in vars(fresh).items():
+                if torch.is_tensor(value):
+                    target = getattr(b.mask, name)
+                    if not torch.is_tensor(target) or target.shape != value.shape:
+                        raise RuntimeError(f"BlockMask field {name} changed shape within a bucket")
+                    target.copy_(value)
+
+    def _run(self, b: _Bucket):
+        from training.packing import dense_document_mask
+
+        mask = b.mask if self.flex else dense_document_mask(b.document_ids)
+        with self.context() if self.context else torch.enable_grad():
+            log_probs, is_top1 = self.model(input_ids=b.input_ids, position_ids=b.position_ids, attention_mask=mask,
+                                            use_cache=False, packed_head=True, target_index=b.target_index,
+                                            target_ids=b.target_ids)
+        loss = -(log_probs.float() * b.target_weight).sum() * b.scale
+        grads = torch.autograd.grad(loss, self.params)
+        hits = (is_top1.float() * b.target_weight).sum()
+        return loss.detach(), hits.detach(), grads
+
+    def _capture(self, b: _Bucket) -> None:
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, pool=self.pool):
+            b.outputs = self._run(b)
+        b.graph = graph
+        self.captured += 1
+
+    def step(self, micro: dict[str, Any], scale: float):
+        key = (bucket(int(micro["input_ids"].shape[1]), TOKEN_BUCKET), bucket(int(micro["num_targets"]), TARGET_BUCKET))
+        b = self.buckets.get(key)
+        if b is None:
+            b = self.buckets[key] = _Bucket(*key, self.pad_token_id, micro["input_ids"].device)
+        self._fill(b, micro, scale)
+        b.seen += 1
+        self.steps += 1
+        if self.capture and b.graph is None and b.seen >= 2:
+            try:
+                self._capture(b)
+            except Exception as e:  # noqa: BLE001 - a step that cannot be captured still trains, uncaptured
+                log.warning("CUDA graph capture failed (%s: %s); training goes on without step graphs",
+                            type(e).__name__, e)
+                self.enabled = False
+                b.graph, b.outputs = None, None
+                torch.cuda.synchronize()
+        if b.graph is not None:
+            b.graph.replay()
+            self.replayed += 1
+            return b.outputs
+        return self._run(b)
+
+    def set_grads(self, grads) -> None:
+        """Hand the step's gradients to the parameters (accumulating onto gradients already there)."""
+        for p, g in zip(self.params, grads, strict=True):
+            if p.grad is None or p.grad.data_ptr() == g.data_ptr():
+                p.grad = g
+            else:
+                p.grad.add_(g)
