@@ -4,7 +4,8 @@ The cluster starts with a different munge key on every GPU host (`fresh_keys`, a
 node): the first `fab train` must install the controller's key, run the sanity job and the
 fine-tune, print the summary and bring adapters home. The second run is interrupted with Ctrl-C
 while it streams (the job must keep running) and finished with `fab logs --job JOB`; its key step
-must skip every node.
+must skip every node. Then everything both runs left (fab's output, runs/, the job directories,
+every host's logs, the repository) is searched for the munge key's bytes.
 """
 
 import json
@@ -18,11 +19,14 @@ from pathlib import Path
 import pytest
 
 from tests.localcluster_fixture import fresh_cluster
+from tests.test_security_invariants import _found, _key_forms, _repo_files
 
 REPO = Path(__file__).resolve().parent.parent
 FAB = str(REPO / ".venv" / "bin" / "fab")
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+FAB_OUTPUT: list[str] = []  # every fab output of this module, searched for the munge key at the end
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +44,7 @@ def local_cluster():
 def fab(runs_dir, *args, timeout=300):
     env = {**os.environ, "SLURM_GPU_RUNS": str(runs_dir)}
     res = subprocess.run([FAB, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    FAB_OUTPUT.append(res.stdout + res.stderr)
     return res.returncode, res.stdout + res.stderr
 
 
@@ -110,6 +115,7 @@ def test_second_run_skips_key_and_survives_ctrl_c(local_cluster, runs_dir):
     proc.send_signal(signal.SIGINT)
     rest, _ = proc.communicate(timeout=60)
     out += rest
+    FAB_OUTPUT.append(out)
     assert proc.returncode != 0
     job_id, job_dir = submitted(out)
     job_dirs.append(job_dir)
@@ -121,3 +127,34 @@ def test_second_run_skips_key_and_survives_ctrl_c(local_cluster, runs_dir):
     assert rc == 0, logs_out
     assert f"job {job_id}: completed" in logs_out
     assert (runs_dir / job_id / "adapter_model.safetensors").is_file()
+
+
+def test_munge_key_absent_after_real_runs(local_cluster, runs_dir):
+    """Search everything the two runs above left for the cluster key's bytes: fab's output,
+    runs/<job>/, the job directories on /scratch, the Slurm and munge logs of every host, and
+    the repository (the first run installed the key on fresh nodes, so it did travel)."""
+    from localcluster import layout
+
+    inv, job_dirs = local_cluster
+    assert len(FAB_OUTPUT) >= 3 and len(job_dirs) == 2, (len(FAB_OUTPUT), job_dirs)  # both runs happened
+    assert re.search(r"munge key: gpu-node-01 \(repaired", "\n".join(FAB_OUTPUT))
+
+    keys = sorted(layout.HOSTS_DIR.glob("*/**/munge.key"))
+    assert {k.relative_to(layout.HOSTS_DIR).parts[0] for k in keys} >= {
+        "controller", "gpu-node-01", "gpu-node-02"}, keys
+    key = next(k for k in keys if k.relative_to(layout.HOSTS_DIR).parts[0] == "controller").read_bytes()
+    assert all(k.read_bytes() == key for k in keys)  # one cluster key everywhere
+    forms = _key_forms(key)
+
+    searched = {f"fab output {i}": out.encode() for i, out in enumerate(FAB_OUTPUT)}
+    job_files = [p for d in job_dirs for p in (layout.SCRATCH / Path(d).relative_to("/scratch")).rglob("*")]
+    logs = [p for p in layout.HOSTS_DIR.rglob("*")
+            if p.is_file() and p.name != "munge.key" and ("log" in p.name or "log" in p.parent.name)]
+    for p in [*runs_dir.rglob("*"), *job_files, *logs, *_repo_files()]:
+        if p.is_file() and p.stat().st_size < 64 << 20:
+            searched[str(p)] = p.read_bytes()
+    assert any("job" in n or n.endswith(".log") for n in searched), sorted(searched)[:20]
+    assert len([n for n in searched if n.startswith(str(runs_dir))]) >= 6  # both runs' files
+    assert _found(forms, "\n".join(FAB_OUTPUT).encode() + key) == forms  # the probe finds a planted copy
+    leaks = [n for n, data in searched.items() if _found(forms, data)]
+    assert leaks == [], f"the munge key is in {leaks}"

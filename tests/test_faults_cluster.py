@@ -234,6 +234,9 @@ def test_a_requeued_finished_run_is_kept_not_retrained(lc, runs):
     log = layout.SCRATCH / "logs" / f"slurm-gpu-finetune-{job_id}.out"
     steps_before = log.read_text().count("SLURM_GPU_LOG")
     assert on("controller", "scontrol", "requeue", job_id).returncode == 0
+    # Slurm holds a requeued job for CredExpire + 1 s (71 s here) so a lost node's late terminate
+    # cannot hit the new attempt; no node is lost in this test, so start it now.
+    assert on("controller", "scontrol", "update", f"JobId={job_id}", "StartTime=now").returncode == 0
     wait_for("the requeued attempt to end", lambda: "training already completed" in log.read_text()
              and job_state(job_id) == "COMPLETED", 120)
     text = log.read_text()

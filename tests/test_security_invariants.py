@@ -26,7 +26,6 @@ import yaml
 
 from bootstrap import render
 from bootstrap.facts import ClusterFacts, NodeShape, plan_hosts
-from tests.localcluster_fixture import fresh_cluster
 from tests.test_infra_mocks import SSH_KEY, run_program, stack_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -278,44 +277,5 @@ def _readable(p: Path) -> bool:
         return False
 
 
-# ------------------------------------------- a real run on the local cluster
-
-@pytest.mark.cluster
-@pytest.mark.slow
-def test_munge_key_absent_from_job_logs_runs_and_repo_after_a_real_run(tmp_path):
-    """`fab train --target local` end to end (fresh per-host keys, so fab installs the
-    controller's key), then search everything the run left for the key's bytes: the fab
-    output, runs/<job>/, the job directory and logs on /scratch, the Slurm and munge
-    logs of every host, and the repository."""
-    from localcluster import layout
-
-    runs = tmp_path / "runs"
-    env = {**os.environ, "SLURM_GPU_RUNS": str(runs)}
-    with fresh_cluster(nodes=2, gpus=2, fresh_keys=True) as (_, job_dirs):
-        res = subprocess.run([str(REPO / ".venv/bin/fab"), "train", "--target", "local", "--examples", "96"],
-                             cwd=REPO, env=env, capture_output=True, text=True, timeout=540)
-        out = res.stdout + res.stderr
-        m = re.search(r"submitted job (\d+): .* in (\S+);", out)
-        if m:
-            job_dirs.append(m[2])
-        assert res.returncode == 0 and m, out
-        assert re.search(r"munge key: gpu-node-01 \(repaired", out), out  # the key did travel
-
-        keys = sorted(layout.HOSTS_DIR.glob("*/**/munge.key"))
-        assert {k.relative_to(layout.HOSTS_DIR).parts[0] for k in keys} >= {
-            "controller", "gpu-node-01", "gpu-node-02"}, keys
-        key = next(k for k in keys if k.relative_to(layout.HOSTS_DIR).parts[0] == "controller").read_bytes()
-        assert all(k.read_bytes() == key for k in keys)  # one cluster key everywhere
-        forms = _key_forms(key)
-
-        searched = {"fab output": out.encode()}
-        job_files = [p for p in (layout.SCRATCH / Path(job_dirs[0]).relative_to("/scratch")).rglob("*")]
-        logs = [p for p in layout.HOSTS_DIR.rglob("*")
-                if p.is_file() and p.name != "munge.key" and ("log" in p.name or "log" in p.parent.name)]
-        for p in [*runs.rglob("*"), *job_files, *logs, *_repo_files()]:
-            if p.is_file() and p.stat().st_size < 64 << 20:
-                searched[str(p)] = p.read_bytes()
-        assert any("job" in n or n.endswith(".log") for n in searched), sorted(searched)[:20]
-        assert len([n for n in searched if n.startswith(str(runs))]) >= 3
-        leaks = [n for n, data in searched.items() if _found(forms, data)]
-        assert leaks == [], f"the munge key is in {leaks}"
+# A real run on the local cluster is searched for the key's bytes in tests/test_e2e_train.py
+# (test_munge_key_absent_after_real_runs), which makes that run anyway: one cluster, two runs.
