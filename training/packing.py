@@ -390,14 +390,20 @@ def choose_compile(tokens: float, cache_warm: bool) -> tuple[bool, str]:
     return compiled < eager, reason
 
 
-def compile_setting(setting: bool | None = None) -> bool | None:
-    """TRAINING_COMPILE=1/0 forces compiling on/off; otherwise `setting` (None = decide per run)."""
-    env = os.environ.get("TRAINING_COMPILE", "").strip().lower()
+def env_switch(var: str, setting: bool | None = None) -> bool | None:
+    """The environment variable `var` set to 1/0 (true/false, on/off) forces a switch on/off;
+    otherwise `setting` (None = the code decides per run)."""
+    env = os.environ.get(var, "").strip().lower()
     if env in ("1", "true", "on"):
         return True
     if env in ("0", "false", "off"):
         return False
     return setting
+
+
+def compile_setting(setting: bool | None = None) -> bool | None:
+    """TRAINING_COMPILE=1/0 forces compiling on/off; otherwise `setting` (None = decide per run)."""
+    return env_switch("TRAINING_COMPILE", setting)
 
 
 # ---------------------------------------------------------------- memory

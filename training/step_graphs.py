@@ -18,7 +18,6 @@ before. One process only: under DDP the gradient all-reduce hooks cannot run ins
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import torch
@@ -42,12 +41,9 @@ def bucket(n: int, quantum: int) -> int:
 
 def graphs_setting(setting: bool | None = None) -> bool | None:
     """TRAINING_CUDA_GRAPHS=1/0 forces step graphs on/off; otherwise `setting` (None = decide per run)."""
-    env = os.environ.get("TRAINING_CUDA_GRAPHS", "").strip().lower()
-    if env in ("1", "true", "on"):
-        return True
-    if env in ("0", "false", "off"):
-        return False
-    return setting
+    from training.packing import env_switch  # packing imports this module lazily: no cycle
+
+    return env_switch("TRAINING_CUDA_GRAPHS", setting)
 
 
 class _Bucket:
