@@ -30,12 +30,16 @@ from bootstrap.inventory import Inventory
 from ops import cloudinit, munge, slurm, targets
 from ops.remote import Cluster, each, service, sudo
 
+# The programs slurm.conf's SuspendProgram/ResumeProgram name: idleStopMinutes turned on after the
+# first `pulumi up` needs them too (the controller ignores user-data changes).
+POWER_PROGRAMS = (render.SUSPEND_PATH, render.RESUME_PATH)
+
 
 def controller_files(rendered: dict[str, str]) -> dict[str, str]:
     """What `apply` installs on the controller: Slurm's config dir (slurm.conf, gres.conf, and
-    whatever else slurmctld serves to configless nodes) and the hosts block."""
+    whatever else slurmctld serves to configless nodes), the hosts block and the power programs."""
     return {p: t for p, t in rendered.items()
-            if p.startswith(render.SLURM_CONF_DIR) or p == render.HOSTS_BLOCK_FILE}
+            if p.startswith(render.SLURM_CONF_DIR) or p == render.HOSTS_BLOCK_FILE or p in POWER_PROGRAMS}
 
 
 BUSY_STATES = "RUNNING,COMPLETING,CONFIGURING,SUSPENDED"
@@ -81,13 +85,13 @@ def read_text(c: Connection, path: str) -> str | None:
     return r.stdout if r.ok else None
 
 
-def install_text(c: Connection, text: str, path: str) -> None:
-    """Write `path` (root, 0644) keeping its inode: the local cluster bind-mounts some of them."""
+def install_text(c: Connection, text: str, path: str, mode: int = 0o644) -> None:
+    """Write `path` (root, `mode`) keeping its inode: the local cluster bind-mounts some of them."""
     tmp = f"/tmp/slurm-gpu-{uuid.uuid4().hex[:8]}"
     c.put(io.BytesIO(text.encode()), remote=tmp)
     q, t = shlex.quote(path), shlex.quote(tmp)
     sudo(c, f"sh -c 'mkdir -p \"$(dirname {q})\" && cat {t} > {q} && chown root:root {q} "
-            f"&& chmod 0644 {q}'; rc=$?; rm -f {t}; exit $rc")
+            f"&& chmod {mode:04o} {q}'; rc=$?; rm -f {t}; exit $rc")
 
 
 def plan(ctl: Connection, facts: ClusterFacts, files: dict[str, str]) -> Change:
@@ -142,7 +146,7 @@ def apply(cl: Cluster, force: bool = False, say: Callable[[str], None] = print) 
         return change
     busy = check_removals(ctl, change.removed, force)
     for path in change.files:
-        install_text(ctl, files[path], path)
+        install_text(ctl, files[path], path, render.FILE_MODES.get(path, 0o644))
     if render.HOSTS_BLOCK_FILE in change.files:
         hosts = read_text(ctl, "/etc/hosts") or ""
         install_text(ctl, render.merge_hosts(hosts, files[render.HOSTS_BLOCK_FILE]), "/etc/hosts")

@@ -9,11 +9,11 @@ sys.path.insert(0, str(REPO))
 
 
 def pytest_collection_modifyitems(config, items):
-    # Cluster tests need root. In CI they must run (never a quiet skip); on a
+    # Cluster tests (and `root` ones) need root. In CI they must run (never a quiet skip); on a
     # developer's non-root machine they are skipped with a reason.
     if os.geteuid() == 0 or os.environ.get("CI"):
         return
-    skip = pytest.mark.skip(reason="needs root for network namespaces; run scripts/test.sh as root")
+    skip = pytest.mark.skip(reason="needs root (network namespaces, root-owned files); run scripts/test.sh as root")
     for item in items:
-        if "cluster" in item.keywords:
+        if "cluster" in item.keywords or "root" in item.keywords:
             item.add_marker(skip)

@@ -41,3 +41,52 @@ def test_inventory_json_round_trip_keeps_the_facts():
     inv = _inventory()
     import json
     assert Inventory.from_dict(json.loads(inv.to_json())) == inv
+
+
+# ---------------------------------------------------------------- idleStopMinutes turned on later
+
+def test_power_save_turned_on_later_installs_its_programs_with_slurm_conf():
+    """The controller ignores user-data changes, so its power programs come with `fab reconfigure`
+    (the same step that installs the slurm.conf naming them)."""
+    from bootstrap import render
+    from tests.test_power_save import EC2, facts
+
+    off = reconfigure.controller_files(render.render_files(facts(None)))
+    on = reconfigure.controller_files(render.render_files(facts(EC2)))
+    assert render.SUSPEND_PATH not in off and render.RESUME_PATH not in off
+    assert "SuspendProgram" not in off[render.SLURM_CONF]
+    assert f"SuspendProgram={render.SUSPEND_PATH}" in on[render.SLURM_CONF]
+    assert f"ResumeProgram={render.RESUME_PATH}" in on[render.SLURM_CONF]
+    for path in (render.SUSPEND_PATH, render.RESUME_PATH):
+        assert on[path].startswith("#!") and "aws ec2" in on[path], path
+        assert render.FILE_MODES[path] == 0o755
+
+
+class _Here:
+    """A Connection's put/run, carried out on this machine as root (what install_text needs of one)."""
+
+    user = "root"
+
+    def put(self, fileobj, remote):
+        with open(remote, "wb") as f:
+            f.write(fileobj.read())
+
+    def run(self, cmd, **kwargs):
+        import invoke
+
+        return invoke.Context().run(cmd, **kwargs)
+
+
+@pytest.mark.root
+def test_install_text_writes_the_mode_it_is_given(tmp_path):
+    import stat
+
+    for name, mode in (("slurm-gpu-resume", 0o755), ("slurm.conf", 0o644)):
+        path = tmp_path / "sbin" / name
+        reconfigure.install_text(_Here(), f"#!/bin/sh\necho {name}\n", str(path), mode)
+        assert path.read_text() == f"#!/bin/sh\necho {name}\n"
+        assert stat.S_IMODE(path.stat().st_mode) == mode and path.stat().st_uid == 0, (name, oct(path.stat().st_mode))
+    # Rewritten in place (the local cluster bind-mounts some of these files): same inode.
+    inode = path.stat().st_ino
+    reconfigure.install_text(_Here(), "changed\n", str(path))
+    assert path.stat().st_ino == inode and path.read_text() == "changed\n"
