@@ -231,7 +231,7 @@ def worker(args) -> None:
         torch.cuda.set_device(local_rank)  # make_model builds on the current device
     cfg = bench_train.TINY if args.tiny else bench_train.QWEN3_4B
     rows = workload(args, cfg)
-    model = bench_train.make_model(cfg, args.device, packing.ATTN_IMPLEMENTATION)
+    model = bench_train.make_model(cfg, args.device, packing.attention_implementation())
     train_args = TrainConfig(
         output_dir=os.path.join(args.out_dir, f"trainer-{rank}"), per_device_train_batch_size=per_rank,
         gradient_accumulation_steps=1, learning_rate=2e-4, num_train_epochs=1,

@@ -49,6 +49,7 @@ if str(REPO) not in sys.path:
 PEAK_FLOPS = 989e12  # dense bf16, H100/H200 SXM datasheet
 RECIPES = ("seed", "project", "project-compiled", "project-eager", "project-compiled-nographs",
            "project-eager-graphs")
+RECIPES += tuple(f"{r}-flex" for r in RECIPES if r.startswith("project"))  # flex attention instead of varlen
 EFFECTIVE_BATCH = (2, 8)  # the seed's per-device batch x accumulation = 16 examples per step
 
 QWEN3_4B = dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
@@ -177,7 +178,7 @@ def make_model(cfg: dict, device: str, attn: str):
 
     from training import packing
 
-    if attn == packing.PACKED_SDPA:
+    if attn in (packing.PACKED_SDPA, packing.PACKED_VARLEN):
         packing.register_packed_attention()
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     config = Qwen3Config(**cfg, pad_token_id=1, eos_token_id=0, bos_token_id=0)
@@ -256,6 +257,7 @@ def kernel_summary(prof, steps: int, wall: float) -> dict:
     if cur_e is not None:
         busy += cur_e - cur_s
     kinds = {"gemm": ("gemm", "sm90_xmma", "cutlass", "nvjet", "cublas"), "flex_attention": ("flex",),
+             "flash_attention (varlen)": ("flash",),
              "optimizer": ("adam", "multi_tensor", "foreach", "fused_adam"), "copy/fill": ("memcpy", "memset", "fill",
                                                                                         "copy")}
     by_kind: dict[str, float] = {}
@@ -344,17 +346,20 @@ def run_recipe(name: str, rows: list[dict], cfg: dict, device: str, steps: int, 
     from training.train import build_trainer
 
     project = name.startswith("project")
+    # "-flex": the same recipe with flex attention (the GPU attention before varlen) instead of varlen
+    base = name.removesuffix("-flex")
     if project and compile_model is None:
         compile_model = {"project-compiled": True, "project-eager": False, "project-compiled-nographs": True,
-                         "project-eager-graphs": False}.get(name)
+                         "project-eager-graphs": False}.get(base)
     # Step CUDA graphs (training/step_graphs.py): as train.py decides, or forced by the recipe's name.
-    graphs = {"project-compiled-nographs": "0", "project-eager-graphs": "1"}.get(name)
+    graphs = {"project-compiled-nographs": "0", "project-eager-graphs": "1"}.get(base)
     saved_graphs = os.environ.pop("TRAINING_CUDA_GRAPHS", None)
     if graphs is not None:
         os.environ["TRAINING_CUDA_GRAPHS"] = graphs
     elif saved_graphs is not None:
         os.environ["TRAINING_CUDA_GRAPHS"] = saved_graphs
-    attn = packing.ATTN_IMPLEMENTATION if project else "sdpa"
+    attn = ("flex_attention" if name.endswith("-flex") else packing.attention_implementation()) if project \
+        else "sdpa"
     if device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -532,7 +537,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--recipes", default="seed,project",
                         help="comma-separated: seed, project (compiles and graphs steps or not as train.py "
                              "decides), project-compiled, project-eager (step graphs as decided), "
-                             "project-compiled-nographs, project-eager-graphs (step graphs forced off / on)")
+                             "project-compiled-nographs, project-eager-graphs (step graphs forced off / on); "
+                             "each project recipe with -flex: flex attention instead of varlen")
     parser.add_argument("--seed-steps", type=int, default=12, help="optimizer steps of the seed recipe (0 = epoch)")
     parser.add_argument("--project-steps", type=int, default=0, help="optimizer steps of the project (0 = epoch)")
     parser.add_argument("--warmup-steps", type=int, default=None, help="steps left out of the steady rates")
@@ -571,26 +577,31 @@ def main(argv: list[str] | None = None) -> dict:
         work = Path(args.time_to_adapters)
         cache = work / "compile-cache"
         runs = []
-        for label in [x.strip() for x in args.tta_runs.split(",") if x.strip()]:
+        for full in [x.strip() for x in args.tta_runs.split(",") if x.strip()]:
             env = {"TORCHINDUCTOR_CACHE_DIR": str(cache), "TRITON_CACHE_DIR": str(cache / "triton")}
+            label, _, graphs = full.partition("+")  # "+graphs" / "+nographs": step graphs forced on / off
+            if graphs:
+                if graphs not in ("graphs", "nographs"):
+                    parser.error(f"--tta-runs: {label}+{graphs}: use +graphs or +nographs")
+                env["TRAINING_CUDA_GRAPHS"] = "1" if graphs == "graphs" else "0"
             if label == "cold":
                 import shutil
                 shutil.rmtree(cache, ignore_errors=True)
-                runs.append((label, env))
+                runs.append((full, env))
             elif label == "warm":
-                runs.append((label, env))
+                runs.append((full, env))
             elif label in ("eager", "compiled-cold", "compiled-warm"):
                 env["TRAINING_COMPILE"] = "0" if label == "eager" else "1"
                 if label == "compiled-cold":
                     env["TORCHINDUCTOR_CACHE_DIR"] = str(work / "compile-cache-forced")
                     env["TRITON_CACHE_DIR"] = str(work / "compile-cache-forced" / "triton")
-                runs.append((label, env))
+                runs.append((full, env))
             else:
                 parser.error(f"--tta-runs: unknown run {label!r}")
         # each run is its own process: a cold run must not see the previous run's cache
         tta = []
         for label, env in runs:
-            if label == "cold":
+            if label.partition("+")[0] == "cold":
                 import shutil
                 shutil.rmtree(cache, ignore_errors=True)
             tta += time_to_adapters(cfg, work, args.tta_rows, [(label, env)])

@@ -52,6 +52,8 @@ def test_pack_examples_layout():
     # first token of every example and all padding are never targets
     assert packed["labels"].tolist() == [[-100, 6, 7, -100, 9, -100, -100, -100]]
     assert packed["num_real_tokens"] == 5
+    assert packed["cu_seqlens"].tolist() == [0, 3, 5, 8] and packed["cu_seqlens"].dtype == torch.int32
+    assert packed["max_document_length"] == 3
     assert packing.split_by_token_budget([5, 5, 5, 20, 1], 10) == [[0, 1], [2], [3], [4]]
 
 
@@ -67,11 +69,12 @@ def eager_flex(monkeypatch):
     monkeypatch.setattr(hf_flex, "compile_friendly_flex_attention", uncompiled)
 
 
-@pytest.mark.parametrize("attn", [packing.PACKED_SDPA, "flex_attention", "sdpa"])
+@pytest.mark.parametrize("attn", [packing.PACKED_SDPA, packing.PACKED_VARLEN, "flex_attention", "sdpa"])
 def test_packed_logits_match_separate_runs(attn, eager_flex):
-    """packed_sdpa (the path of training/train.py on GPU and CPU: each document gathered into a padded
-    batch for causal SDPA), flex + BlockMask, and SDPA + the same mask as a dense tensor."""
-    if attn == packing.PACKED_SDPA:
+    """packed_sdpa (the path of training/train.py on CPU: each document gathered into a padded batch for
+    causal SDPA), packed_varlen (on a GPU; here its per-document reference gets the same offsets), flex +
+    BlockMask, and SDPA + the same mask as a dense tensor."""
+    if attn in (packing.PACKED_SDPA, packing.PACKED_VARLEN):
         packing.register_packed_attention()
     model = tiny_model(attn)
     rows = synthetic_rows(4, seed=1)

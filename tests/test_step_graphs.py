@@ -15,8 +15,7 @@ from training import packing, step_graphs  # noqa: E402
 
 
 def reference(model, micro, flex: bool):
-    mask = packing.document_block_mask(micro["document_ids"]) if flex else \
-        packing.dense_document_mask(micro["document_ids"])
+    mask = packing.document_block_mask(micro["document_ids"]) if flex else packing.attention_mask_for(model, micro)
     log_probs, is_top1 = model(input_ids=micro["input_ids"], position_ids=micro["position_ids"], attention_mask=mask,
                                use_cache=False, packed_head=True, target_index=micro["target_index"],
                                target_ids=micro["target_ids"])
@@ -25,19 +24,28 @@ def reference(model, micro, flex: bool):
     return loss.detach(), is_top1.sum().float(), torch.autograd.grad(loss, params)
 
 
-def test_bucket_padded_step_matches_unpadded():
-    attn = "sdpa"  # flex attention has no backward on CPU; its BlockMask is checked below
+@pytest.mark.parametrize("attn", ["sdpa", packing.PACKED_VARLEN])
+def test_bucket_padded_step_matches_unpadded(attn):
+    """sdpa: the dense document mask; packed_varlen: the documents' offsets, the bucket's padding one more
+    document and the unused slots empty ones (on CPU its per-document reference computes it). flex
+    attention has no backward on CPU: its BlockMask is checked below."""
+    packing.register_packed_attention()
     model = tiny_model(attn).train()
     packing.add_packed_lm_head(model)
     params = [p for p in model.parameters() if p.requires_grad]
-    graphs = step_graphs.StepGraphs(model, params, PAD_ID, max_tokens=4096, flex=False)
-    assert not graphs.capture  # CPU: the recorded function runs directly
+    graphs = step_graphs.StepGraphs(model, params, PAD_ID, max_tokens=4096, attention=attn)
     for seed in (1, 2):  # two different rows in the same 256-token bucket: the second reuses its buffers
         micro = packing.pack_examples(synthetic_rows(2, seed=seed), pad_token_id=PAD_ID)  # <= 100 tokens
         assert micro["input_ids"].shape[1] < step_graphs.TOKEN_BUCKET  # so the bucket adds padding
         ref_loss, ref_hits, ref_grads = reference(model, micro, flex=False)
         loss, hits, grads = graphs.step(micro, 1.0 / micro["num_targets"])
-        assert len(graphs.buckets) == 1
+        assert len(graphs.buckets) == 1 and graphs.captured == 0  # CPU: the recorded function runs directly
+        b = next(iter(graphs.buckets.values()))
+        if attn == packing.PACKED_VARLEN:
+            t, n = micro["input_ids"].shape[1], micro["cu_seqlens"].numel()
+            assert (b.documents, b.max_len) == (step_graphs.DOCUMENT_BUCKET, step_graphs.MIN_MAX_LEN) and n < 8
+            assert b.cu_seqlens.tolist() == micro["cu_seqlens"].tolist() + [b.tokens] * (b.documents + 1 - n)
+            assert b.tokens > t  # so the bucket's padding is a document of its own
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
         assert hits.item() == ref_hits.item()
         for g, r in zip(grads, ref_grads, strict=True):
@@ -55,10 +63,11 @@ def test_block_mask_refreshed_in_place(eager_flex):  # noqa: F811
     """A bucket keeps one BlockMask (the graph holds its tensors): a later row of the same bucket must
     leave it equal to a mask built afresh for that row, padding a document of its own."""
     model = tiny_model("flex_attention")
-    graphs = step_graphs.StepGraphs(model, [], PAD_ID, max_tokens=4096, flex=True)
+    graphs = step_graphs.StepGraphs(model, [], PAD_ID, max_tokens=4096, attention="flex_attention")
     for seed in (1, 2):
         micro = packing.pack_examples(synthetic_rows(2, seed=seed), pad_token_id=PAD_ID)
-        key = (step_graphs.TOKEN_BUCKET, step_graphs.TARGET_BUCKET)
+        key = graphs.key(micro)
+        assert key == (step_graphs.TOKEN_BUCKET, step_graphs.TARGET_BUCKET, 0, 0)
         b = graphs.buckets.setdefault(key, step_graphs._Bucket(*key, PAD_ID, micro["input_ids"].device))
         kept = b.mask
         graphs._fill(b, micro, 1.0)
@@ -108,3 +117,49 @@ def test_trainer_step_graph_path_trains_the_same(tmp_path, monkeypatch):
     assert plain_w.keys() == graph_w.keys() and plain_w
     for k in plain_w:
         torch.testing.assert_close(plain_w[k], graph_w[k], atol=1e-6, rtol=1e-5)
+
+
+def test_batches_go_to_the_device_without_blocking():
+    """The packed trainer copies every tensor of a batch (nested micro-batches too) with non_blocking: a
+    blocking copy waits for the previous step's kernels, a host sync per step."""
+    from types import SimpleNamespace
+
+    seen = []
+
+    class Spy(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.to:
+                seen.append((kwargs or {}).get("non_blocking", False))
+            return super().__torch_function__(func, types, args, kwargs)
+
+    trainer_class = packing.packed_trainer_class()
+    trainer = object.__new__(trainer_class)
+    trainer.args, trainer.is_deepspeed_enabled = SimpleNamespace(device=torch.device("cpu")), False
+    batch = {"labels": torch.zeros(3).as_subclass(Spy), "num_real_tokens": 3,
+             "micro_batches": [{"input_ids": torch.zeros(3).as_subclass(Spy), "num_targets": 2}]}
+    out = trainer._prepare_input(batch)
+    assert seen == [True, True]
+    assert out["num_real_tokens"] == 3 and out["micro_batches"][0]["num_targets"] == 2
+    # The loss denominator (scored tokens of the step) stays on the host: the Trainer's own would copy it to
+    # the device (here a GPU that does not exist: that copy would fail).
+    trainer.args = SimpleNamespace(world_size=1, average_tokens_across_devices=True, n_gpu=1)
+    trainer.model_accepts_loss_kwargs, trainer.compute_loss_func, trainer._loss_shifts_labels = True, None, True
+    for name in ("get_tp_size", "get_cp_size", "get_sp_size"):
+        setattr(trainer, name, lambda: 1)
+    labels = torch.tensor([[-100, 5, 6, -100, 7, -100]])
+    count = trainer._get_num_items_in_batch([{"labels": labels}], torch.device("cuda"))
+    assert count == 3 and isinstance(count, int)
+
+
+def test_attention_for_run(monkeypatch):
+    monkeypatch.delenv(packing.ATTENTION_ENV, raising=False)
+    varlen = packing.PACKED_VARLEN
+    assert packing.attention_for_run(varlen, compiled=True, step_graphs=True) == varlen
+    assert packing.attention_for_run(varlen, compiled=False, step_graphs=False) == varlen
+    assert packing.attention_for_run(varlen, compiled=True, step_graphs=False) == "flex_attention"
+    assert packing.attention_for_run(packing.PACKED_SDPA, compiled=True, step_graphs=False) == packing.PACKED_SDPA
+    monkeypatch.setenv(packing.ATTENTION_ENV, "varlen")
+    assert packing.attention_for_run(varlen, compiled=True, step_graphs=False) == varlen
+    with pytest.raises(ValueError, match="TRAINING_ATTENTION='fast': use varlen or flex"):
+        packing.attention_implementation({packing.ATTENTION_ENV: "fast"})

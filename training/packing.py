@@ -7,8 +7,9 @@ the same examples per optimizer step, the same learning rate and schedule) and c
 step's examples reach the GPU:
 
 - all examples of one optimizer step are concatenated into one row (no padding between them);
-  `position_ids` restart at 0 for each example and a per-token document id feeds a flex-attention
-  BlockMask (same document AND causal), so no token ever attends to another example;
+  `position_ids` restart at 0 for each example, and the attention sees each example alone: on a GPU
+  flash attention's variable-length kernels over the examples' offsets (`packed_varlen`) or a
+  flex-attention BlockMask (same document AND causal), on CPU `packed_sdpa`;
 - the row is split into micro-batches only when it exceeds `token_budget` tokens (a memory guard);
 - the loss is the completion-only mean over the step's tokens, through TRL's fused LM head
   (log-probabilities of the valid positions in vocabulary tiles; no full fp32 logits), with no
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import json
 import logging
 import os
@@ -39,11 +41,48 @@ log = logging.getLogger(__name__)
 
 # The packed row's attention keeps each example to itself. On CPU: packed_sdpa_attention below (each
 # example gathered into a padded batch for causal SDPA; flex attention has no backward on CPU).
-# On a GPU the packed row uses flex attention with a document BlockMask (compiled blocks), or SDPA
-# with a dense document mask when the run is too short for compiling to pay: packed_sdpa compiled
-# measured 4.8k tokens/s on an H200 against flex's 11.7k (benchmarks/NOTES.md).
+# On a GPU: packed_varlen_attention, flash attention over the row's documents given by their offsets
+# (cu_seqlens), compiled or eager, no mask at all; where this torch lacks varlen_attn, flex attention
+# with a document BlockMask (compiled blocks) or SDPA with a dense document mask (eager).
+# packed_sdpa compiled measured 4.8k tokens/s on an H200 against flex's 11.7k (benchmarks/NOTES.md).
 PACKED_SDPA = "packed_sdpa"
-ATTN_IMPLEMENTATION = "flex_attention" if torch.cuda.is_available() else PACKED_SDPA
+PACKED_VARLEN = "packed_varlen"
+# TRAINING_ATTENTION=varlen|flex picks the GPU attention (default: varlen where torch has it).
+ATTENTION_ENV = "TRAINING_ATTENTION"
+
+
+def varlen_available() -> bool:
+    return torch.cuda.is_available() and importlib.util.find_spec("torch.nn.attention.varlen") is not None
+
+
+def attention_implementation(environ=os.environ) -> str:
+    """The attention of the packed path on this machine (see above); TRAINING_ATTENTION picks one on a GPU."""
+    choice = environ.get(ATTENTION_ENV, "").strip().lower()
+    if choice not in ("", "varlen", "flex"):
+        raise ValueError(f"{ATTENTION_ENV}={choice!r}: use varlen or flex (or leave it unset)")
+    if not torch.cuda.is_available():
+        return PACKED_SDPA
+    if choice == "flex" or not varlen_available():
+        if choice == "varlen":
+            raise ValueError(f"{ATTENTION_ENV}=varlen: this torch ({torch.__version__}) has no "
+                             "torch.nn.attention.varlen; leave it unset (flex attention)")
+        return "flex_attention"
+    return PACKED_VARLEN
+
+
+# This machine's default (TRAINING_ATTENTION is read, and checked, when a model is loaded).
+ATTN_IMPLEMENTATION = attention_implementation({})
+
+
+def attention_for_run(current: str | None, compiled: bool, step_graphs: bool) -> str | None:
+    """varlen where it was measured to pay (benchmarks/NOTES.md: steps replayed as CUDA graphs, 1.46x flex
+    at 2 Alpaca rows a step, 7.5 ms less GPU time at 16; eager runs, no T x T mask); compiled runs without
+    step graphs (long steps, or several processes) keep flex attention, the path measured on long rows,
+    until varlen is measured there. TRAINING_ATTENTION=varlen keeps varlen everywhere."""
+    forced = os.environ.get(ATTENTION_ENV, "").strip().lower() == "varlen"
+    if current == PACKED_VARLEN and compiled and not step_graphs and not forced:
+        return "flex_attention"
+    return current
 # flex attention works on 128-token blocks: the packed row is padded up to a multiple of this.
 PAD_MULTIPLE = 128
 # Largest packed micro-batch in tokens; a step with more tokens runs as several micro-batches.
@@ -84,6 +123,9 @@ def pack_examples(examples: list[dict[str, Any]], pad_token_id: int, pad_to_mult
         docs.append(torch.full((pad,), len(examples), dtype=torch.int32))
     row_labels = torch.cat(labels)
     doc_lengths = [x.numel() for x in ids]  # the padding tail is a document of its own
+    offsets = [0]
+    for n in doc_lengths:
+        offsets.append(offsets[-1] + n)
     # The LM head scores position p against label p + 1 only where that label counts: the positions
     # and their targets are known here, on the host, so the GPU never has to be asked (no sync).
     target_index = (row_labels[1:] != -100).nonzero().flatten()
@@ -96,6 +138,9 @@ def pack_examples(examples: list[dict[str, Any]], pad_token_id: int, pad_to_mult
         "target_ids": row_labels[1:][target_index],
         "num_real_tokens": n_real,
         "num_targets": int(target_index.numel()),
+        # varlen attention: the documents' offsets in the row, and the longest (a host int: no sync)
+        "cu_seqlens": torch.tensor(offsets, dtype=torch.int32),
+        "max_document_length": max(doc_lengths),
         **attention_indices(doc_lengths),
     }
 
@@ -175,10 +220,71 @@ def packed_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0
     return torch.cat(outputs).index_select(0, scatter)[None], None
 
 
+# torch's varlen_attn and the arguments that make it causal with grouped-query heads, across its
+# signatures (torch 2.9-2.11: is_causal=; later: window_size=(-1, 0), enable_gqa=). Set by
+# register_packed_attention: module globals, so that a compiled block reads them without tracing an import.
+_VARLEN_ATTN = None
+_VARLEN_KWARGS: dict[str, Any] = {}
+
+
+def _load_varlen() -> None:
+    global _VARLEN_ATTN, _VARLEN_KWARGS
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    kwargs: dict[str, Any] = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if "enable_gqa" in params:
+        kwargs["enable_gqa"] = True
+    _VARLEN_ATTN, _VARLEN_KWARGS = varlen_attn, kwargs
+
+
+def packed_varlen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Attention for a packed row [1, H, T, D] through flash attention's variable-length kernels:
+    `attention_mask` = (cu_seqlens, max_len), the documents' offsets [N + 1] (int32, on the GPU) and an
+    upper bound of their lengths. Causal within each document, nothing across documents, no mask
+    tensor and no padding: the kernels skip what lies between documents. Returns [1, T, H, D]."""
+    if not isinstance(attention_mask, tuple):  # not a packed row (generation, a single sequence)
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if dropout and module.training:
+        raise ValueError("packed_varlen attention has no dropout: set the model's attention_dropout to 0")
+    cu_seqlens, max_len = attention_mask
+    if not query.is_cuda:  # the same function, one document at a time (CPU tests of this path)
+        return varlen_reference(query, key, value, cu_seqlens, scaling), None
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
+    out = _VARLEN_ATTN(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, scale=scaling, **_VARLEN_KWARGS)
+    return out[None], None
+
+
+def varlen_reference(query, key, value, cu_seqlens, scaling=None):
+    """packed_varlen_attention's result computed per document with causal SDPA: [1, H, T, D] in,
+    [1, T, H, D] out (empty documents allowed). The reference the kernel is checked against."""
+    import torch.nn.functional as F
+
+    heads, kv_heads = query.shape[1], key.shape[1]
+    out = torch.zeros_like(query.transpose(1, 2))
+    offsets = cu_seqlens.tolist()
+    for start, end in zip(offsets[:-1], offsets[1:], strict=True):
+        if end <= start:
+            continue
+        q = query[:, :, start:end]
+        k = key[:, :, start:end].repeat_interleave(heads // kv_heads, dim=1)
+        v = value[:, :, start:end].repeat_interleave(heads // kv_heads, dim=1)
+        out[:, start:end] = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling).transpose(1, 2)
+    return out
+
+
 def register_packed_attention() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention)
+    AttentionInterface.register(PACKED_VARLEN, packed_varlen_attention)
+    if _VARLEN_ATTN is None and importlib.util.find_spec("torch.nn.attention.varlen") is not None:
+        _load_varlen()
 
 
 def split_by_token_budget(lengths: list[int], token_budget: int) -> list[list[int]]:
@@ -256,14 +362,18 @@ def dense_document_mask(document_ids: torch.Tensor) -> torch.Tensor:
 
 def attention_mask_for(model, batch: dict[str, Any] | torch.Tensor):
     """What the model's attention takes to keep a packed row's documents apart: the gather/scatter
-    indices for packed_sdpa (as the per-layer-type mapping Qwen3 passes through), a BlockMask for flex
-    attention, a dense boolean mask for any other implementation. `batch`: a pack_examples dict (or
-    its document_ids)."""
+    indices for packed_sdpa, the document offsets for packed_varlen (each as the per-layer-type mapping
+    Qwen3 passes through), a BlockMask for flex attention, a dense boolean mask for any other
+    implementation. `batch`: a pack_examples dict (or, for the last two, its document_ids)."""
     config = getattr(model, "config", None)
     implementation = getattr(config, "_attn_implementation", None)
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
     if implementation == PACKED_SDPA:
         indices = (batch["attn_gather_long"], batch["attn_gather_short"], batch["attn_scatter"])
-        return {layer_type: indices for layer_type in set(getattr(config, "layer_types", None) or ["full_attention"])}
+        return {layer_type: indices for layer_type in layer_types}
+    if implementation == PACKED_VARLEN:
+        varlen = (batch["cu_seqlens"], int(batch["max_document_length"]))
+        return {layer_type: varlen for layer_type in layer_types}
     document_ids = batch["document_ids"] if isinstance(batch, dict) else batch
     if implementation == "flex_attention":
         return document_block_mask(document_ids)
@@ -530,15 +640,18 @@ def packed_trainer_class():
                 register_packed_attention()
             if getattr(unwrap(self.model).config, "_attn_implementation", None) in (PACKED_SDPA, "flex_attention"):
                 if not compile_model and torch.cuda.is_available():
-                    # Eager on a GPU: one SDPA call with a dense document mask launches far fewer kernels
-                    # than packed_sdpa's gathers (eager steps are launch-bound); fine for the short runs
-                    # that skip compiling.
+                    # Eager on a GPU without varlen attention: one SDPA call with a dense document mask
+                    # launches far fewer kernels than packed_sdpa's gathers (eager steps are launch-bound)
+                    # and flex attention needs compiling; fine for the short runs that skip compiling.
                     unwrap(self.model).config._attn_implementation = "sdpa"
             self.compiled_layers = compile_layers(self.model) if compile_model else 0
             self._set_token_budget()
             log.info("packed path: compile=%s (%s); token budget %d per micro-batch",
                      bool(self.compiled_layers), self.compile_reason, self.data_collator.token_budget)
             self.use_step_graphs = self._decide_step_graphs(compile_model)
+            config = unwrap(self.model).config
+            config._attn_implementation = attention_for_run(getattr(config, "_attn_implementation", None),
+                                                            bool(self.compiled_layers), self.use_step_graphs)
             self.step_graphs = None  # built at the first step, around the model the Trainer steps
             self.real_tokens_seen = 0
             self._correct = None  # device tensor: top-1 hits since the last log
@@ -598,9 +711,9 @@ def packed_trainer_class():
                 max_tokens = token_budget_for(self.model, mode, usable_gpu_bytes() / 2) \
                     if torch.cuda.is_available() else DEFAULT_TOKEN_BUDGET
                 params = [p for p in model.parameters() if p.requires_grad]
-                flex = getattr(unwrap(self.model).config, "_attn_implementation", None) == "flex_attention"
-                self.step_graphs = StepGraphs(model, params, self.data_collator.pad_token_id, max_tokens, flex,
-                                              self.compute_loss_context_manager)
+                attention = getattr(unwrap(self.model).config, "_attn_implementation", None)
+                self.step_graphs = StepGraphs(model, params, self.data_collator.pad_token_id, max_tokens,
+                                              attention, self.compute_loss_context_manager)
                 log.info("step CUDA graphs for packed rows of up to %d tokens", max_tokens)
             return self.step_graphs if self.step_graphs.enabled else None
 
@@ -628,11 +741,23 @@ def packed_trainer_class():
                               num_workers=self.args.dataloader_num_workers,
                               pin_memory=self.args.dataloader_pin_memory)
 
-        def get_batch_samples(self, epoch_iterator, num_batches, device):
-            batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
-            if torch.is_tensor(num_items) and num_items.device.type == "cpu":
-                num_items = int(num_items)  # a host number: no copy to the GPU, no sync
-            return batches, num_items
+        def _prepare_input(self, data):
+            """As the Trainer's, but tensors go to the GPU without blocking: the batch is in pinned memory,
+            and a blocking copy waits for every kernel queued before it, so each step would wait for the
+            last one to finish and the GPU would idle while the host prepares the next (profiled on an
+            H200: ~30 ms of a ~100 ms replayed step, benchmarks/NOTES.md)."""
+            if torch.is_tensor(data) and not self.is_deepspeed_enabled:
+                return data.to(device=self.args.device, non_blocking=True)
+            return super()._prepare_input(data)
+
+        def _get_num_items_in_batch(self, batch_samples, device):
+            """The step's scored-token count. One process: a host int, counted on the host (the Trainer's
+            own copies the count to the GPU with a blocking copy, which waits for the previous step: a
+            sync per step). Several processes: the Trainer's, which all-gathers the counts."""
+            if max(1, self.args.world_size) > 1:
+                return super()._get_num_items_in_batch(batch_samples, device)
+            count = super()._get_num_items_in_batch(batch_samples, torch.device("cpu"))
+            return int(count) if torch.is_tensor(count) else count
 
         # ---- step
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

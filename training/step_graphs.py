@@ -8,11 +8,15 @@ one launch. A graph needs fixed shapes and addresses, so each step's packed row 
 padding is a document of its own (it attends only to itself) and its targets weigh 0, so the loss,
 the gradients and the token accuracy are those of the unpadded row.
 
-A bucket is captured the second time it occurs (its first step runs the same function uncaptured, so a
-bucket seen once costs nothing extra), and only while its activations fit twice in the GPU's memory
-(the graph keeps its own memory pool). The gradients come out of the graph (torch.autograd.grad) and
-are handed to the parameters as `.grad`, so the Trainer's clipping, optimizer and zero_grad work as
-before. One process only: under DDP the gradient all-reduce hooks cannot run inside a graph.
+The run's first step runs uncaptured (it compiles the blocks and creates the libraries' handles); from
+then on each bucket is captured the first time it occurs and replayed ever after: an epoch of Alpaca
+rows at 16 a step meets ~15-25 buckets, and an uncaptured step costs ~3x a replayed one on an H200
+(benchmarks/NOTES.md). A bucket whose capture fails runs uncaptured and is tried once more at its next
+occurrence; a second failure turns step graphs off for the run. Graphs are used only while a step's
+activations fit twice in the GPU's memory (the graphs keep their own memory pool). The gradients come out
+of the graph (torch.autograd.grad) and are handed to the parameters as `.grad`, so the Trainer's clipping,
+optimizer and zero_grad work as before. One process only: under DDP the gradient all-reduce hooks cannot
+run inside a graph.
 """
 
 from __future__ import annotations
@@ -33,6 +37,10 @@ TARGET_BUCKET = 256
 AUTO_MAX_MEAN_STEP_TOKENS = 3072
 # Document id of the bucket padding (larger than any example index of a step).
 PAD_DOCUMENT = 2**30
+# varlen attention: document slots in multiples of this, the longest document as a power of two (at least
+# this): few buckets, and a kernel grid near the step's own.
+DOCUMENT_BUCKET = 8
+MIN_MAX_LEN = 128
 
 
 def bucket(n: int, quantum: int) -> int:
@@ -46,11 +54,20 @@ def graphs_setting(setting: bool | None = None) -> bool | None:
     return env_switch("TRAINING_CUDA_GRAPHS", setting)
 
 
-class _Bucket:
-    """Static inputs, the captured graph and its outputs for one (tokens, targets) shape."""
+def power_of_two(n: int, least: int) -> int:
+    return max(least, 1 << max(n - 1, 0).bit_length())
 
-    def __init__(self, tokens: int, targets: int, pad_token_id: int, device: torch.device):
-        self.tokens, self.targets = tokens, targets
+
+class _Bucket:
+    """Static inputs, the captured graph and its outputs for one shape: (tokens, targets) and, for varlen
+    attention, (documents, longest document) as the kernels' grid is sized from them."""
+
+    def __init__(self, tokens: int, targets: int, documents: int, max_len: int, pad_token_id: int,
+                 device: torch.device):
+        self.tokens, self.targets, self.documents, self.max_len = tokens, targets, documents, max_len
+        # varlen: the documents' offsets; the bucket's padding is one more document, unused slots are
+        # empty documents at the end of the row
+        self.cu_seqlens = torch.full((documents + 1,), tokens, dtype=torch.int32, device=device)
         self.input_ids = torch.full((1, tokens), pad_token_id, dtype=torch.long, device=device)
         self.position_ids = torch.zeros((1, tokens), dtype=torch.long, device=device)
         self.document_ids = torch.full((1, tokens), PAD_DOCUMENT, dtype=torch.int32, device=device)
@@ -62,6 +79,7 @@ class _Bucket:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs = None
         self.seen = 0
+        self.failed = 0
 
 
 class StepGraphs:
@@ -69,11 +87,16 @@ class StepGraphs:
     (loss, top-1 hits, gradients of `params`), replayed from a CUDA graph once its bucket repeats."""
 
     def __init__(self, model, params: list[torch.nn.Parameter], pad_token_id: int, max_tokens: int,
-                 flex: bool, context=None):
+                 attention: str | None, context=None):
+        from training.packing import PACKED_VARLEN
+
         self.model, self.params, self.pad_token_id, self.max_tokens = model, params, pad_token_id, max_tokens
-        self.flex = flex
+        self.flex = attention == "flex_attention"
+        self.varlen = attention == PACKED_VARLEN
+        self.layer_types = sorted(set(getattr(getattr(model, "config", None), "layer_types", None)
+                                      or ["full_attention"]))
         self.context = context
-        self.capture = torch.cuda.is_available()  # without a GPU: the same steps, never captured (tests)
+        self.warm = False  # set after the first (uncaptured) step
         self.buckets: dict[tuple[int, int], _Bucket] = {}
         self.pool = None
         self.enabled = True
@@ -100,6 +123,10 @@ class StepGraphs:
         b.target_weight[:n].fill_(1.0)
         b.target_weight[n:].fill_(0.0)
         b.scale.fill_(scale)
+        if self.varlen:
+            offsets = micro["cu_seqlens"]
+            b.cu_seqlens[:offsets.numel()].copy_(offsets, non_blocking=True)
+            b.cu_seqlens[offsets.numel():].fill_(b.tokens)  # the padding document, then empty ones
         if self.flex:
             from training.packing import document_block_mask
 
@@ -117,7 +144,10 @@ class StepGraphs:
     def _run(self, b: _Bucket):
         from training.packing import dense_document_mask
 
-        mask = b.mask if self.flex else dense_document_mask(b.document_ids)
+        if self.varlen:
+            mask = {layer_type: (b.cu_seqlens, b.max_len) for layer_type in self.layer_types}
+        else:
+            mask = b.mask if self.flex else dense_document_mask(b.document_ids)
         with self.context() if self.context else torch.enable_grad():
             log_probs, is_top1 = self.model(input_ids=b.input_ids, position_ids=b.position_ids, attention_mask=mask,
                                             use_cache=False, packed_head=True, target_index=b.target_index,
@@ -137,27 +167,41 @@ class StepGraphs:
         b.graph = graph
         self.captured += 1
 
+    def key(self, micro: dict[str, Any]) -> tuple[int, int, int, int]:
+        length = int(micro["input_ids"].shape[1])
+        tokens = bucket(length, TOKEN_BUCKET)
+        documents = max_len = 0
+        if self.varlen:  # host numbers: the micro-batch's documents + the bucket's padding document
+            documents = bucket(int(micro["cu_seqlens"].numel()), DOCUMENT_BUCKET)
+            max_len = power_of_two(max(int(micro["max_document_length"]), tokens - length), MIN_MAX_LEN)
+        return tokens, bucket(int(micro["num_targets"]), TARGET_BUCKET), documents, max_len
+
     def step(self, micro: dict[str, Any], scale: float):
-        key = (bucket(int(micro["input_ids"].shape[1]), TOKEN_BUCKET), bucket(int(micro["num_targets"]), TARGET_BUCKET))
+        key = self.key(micro)
         b = self.buckets.get(key)
         if b is None:
             b = self.buckets[key] = _Bucket(*key, self.pad_token_id, micro["input_ids"].device)
         self._fill(b, micro, scale)
         b.seen += 1
         self.steps += 1
-        if self.capture and b.graph is None and b.seen >= 2:
+        # Without a GPU (tests) the same bucketed steps run, never captured.
+        if b.graph is None and self.warm and micro["input_ids"].is_cuda and b.failed < 2:
             try:
                 self._capture(b)
             except Exception as e:  # noqa: BLE001 - a step that cannot be captured still trains, uncaptured
-                log.warning("CUDA graph capture failed (%s: %s); training goes on without step graphs",
-                            type(e).__name__, e)
-                self.enabled = False
+                b.failed += 1
                 b.graph, b.outputs = None, None
                 torch.cuda.synchronize()
+                if b.failed >= 2:
+                    self.enabled = False
+                log.warning("CUDA graph capture of a %d-token step failed (%s: %s); %s", b.tokens,
+                            type(e).__name__, e, "training goes on without step graphs" if not self.enabled
+                            else "this step runs uncaptured")
         if b.graph is not None:
             b.graph.replay()
             self.replayed += 1
             return b.outputs
+        self.warm = True
         return self._run(b)
 
     def set_grads(self, grads) -> None:

@@ -100,7 +100,7 @@ def load_model(model_args: ModelArguments, train_args: TrainConfig, flex_packing
     if flex_packing:
         from training import packing  # the fast path needs an attention that takes its document mask
         packing.register_packed_attention()
-        attn_implementation = packing.ATTN_IMPLEMENTATION
+        attn_implementation = packing.attention_implementation()
     # Straight onto this rank's GPU: no staging copy of the weights in host memory.
     device_map = {"": torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))} if gpu_available() else None
     return AutoModelForCausalLM.from_pretrained(
