@@ -78,13 +78,12 @@ class _Bucket:
         self.mask = None  # flex attention: a BlockMask over document_ids, refreshed in place each step
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs = None
-        self.seen = 0
         self.failed = 0
 
 
 class StepGraphs:
     """Runs one packed micro-batch (a pack_examples dict on the GPU) as forward + backward, returning
-    (loss, top-1 hits, gradients of `params`), replayed from a CUDA graph once its bucket repeats."""
+    (loss, top-1 hits, gradients of `params`), replayed from a CUDA graph after the run's first step."""
 
     def __init__(self, model, params: list[torch.nn.Parameter], pad_token_id: int, max_tokens: int,
                  attention: str | None, context=None):
@@ -97,7 +96,7 @@ class StepGraphs:
                                       or ["full_attention"]))
         self.context = context
         self.warm = False  # set after the first (uncaptured) step
-        self.buckets: dict[tuple[int, int], _Bucket] = {}
+        self.buckets: dict[tuple[int, int, int, int], _Bucket] = {}
         self.pool = None
         self.enabled = True
         self.captured = 0
@@ -182,7 +181,6 @@ class StepGraphs:
         if b is None:
             b = self.buckets[key] = _Bucket(*key, self.pad_token_id, micro["input_ids"].device)
         self._fill(b, micro, scale)
-        b.seen += 1
         self.steps += 1
         # Without a GPU (tests) the same bucketed steps run, never captured.
         if b.graph is None and self.warm and micro["input_ids"].is_cuda and b.failed < 2:
