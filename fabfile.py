@@ -7,8 +7,8 @@ cluster (`fab local.up`).
 from __future__ import annotations
 
 import functools
-import os
 import shlex
+import subprocess
 
 from invoke import Collection, task
 from invoke.exceptions import Exit
@@ -208,11 +208,20 @@ def _latest_job(cl: Cluster, running_only: bool = False) -> str:
     raise flow.TrainError(f"no {what} of ours on this cluster; start one with `fab train`")
 
 
+def _require_controller(cl: Cluster, doing: str) -> None:
+    """slurmctld must answer before `doing`: a down controller is named with its fix, not misread."""
+    if not slurm.controller_up(cl.controller):
+        restart = cl.inventory.service_cmd.format(action="restart", service="slurmctld")
+        raise slurm.ControllerUnreachable(
+            f"slurmctld is DOWN on the controller (`scontrol ping`), so it cannot {doing}; jobs may still run "
+            f"on the nodes. Restart it there (`{restart}`, log /var/log/slurm/slurmctld.log), then run this again")
+
+
 def _job_arg(job) -> str | None:
     if job is None:
         return None
     job = str(job).strip()
-    if not job.isdigit():
+    if not job.isdigit() or int(job) == 0:  # Slurm job ids start at 1
         raise options.OptionError(f"--job must be a Slurm job id (a number), not {job!r}; see `fab status`")
     return job
 
@@ -263,6 +272,7 @@ def cancel(c, job=None, target=None, stack=None, identity=None):
     job = _job_arg(job)
     cl, _ = _cluster(c, target, stack, identity)
     try:
+        _require_controller(cl, "cancel a job")
         job = job or _latest_job(cl, running_only=True)
         was = slurm.cancel(cl.controller, job)
         print(f"fab cancel: cancelled job {job} ({was.name}, was {was.state})")
@@ -284,6 +294,7 @@ def reconfigure(c, target=None, stack=None, identity=None, force=False):
     """
     cl, _ = _cluster(c, target, stack, identity)
     try:
+        _require_controller(cl, "be reconfigured")
         reconf.apply(cl, force=force)
     finally:
         cl.close()
@@ -295,20 +306,29 @@ def reconfigure(c, target=None, stack=None, identity=None, force=False):
     "target": "aws (default) or local", "stack": "Pulumi stack", "identity": "SSH private key",
 })
 @_clean_errors
-def ssh(c, host, command=None, target=None, stack=None, identity=None):
+def ssh(c, host=None, command=None, target=None, stack=None, identity=None):
     """Open a shell on a host: `fab ssh controller`, `fab ssh gpu-node-02` (through the controller).
 
     Runs OpenSSH with the stack's key, the controller as jump host, and the cluster's pinned
     host keys (StrictHostKeyChecking=yes): the same keys fab's own connections check.
     """
+    name = "" if host is None else str(host).strip()
+    if not name:  # before the inventory: the fix does not depend on the cluster
+        raise options.OptionError("name the host to open a shell on: `fab ssh controller` or `fab ssh gpu-node-01` "
+                                  "(`fab status` lists the GPU nodes)")
     opts = options.parse(target=target, stack=stack, identity=_identity(c, identity))
     inv = inventory.load(opts.target, opts.stack)
-    name = str(host).strip()
     pins = hostkeys.Pins(inv)
     argv = sshcmd.ssh_argv(inv, name, pins.path, identity=opts.identity or inv.ssh_key_file, command=command)
     for needed in {inv.controller.name, name}:
         pins.keys(needed)  # pinned (or read from the EC2 console output) before ssh runs
-    os.execvp(argv[0], argv)
+    rc = subprocess.run(argv).returncode  # stdio inherited: interactive as ssh itself
+    if rc == 255:  # OpenSSH's own failure code (connection refused, auth, host key), above its lines
+        raise Exit(f"fab ssh: ssh to {name} failed (exit 255, ssh's own error above): is {name} up and its sshd "
+                   f"running? `fab status` shows the nodes; restart sshd on {name} from the cloud console "
+                   "(locally: `fab local.down && fab local.up`)", code=1)
+    if rc:
+        raise Exit(code=rc)
 
 
 ns = Collection(train, status, logs, cancel, reconfigure, ssh)

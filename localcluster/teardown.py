@@ -45,6 +45,7 @@ def leftovers(state: ClusterState | None) -> list[str]:
 def teardown(state: ClusterState | None, out: Callable[[str], None]) -> None:
     """Remove the cluster (see the module docstring); ClusterError naming what is left, if any."""
     t0 = time.monotonic()
+    was_up = state is not None or bool(leftovers(None))
     survivors = hosts.kill_all(namespaces(state))
     hosts.reap()
     indexes = {e.netns: e.index for e in (state.hosts if state else ())}
@@ -66,6 +67,9 @@ def teardown(state: ClusterState | None, out: Callable[[str], None]) -> None:
     left = leftovers(None) + [f"process {p}" for p in survivors]
     if left:
         raise ClusterError(f"local.down could not remove: {', '.join(left)}")
+    if not was_up:  # idempotent (`fab local.down && fab local.up`), but say that nothing was there
+        out(f"no local cluster was up: nothing to stop; kept {layout.SCRATCH} and {layout.SSH_DIR}")
+        return
     out(f"local cluster down ({time.monotonic() - t0:.1f} s); kept {layout.SCRATCH} and {layout.SSH_DIR}")
 
 

@@ -5,9 +5,11 @@ node idle for the next:
 - a wrong --identity key is named as the cause, not the network;
 - `fab cancel`/`fab logs` of a job that does not exist fail and say so;
 - a config naming a model path that does not exist fails before any host is changed;
-- slurmctld down during a job: `fab status` and `fab local.status` say so (no traceback), following
+- slurmctld down during a job: `fab status`, `fab local.status`, `fab cancel` and `fab reconfigure` say
+  so (no traceback) while `fab ssh controller` still works, following
   the job waits it out (and says for what), giving up prints the `fab logs --job N` that reattaches;
 - one slurmd stopped (half-up): `fab status` names the node and exits non-zero;
+- one node's sshd stopped: `fab ssh` to it names the host and the fix;
 - nodes busy with someone's job: `fab train` says which job it waits for; `fab cancel` of it
   works once, then says it already ended;
 - a finished run requeued by Slurm (what a node lost at the very end does): the requeued job exits
@@ -143,6 +145,15 @@ def test_slurmctld_down_is_said_and_waited_out(lc):
         assert res.returncode == 1 and "Traceback" not in res.stdout + res.stderr, res.stdout + res.stderr
         assert "slurmctld:DOWN" in res.stdout, res.stdout
 
+        # Tasks that need the controller name it and the restart (not "no job of ours", not sinfo's stderr).
+        for task, doing in (("cancel", "cancel a job"), ("reconfigure", "be reconfigured")):
+            rc, out = fab(task, "--target", "local")
+            assert rc == 1 and "Traceback" not in out, out
+            assert f"slurmctld is DOWN on the controller (`scontrol ping`), so it cannot {doing}" in out, out
+            assert "restart slurmctld" in out, out
+        rc, out = fab("ssh", "controller", "--target", "local", "--command", "hostname")  # the way in to fix it
+        assert rc == 0 and out.strip() == "controller", out
+
         # Giving up (here after 2 s without an answer) names the job and how to reattach.
         said: list[str] = []
         with pytest.raises(slurm.ControllerUnreachable) as info:
@@ -185,6 +196,18 @@ def test_a_stopped_slurmd_is_named_by_fab_status(lc):
     finally:
         daemons.hostctl(holder("gpu-node-02"), "gpu-node-02", "start", "slurmd")
     wait_for("all nodes idle", all_idle, 60)
+
+
+def test_fab_ssh_to_a_node_whose_sshd_is_down_names_the_host(lc):
+    daemons.hostctl(holder("gpu-node-02"), "gpu-node-02", "stop", "sshd")
+    try:
+        rc, out = fab("ssh", "gpu-node-02", "--target", "local", "--command", "hostname")
+        assert rc == 1 and "Traceback" not in out, out
+        assert "fab ssh: ssh to gpu-node-02 failed (exit 255" in out and "its sshd running?" in out, out
+    finally:
+        daemons.hostctl(holder("gpu-node-02"), "gpu-node-02", "start", "sshd")
+    rc, out = fab("ssh", "gpu-node-02", "--target", "local", "--command", "hostname")
+    assert rc == 0 and out.strip() == "gpu-node-02", out
 
 
 def test_busy_nodes_are_named_and_cancel_says_what_it_did(lc, runs):
