@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from fabric import Config, Connection
+from fabric.runners import Remote
 from paramiko import PKey, RejectPolicy
 from paramiko.ssh_exception import BadHostKeyException, SSHException
 
@@ -82,10 +83,24 @@ class PinnedConnection(Connection):
                 "host was rebuilt, delete its lines from that file and run the command again") from None
 
 
+class InterruptibleRemote(Remote):
+    """Ctrl-C stops a running remote command now: its channel is closed, then the interrupt goes on.
+
+    Fabric (no pty) re-raises the interrupt but first waits for the command's output to end, so
+    Ctrl-C during a slow `sinfo` (slurmctld busy) or a long `tail` waited for the command to finish.
+    Closing the channel ends that output at once; the remote command ends with its session.
+    """
+
+    def send_interrupt(self, interrupt):
+        if not self.using_pty and hasattr(self, "channel"):
+            self.channel.close()
+        super().send_interrupt(interrupt)
+
+
 def _config() -> Config:
     # Remote commands never read the user's terminal: nothing we run is interactive, and a
     # forwarded stdin breaks under pytest or cron. (The munge key goes in by explicit in_stream.)
-    return Config(overrides={"run": {"in_stream": False}})
+    return Config(overrides={"run": {"in_stream": False}, "runners": {"remote": InterruptibleRemote}})
 
 
 def connect(inv: Inventory, identity: str | None = None) -> Cluster:

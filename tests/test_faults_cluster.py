@@ -10,6 +10,7 @@ node idle for the next:
   the job waits it out (and says for what), giving up prints the `fab logs --job N` that reattaches;
 - one slurmd stopped (half-up): `fab status` names the node and exits non-zero;
 - one node's sshd stopped: `fab ssh` to it names the host and the fix;
+- Ctrl-C during a remote command that has not ended raises at once and ends the command;
 - nodes busy with someone's job: `fab train` says which job it waits for; `fab cancel` of it
   works once, then says it already ended;
 - a finished run requeued by Slurm (what a node lost at the very end does): the requeued job exits
@@ -208,6 +209,40 @@ def test_fab_ssh_to_a_node_whose_sshd_is_down_names_the_host(lc):
         daemons.hostctl(holder("gpu-node-02"), "gpu-node-02", "start", "sshd")
     rc, out = fab("ssh", "gpu-node-02", "--target", "local", "--command", "hostname")
     assert rc == 0 and out.strip() == "gpu-node-02", out
+
+
+def test_ctrl_c_ends_a_running_remote_command_at_once(lc):
+    """Ctrl-C during a remote command that has not ended (a `sinfo` on a busy slurmctld, a log being
+    followed) raises KeyboardInterrupt while the command still runs, and the command ends with its session.
+    Fabric alone waited for the command to finish first, so `fab train` outlived Ctrl-C."""
+    inv, _, _ = lc
+    probe = "sgpu-ctrl-c-probe"
+    done, guard_fired = threading.Event(), threading.Event()
+
+    def running() -> bool:  # "[s]gpu-..." matches the command, not this pgrep's own nsenter
+        return on("controller", "pgrep", "-f", f"[s]{probe[1:]}").returncode == 0
+
+    def interrupt():
+        try:
+            wait_for("the remote command to start", running, 30)
+            os.kill(os.getpid(), signal.SIGINT)
+        finally:
+            if not done.wait(60):  # not interrupted: end the command so the test fails instead of hanging
+                guard_fired.set()
+                on("controller", "pkill", "-f", f"[s]{probe[1:]}")
+
+    cl = remote.connect(inv)
+    ctrl_c = threading.Thread(target=interrupt)
+    ctrl_c.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            cl.controller.run(f"while :; do echo {probe}; sleep 0.2; done", hide=True)
+    finally:
+        done.set()
+        ctrl_c.join()
+        cl.close()
+    assert not guard_fired.is_set(), "the interrupt waited for the remote command to end"
+    wait_for("the interrupted command to end with its session", lambda: not running(), 30)
 
 
 def test_busy_nodes_are_named_and_cancel_says_what_it_did(lc, runs):
