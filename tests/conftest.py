@@ -1,4 +1,5 @@
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -6,6 +7,14 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+
+def pytest_configure(config):
+    # Several tests press Ctrl-C on `fab` (SIGINT to it, or to this process around a remote command). A
+    # runner started in the background by a non-interactive shell (`cmd &`, nohup) hands its children
+    # SIGINT ignored, and Python keeps an ignored SIGINT ignored: those tests would see no interrupt at
+    # all. Take Python's own handler back; processes started from here then get SIGINT's default action.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config, items):

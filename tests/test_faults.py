@@ -221,3 +221,15 @@ def test_data_file_that_is_not_utf8_names_the_line_and_the_fix(tmp_path):
         load_local_rows(path)
     _all_in(str(info.value), [f"{path}: not UTF-8 text (line 2, byte 56: b'\\xe9')", "save it as UTF-8",
                               "iconv -f latin1 -t utf-8 latin1.jsonl"])
+
+
+def test_processes_started_by_the_tests_can_be_interrupted():
+    """The Ctrl-C tests need SIGINT delivered: whatever the runner inherited (a background `cmd &` or nohup
+    hands SIGINT ignored), conftest.py gives this process Python's handler and children the default."""
+    import signal
+    import sys
+
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    child = subprocess.run([sys.executable, "-c", "import signal; print(signal.getsignal(signal.SIGINT))"],
+                           capture_output=True, text=True, check=True)
+    assert "default_int_handler" in child.stdout, child.stdout
