@@ -62,7 +62,7 @@ def _identity(c, identity):
 def _cluster(c, target, stack, identity) -> tuple[Cluster, str]:
     """Connections to the cluster, the controller's opened: a wrong key or a down host fails here,
     by its own cause, before the task does anything."""
-    opts = options.parse(target=target, stack=stack, identity=_identity(c, identity))
+    opts = options.parse_cluster(target=target, stack=stack, identity=_identity(c, identity))
     inv = inventory.load(opts.target, opts.stack)
     cl = connect(inv, opts.identity)
     cl.controller.open()
@@ -316,7 +316,7 @@ def ssh(c, host=None, command=None, target=None, stack=None, identity=None):
     if not name:  # before the inventory: the fix does not depend on the cluster
         raise options.OptionError("name the host to open a shell on: `fab ssh controller` or `fab ssh gpu-node-01` "
                                   "(`fab status` lists the GPU nodes)")
-    opts = options.parse(target=target, stack=stack, identity=_identity(c, identity))
+    opts = options.parse_cluster(target=target, stack=stack, identity=_identity(c, identity))
     inv = inventory.load(opts.target, opts.stack)
     pins = hostkeys.Pins(inv)
     argv = sshcmd.ssh_argv(inv, name, pins.path, identity=opts.identity or inv.ssh_key_file, command=command)

@@ -15,6 +15,12 @@ from localcluster.state import HostSpec
 from ops import hostkeys
 
 HOSTCTL_SRC = Path(__file__).resolve().parent / "hostctl.sh"
+# The cluster's network has no DNS server: every name is in /etc/hosts. The machine's own nameserver is
+# not reachable from the bridge, so each lookup that fell through to DNS (an IPv6 address, a reverse
+# lookup: torchrun's rendezvous makes several) waited 5 s twice. Here a query goes to the host's own
+# loopback, where nothing listens, and fails at once; no query leaves the cluster's network.
+RESOLV_CONF = ("# slurm-gpu local cluster: no DNS server (names are in /etc/hosts)\n"
+               "nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
 
 
 def install_dir(path: Path, mode: int, owner: str = "root") -> None:
@@ -96,6 +102,7 @@ def write_files(facts: ClusterFacts, specs: list[HostSpec]) -> None:
         install_dir(d / "etc-slurm", 0o755)  # a GPU host's /etc/slurm: empty (configless)
         write_file(d / "hosts", "127.0.0.1 localhost\n::1 localhost ip6-localhost ip6-loopback\n")
         write_file(d / "hostname", s.name + "\n")
+        write_file(d / "resolv.conf", RESOLV_CONF)
         write_file(d / "sshd_config", daemons.sshd_config(s.name, s.ip))
         write_file(d / "sbin" / Path(render.BOOTSTRAP_PATH).name,
                    render.bootstrap_script(facts, s.role, s.name), 0o755)
@@ -114,7 +121,7 @@ def host_mounts(s: HostSpec) -> list[hosts.Mount]:
     own = [("etc-munge", "/etc/munge"), ("lib-munge", "/var/lib/munge"),
            ("log-munge", "/var/log/munge"), ("lib-slurm", "/var/lib/slurm"),
            ("log-slurm", "/var/log/slurm"), ("sbin", "/usr/local/sbin"),
-           ("hosts", "/etc/hosts"), ("hostname", "/etc/hostname")]
+           ("hosts", "/etc/hosts"), ("hostname", "/etc/hostname"), ("resolv.conf", "/etc/resolv.conf")]
     shared = [(layout.ETC_SLURM_GPU, "/etc/slurm-gpu"), (layout.SCRATCH, "/scratch")]
     # The controller holds the cluster's slurm.conf and gres.conf; GPU hosts get an empty
     # /etc/slurm of their own and fetch both from slurmctld (configless), as on AWS.

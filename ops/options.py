@@ -101,9 +101,17 @@ def _config(value: str | None, target: Target) -> tuple[Path, dict]:
     return path.resolve(), data
 
 
-def parse(target=None, stack=None, config=None, nodes=None, gpus_per_node=None, examples=None,
-          model=None, data=None, identity=None) -> TrainOptions:
-    """Check the flags on their own (no inventory needed)."""
+@dataclass(frozen=True)
+class ClusterOptions:
+    """The flags of every task that reaches a cluster: which one, and the SSH key."""
+    target: str
+    stack: str | None
+    identity: str | None
+
+
+def parse_cluster(target=None, stack=None, identity=None) -> ClusterOptions:
+    """--target, --stack and --identity checked on their own (no inventory, no training config: the
+    tasks other than `fab train` read no config, and checking one imports TRL, seconds per task)."""
     try:
         tgt = targets.get(target)
     except targets.TargetError as exc:
@@ -117,6 +125,14 @@ def parse(target=None, stack=None, config=None, nodes=None, gpus_per_node=None, 
             raise OptionError(f"--identity {identity}: no readable key file there; pass the private key "
                               "whose public half the cluster was deployed with")
         identity = str(key)
+    return ClusterOptions(target=tgt.name, stack=stack or None, identity=identity)
+
+
+def parse(target=None, stack=None, config=None, nodes=None, gpus_per_node=None, examples=None,
+          model=None, data=None, identity=None) -> TrainOptions:
+    """Check the flags on their own (no inventory needed)."""
+    where = parse_cluster(target=target, stack=stack, identity=identity)
+    tgt, identity = targets.get(where.target), where.identity
     path, settings = _config(config, tgt)
     model, data = _model_or_data("model", model, tgt), _model_or_data("data", data, tgt)
     from training.validate import default
@@ -127,7 +143,7 @@ def parse(target=None, stack=None, config=None, nodes=None, gpus_per_node=None, 
         return _model_or_data(flag, value, tgt, label=f"{where}: {flag} location")
 
     return TrainOptions(
-        target=tgt.name, stack=stack or None, config=path,
+        target=where.target, stack=where.stack, config=path,
         nodes=_int("nodes", nodes), gpus_per_node=_int("gpus-per-node", gpus_per_node),
         examples=_int("examples", examples), model=model, data=data, identity=identity,
         config_model=None if model else from_config("model_name_or_path", "model"),

@@ -87,6 +87,20 @@ def test_hosts_have_own_names_and_the_inventory_describes_them(lc):
 
 
 @pytest.mark.cluster
+def test_names_come_from_etc_hosts_and_no_dns_query_leaves_the_cluster(lc):
+    """The bridge reaches no nameserver: a host using the machine's resolv.conf sent its DNS queries
+    off the cluster's network and waited 10 s for each (torchrun's rendezvous made several a job)."""
+    _, controller, nodes = lc
+    for c in (controller, *nodes.values()):
+        conf = run(c, "cat /etc/resolv.conf").stdout.splitlines()
+        servers = [line.split()[1] for line in conf if line.startswith("nameserver")]
+        assert servers == ["127.0.0.1"], conf
+    peers = {"controller": "10.213.0.10", "gpu-node-02": "10.213.0.12"}
+    for name, ip in peers.items():
+        assert run(nodes["gpu-node-01"], f"getent ahostsv4 {name}").stdout.split()[0] == ip
+
+
+@pytest.mark.cluster
 def test_password_login_is_refused(lc):
     r = subprocess.run(
         ["ssh", "-o", "BatchMode=yes", "-o", "PubkeyAuthentication=no", "-o", "ConnectTimeout=5",

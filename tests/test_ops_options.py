@@ -85,3 +85,19 @@ def test_cli_refuses_before_touching_hosts():
     assert res.returncode == 1
     assert "--nodes must be a whole number" in res.stderr + res.stdout
     assert "Traceback" not in res.stderr
+
+
+def test_tasks_other_than_train_check_their_flags_without_the_training_stack():
+    """status, logs, cancel, reconfigure and ssh read no training config: checking their flags must not
+    import TRL/transformers (seconds per command), while `fab train`'s check still does."""
+    probe = ("import sys; from ops import options; "
+             "o = options.parse_cluster(target='local', stack=None, identity=None); "
+             "print(o.target, 'trl' in sys.modules, 'transformers' in sys.modules)")
+    res = subprocess.run([str(REPO / ".venv" / "bin" / "python"), "-c", probe], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.split() == ["local", "False", "False"], res.stdout + res.stderr
+    with pytest.raises(options.OptionError, match="--stack names a Pulumi stack"):
+        options.parse_cluster(target="local", stack="dev")
+    with pytest.raises(options.OptionError, match="--identity /nonexistent/key: no readable key file"):
+        options.parse_cluster(target="aws", identity="/nonexistent/key")
+    assert options.parse(target="local").target == "local"  # train's parse: the same checks, and the config
