@@ -74,6 +74,9 @@ class ClusterFacts:
     # Slurm's defaults; the local cluster shortens both so a node-loss test takes seconds.
     slurmd_timeout: int = 180
     cred_expire: int = 120
+    # Seconds between the GPU health checks slurmctld asks every slurmd for (HealthCheckInterval);
+    # the local cluster checks more often so a missing stand-in GPU drains its node within seconds.
+    health_check_interval: int = 60
     # None: nodes never stop when idle (no power-save keys in slurm.conf).
     power_save: PowerSave | None = None
     extra: dict = field(default_factory=dict, compare=False, hash=False)

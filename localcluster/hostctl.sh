@@ -43,10 +43,18 @@ case $service in
   *) usage ;;
 esac
 
+# Whether process $1 runs. One that has exited but is not reaped yet (a zombie: this machine's init
+# takes a second or two to reap an orphaned daemon) is stopped: it holds no socket, port or file.
+alive() {
+  local state
+  state=$(sed -n 's/^State:[[:space:]]*\([A-Z]\).*/\1/p' "/proc/$1/status" 2>/dev/null) || return 1
+  [ -n "$state" ] && [ "$state" != Z ] && [ "$state" != X ]
+}
+
 running_pid() {
   local pid
   pid=$(cat "$pidfile" 2>/dev/null) || return 1
-  [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null && echo "$pid"
+  [ -n "$pid" ] && alive "$pid" && echo "$pid"
 }
 
 start() {
@@ -68,7 +76,7 @@ stop() {
   pid=$(running_pid) || { rm -f "$pidfile"; return 0; }
   kill -TERM "$pid" 2>/dev/null || true
   for i in $(seq 1 200); do
-    kill -0 "$pid" 2>/dev/null || { rm -f "$pidfile"; return 0; }
+    alive "$pid" || { rm -f "$pidfile"; return 0; }
     sleep 0.05
     [ "$i" -eq 100 ] && kill -KILL "$pid" 2>/dev/null
   done

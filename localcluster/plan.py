@@ -42,6 +42,8 @@ def cluster_facts(nodes: int, gpus: int, idle_stop_s: int = 0) -> ClusterFacts:
         # 60 s retry of the terminate request to the lost node, or that late retry kills the new
         # attempt (same job id) when the node is back.
         slurmd_timeout=15, cred_expire=70, power_save=power.power_save(idle_stop_s),
+        # A removed stand-in GPU drains its node within 15 s (AWS: 60 s between checks).
+        health_check_interval=15,
     )
 
 

@@ -8,7 +8,6 @@ channel's stdin: it never touches the local disk, a log, or a command line.
 from __future__ import annotations
 
 import hashlib
-import io
 import re
 import time
 from collections.abc import Mapping, Sequence
@@ -17,7 +16,7 @@ from dataclasses import dataclass, field
 
 from fabric import Connection
 
-from ops.remote import sudo
+from ops.remote import WholeInput, sudo
 
 KEY_PATH = "/etc/munge/munge.key"
 # unmunge pads the field: "STATUS:          Success (0)".
@@ -70,7 +69,7 @@ def install_key(c: Connection, key: bytes, service_cmd: str) -> None:
         c,
         f"sh -c 'base64 -d | install -o munge -g munge -m 0400 /dev/stdin {tmp}"
         f" && mv -f {tmp} {KEY_PATH} && {restart}'",
-        in_stream=io.StringIO(base64.b64encode(key).decode()),
+        in_stream=WholeInput(base64.b64encode(key).decode()),
     )
 
 
@@ -80,7 +79,7 @@ def make_credential(c: Connection) -> str:
 
 def decodes(c: Connection, credential: str) -> tuple[bool, str]:
     """Whether this host's munged decodes `credential`; with unmunge's STATUS line."""
-    r = sudo(c, "unmunge", in_stream=io.StringIO(credential + "\n"), warn=True)
+    r = sudo(c, "unmunge", in_stream=WholeInput(credential + "\n"), warn=True)
     status = next((ln for ln in (r.stdout + r.stderr).splitlines() if "STATUS" in ln or "unmunge:" in ln), "")
     return bool(r.ok and SUCCESS.search(r.stdout)), " ".join(status.split())
 

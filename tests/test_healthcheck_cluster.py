@@ -180,7 +180,7 @@ def test_missing_device_drains_the_node(lc):
     assert not run(node, f"test -e {DEVICE}", warn=True).ok
     assert run(cl.nodes[OTHER], f"test -e {DEVICE}", warn=True).ok
 
-    # slurmctld asks every slurmd to run HealthCheckProgram each HealthCheckInterval (60 s,
+    # slurmctld asks every slurmd to run HealthCheckProgram each HealthCheckInterval (15 s here,
     # counted from slurmctld's start, most of which the tests above used up). Restarting
     # slurmd or `scontrol reconfigure` is no shortcut: slurmd re-reads gres.conf, finds the
     # File= missing and exits (fatal), leaving the node down* without a reason.

@@ -9,7 +9,6 @@ Slurm, idempotent `up`, `down` leaving nothing, and a failed `up` cleaning up.
 
 from __future__ import annotations
 
-import io
 import re
 import subprocess
 
@@ -18,6 +17,7 @@ import pytest
 from bootstrap import render
 from localcluster import cluster, files, hosts, layout, netns, plan, preflight, state
 from ops import munge, remote
+from ops.remote import WholeInput
 from tests.localcluster_fixture import fresh_cluster, run, wait_for
 
 NODES, GPUS = 2, 2
@@ -135,7 +135,7 @@ def test_key_distribution_then_rerun_skips(lc):
             == ["munge:munge", "700", "munge:munge", "400"]
     # The other direction too: a node's credential decodes on the controller.
     cred = run(nodes[NODE_NAMES[0]], "munge -n").stdout
-    assert "ENCODE_HOST:" in run(controller, "unmunge", in_stream=io.StringIO(cred)).stdout
+    assert "ENCODE_HOST:" in run(controller, "unmunge", in_stream=WholeInput(cred)).stdout
     again = munge.distribute_key(controller, nodes, inventory.service_cmd)
     assert again.installed == [] and sorted(again.skipped) == NODE_NAMES
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from ops import cloudinit, joblog, slurm, summary
-from ops.remote import HostError, each
+from ops.remote import HostError, WholeInput, each
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -172,3 +172,17 @@ def test_unreachable_controller_is_a_clear_error_not_a_traceback(task, tmp_path)
     out = res.stdout + res.stderr
     assert "Traceback" not in out
     assert "controller" in out or "cannot reach" in out
+
+
+def test_text_for_a_commands_stdin_is_handed_over_in_one_piece():
+    """Invoke reads a plain in_stream one byte per 10 ms nap (a munge credential took 1.5 s to send);
+    WholeInput gives it everything in one read, and the command still gets every byte."""
+    from invoke import Context
+
+    text = "credential-" + "x" * 400 + "\n"
+    src, reads = WholeInput(text), []
+    read = src.read
+    src.read = lambda size=-1: reads.append(got := read(size)) or got
+    res = Context().run("cat", in_stream=src, hide=True)
+    assert res.stdout == text
+    assert [r for r in reads if r] == [text]
