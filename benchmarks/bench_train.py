@@ -421,6 +421,7 @@ def run_recipe(name: str, rows: list[dict], cfg: dict, device: str, steps: int, 
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
         "profile": profiler.summary if profiler else None,
         "step_graphs": ({"captured": trainer.step_graphs.captured, "replayed": trainer.step_graphs.replayed,
+                         "capture_s": round(trainer.step_graphs.capture_s, 2),
                          "enabled": trainer.step_graphs.enabled, "max_tokens": trainer.step_graphs.max_tokens}
                         if getattr(trainer, "step_graphs", None) else None),
     }

@@ -59,6 +59,21 @@ def test_bucket_padded_step_matches_unpadded(attn):
         torch.testing.assert_close(p.grad, d)
 
 
+def test_steps_of_one_token_bucket_share_a_graph_whatever_their_scored_count():
+    """Every bucket costs a capture: two packed rows of the same token bucket, one with 40 scored positions
+    and one with 400 (either side of a 256 quantum), must map to one bucket whose target buffers hold both."""
+    def row(prompt: int, completion: int) -> dict:
+        return {"input_ids": list(range(2, 2 + prompt + completion)), "completion_mask": [0] * prompt + [1] * completion}
+
+    graphs = step_graphs.StepGraphs(None, [], PAD_ID, max_tokens=4096, attention="sdpa")
+    few = packing.pack_examples([row(400, 20), row(20, 20)], pad_token_id=PAD_ID)
+    many = packing.pack_examples([row(20, 200), row(20, 200)], pad_token_id=PAD_ID)
+    assert few["num_targets"] < step_graphs.TOKEN_BUCKET < many["num_targets"]
+    assert graphs.key(few) == graphs.key(many)
+    tokens, targets = graphs.key(many)[:2]
+    assert targets >= max(few["num_targets"], many["num_targets"]) and tokens >= many["input_ids"].shape[1]
+
+
 def test_block_mask_refreshed_in_place(eager_flex):  # noqa: F811
     """A bucket keeps one BlockMask (the graph holds its tensors): a later row of the same bucket must
     leave it equal to a mask built afresh for that row, padding a document of its own."""
@@ -67,7 +82,7 @@ def test_block_mask_refreshed_in_place(eager_flex):  # noqa: F811
     for seed in (1, 2):
         micro = packing.pack_examples(synthetic_rows(2, seed=seed), pad_token_id=PAD_ID)
         key = graphs.key(micro)
-        assert key == (step_graphs.TOKEN_BUCKET, step_graphs.TARGET_BUCKET, 0, 0)
+        assert key == (step_graphs.TOKEN_BUCKET, step_graphs.TOKEN_BUCKET, 0, 0)
         b = graphs.buckets.setdefault(key, step_graphs._Bucket(*key, PAD_ID, micro["input_ids"].device))
         kept = b.mask
         graphs._fill(b, micro, 1.0)
@@ -152,14 +167,20 @@ def test_batches_go_to_the_device_without_blocking():
     assert count == 3 and isinstance(count, int)
 
 
-def test_attention_for_run(monkeypatch):
-    monkeypatch.delenv(packing.ATTENTION_ENV, raising=False)
-    varlen = packing.PACKED_VARLEN
-    assert packing.attention_for_run(varlen, compiled=True, step_graphs=True) == varlen
-    assert packing.attention_for_run(varlen, compiled=False, step_graphs=False) == varlen
-    assert packing.attention_for_run(varlen, compiled=True, step_graphs=False) == "flex_attention"
-    assert packing.attention_for_run(packing.PACKED_SDPA, compiled=True, step_graphs=False) == packing.PACKED_SDPA
-    monkeypatch.setenv(packing.ATTENTION_ENV, "varlen")
-    assert packing.attention_for_run(varlen, compiled=True, step_graphs=False) == varlen
+def test_attention_choice_on_a_gpu_and_bad_settings(monkeypatch):
+    """varlen on every GPU run (compiled or eager, step graphs or not) where torch has it, flex where it
+    has not or TRAINING_ATTENTION=flex asks; the CPU path whatever the setting; bad values named."""
+    env = packing.ATTENTION_ENV
+    assert packing.attention_implementation({env: "varlen"}) == packing.attention_implementation({}) == (
+        packing.PACKED_VARLEN if packing.varlen_available() else packing.PACKED_SDPA
+        if not torch.cuda.is_available() else "flex_attention")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the choice as a GPU node makes it
+    monkeypatch.setattr(packing, "varlen_installed", lambda: True)
+    assert packing.attention_implementation({}) == packing.PACKED_VARLEN
+    assert packing.attention_implementation({env: " Flex "}) == "flex_attention"
+    monkeypatch.setattr(packing, "varlen_installed", lambda: False)
+    assert packing.attention_implementation({}) == "flex_attention"
+    with pytest.raises(ValueError, match="TRAINING_ATTENTION=varlen: this torch .* has no torch.nn.attention.varlen"):
+        packing.attention_implementation({env: "varlen"})
     with pytest.raises(ValueError, match="TRAINING_ATTENTION='fast': use varlen or flex"):
-        packing.attention_implementation({packing.ATTENTION_ENV: "fast"})
+        packing.attention_implementation({env: "fast"})

@@ -42,17 +42,24 @@ log = logging.getLogger(__name__)
 # The packed row's attention keeps each example to itself. On CPU: packed_sdpa_attention below (each
 # example gathered into a padded batch for causal SDPA; flex attention has no backward on CPU).
 # On a GPU: packed_varlen_attention, flash attention over the row's documents given by their offsets
-# (cu_seqlens), compiled or eager, no mask at all; where this torch lacks varlen_attn, flex attention
-# with a document BlockMask (compiled blocks) or SDPA with a dense document mask (eager).
-# packed_sdpa compiled measured 4.8k tokens/s on an H200 against flex's 11.7k (benchmarks/NOTES.md).
+# (cu_seqlens), compiled or eager, replayed as step graphs or not, no mask at all; where this torch lacks
+# varlen_attn, flex attention with a document BlockMask (compiled blocks) or SDPA with a dense document
+# mask (eager). Measured on an H200 (benchmarks/NOTES.md): varlen over flex 1.46x at 2 Alpaca rows a
+# step, equal at 16 (less GPU time), 1.06x on long rows (25,317 against 23,961 tokens/s, same run);
+# packed_sdpa compiled measured 4.8k tokens/s against flex's 11.7k.
 PACKED_SDPA = "packed_sdpa"
 PACKED_VARLEN = "packed_varlen"
 # TRAINING_ATTENTION=varlen|flex picks the GPU attention (default: varlen where torch has it).
 ATTENTION_ENV = "TRAINING_ATTENTION"
 
 
+def varlen_installed() -> bool:
+    """Whether this torch has flash attention's variable-length entry point (torch.nn.attention.varlen)."""
+    return importlib.util.find_spec("torch.nn.attention.varlen") is not None
+
+
 def varlen_available() -> bool:
-    return torch.cuda.is_available() and importlib.util.find_spec("torch.nn.attention.varlen") is not None
+    return torch.cuda.is_available() and varlen_installed()
 
 
 def attention_implementation(environ=os.environ) -> str:
@@ -74,15 +81,6 @@ def attention_implementation(environ=os.environ) -> str:
 ATTN_IMPLEMENTATION = attention_implementation({})
 
 
-def attention_for_run(current: str | None, compiled: bool, step_graphs: bool) -> str | None:
-    """varlen where it was measured to pay (benchmarks/NOTES.md: steps replayed as CUDA graphs, 1.46x flex
-    at 2 Alpaca rows a step, 7.5 ms less GPU time at 16; eager runs, no T x T mask); compiled runs without
-    step graphs (long steps, or several processes) keep flex attention, the path measured on long rows,
-    until varlen is measured there. TRAINING_ATTENTION=varlen keeps varlen everywhere."""
-    forced = os.environ.get(ATTENTION_ENV, "").strip().lower() == "varlen"
-    if current == PACKED_VARLEN and compiled and not step_graphs and not forced:
-        return "flex_attention"
-    return current
 # flex attention works on 128-token blocks: the packed row is padded up to a multiple of this.
 PAD_MULTIPLE = 128
 # Largest packed micro-batch in tokens; a step with more tokens runs as several micro-batches.
@@ -221,7 +219,8 @@ def packed_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0
 
 
 # torch's varlen_attn and the arguments that make it causal with grouped-query heads, across its
-# signatures (torch 2.9-2.11: is_causal=; later: window_size=(-1, 0), enable_gqa=). Set by
+# signatures (the oldest: is_causal=; torch 2.11: window_size=(-1, 0) and GQA without asking; the GPU
+# nodes' 2.13: window_size=(-1, 0), enable_gqa=): read from the signature, not the version. Set by
 # register_packed_attention: module globals, so that a compiled block reads them without tracing an import.
 _VARLEN_ATTN = None
 _VARLEN_KWARGS: dict[str, Any] = {}
@@ -283,7 +282,7 @@ def register_packed_attention() -> None:
 
     AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention)
     AttentionInterface.register(PACKED_VARLEN, packed_varlen_attention)
-    if _VARLEN_ATTN is None and importlib.util.find_spec("torch.nn.attention.varlen") is not None:
+    if _VARLEN_ATTN is None and varlen_installed():
         _load_varlen()
 
 
@@ -649,9 +648,6 @@ def packed_trainer_class():
             log.info("packed path: compile=%s (%s); token budget %d per micro-batch",
                      bool(self.compiled_layers), self.compile_reason, self.data_collator.token_budget)
             self.use_step_graphs = self._decide_step_graphs(compile_model)
-            config = unwrap(self.model).config
-            config._attn_implementation = attention_for_run(getattr(config, "_attn_implementation", None),
-                                                            bool(self.compiled_layers), self.use_step_graphs)
             self.step_graphs = None  # built at the first step, around the model the Trainer steps
             self.real_tokens_seen = 0
             self._correct = None  # device tensor: top-1 hits since the last log

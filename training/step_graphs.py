@@ -4,9 +4,12 @@ A packed step of Alpaca-length rows (~1,600 tokens) is launch-bound: about 3,000
 node's CPU the Python and launch work of the 36 compiled blocks takes longer than the GPU needs for them
 (profiled on an H200: GPU busy 18% of the step, benchmarks/NOTES.md). Replaying a captured graph costs
 one launch. A graph needs fixed shapes and addresses, so each step's packed row is padded to a bucket
-(TOKEN_BUCKET tokens, TARGET_BUCKET scored positions) and copied into that bucket's static buffers; the
+(TOKEN_BUCKET tokens, as many scored positions) and copied into that bucket's static buffers; the
 padding is a document of its own (it attends only to itself) and its targets weigh 0, so the loss,
-the gradients and the token accuracy are those of the unpadded row.
+the gradients and the token accuracy are those of the unpadded row. Scored positions follow the token
+bucket rather than having buckets of their own: every bucket costs one capture (about
+an uncaptured compiled step's host time), and for Alpaca rows at 16 a step a separate target bucket nearly doubled the
+buckets of an epoch (22 against 13 in 125 steps) to save ~2 ms of LM head a step.
 
 The run's first step runs uncaptured (it compiles the blocks and creates the libraries' handles); from
 then on each bucket is captured the first time it occurs and replayed ever after: an epoch of Alpaca
@@ -22,6 +25,7 @@ run inside a graph.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -29,7 +33,6 @@ import torch
 log = logging.getLogger(__name__)
 
 TOKEN_BUCKET = 256
-TARGET_BUCKET = 256
 # Decided per run (TRAINING_CUDA_GRAPHS unset): graphs for compiled runs whose steps average at most this
 # many tokens. Measured on an H200 (benchmarks/NOTES.md): 1,630-token steps 1.67x faster, 200-token
 # steps 6.1x; at ~4,100 tokens a step the uncaptured path was already GPU-bound (21,956 tokens/s on
@@ -100,6 +103,7 @@ class StepGraphs:
         self.pool = None
         self.enabled = True
         self.captured = 0
+        self.capture_s = 0.0  # host seconds spent capturing (what a bucket costs beyond its replays)
         self.replayed = 0
         self.steps = 0
 
@@ -161,10 +165,12 @@ class StepGraphs:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
+        start = time.perf_counter()
         with torch.cuda.graph(graph, pool=self.pool):
             b.outputs = self._run(b)
         b.graph = graph
         self.captured += 1
+        self.capture_s += time.perf_counter() - start
 
     def key(self, micro: dict[str, Any]) -> tuple[int, int, int, int]:
         length = int(micro["input_ids"].shape[1])
@@ -173,7 +179,7 @@ class StepGraphs:
         if self.varlen:  # host numbers: the micro-batch's documents + the bucket's padding document
             documents = bucket(int(micro["cu_seqlens"].numel()), DOCUMENT_BUCKET)
             max_len = power_of_two(max(int(micro["max_document_length"]), tokens - length), MIN_MAX_LEN)
-        return tokens, bucket(int(micro["num_targets"]), TARGET_BUCKET), documents, max_len
+        return tokens, tokens, documents, max_len  # scored positions: as many as the bucket's tokens
 
     def step(self, micro: dict[str, Any], scale: float):
         key = self.key(micro)
