@@ -77,6 +77,10 @@ class ClusterFacts:
     # Seconds between the GPU health checks slurmctld asks every slurmd for (HealthCheckInterval);
     # the local cluster checks more often so a missing stand-in GPU drains its node within seconds.
     health_check_interval: int = 60
+    # Seconds between the main scheduler's periodic passes (SchedulerParameters=sched_interval); None
+    # keeps Slurm's 60 s. A job whose start time comes (a requeued job after cred_expire) waits for the
+    # next pass: the local cluster looks every 5 s.
+    sched_interval: int | None = None
     # None: nodes never stop when idle (no power-save keys in slurm.conf).
     power_save: PowerSave | None = None
     extra: dict = field(default_factory=dict, compare=False, hash=False)

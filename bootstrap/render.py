@@ -129,8 +129,8 @@ def _context(facts: ClusterFacts) -> dict:
         raise ValueError("NodeShape cpus and real_memory_mib must be positive")
     if facts.slurmd_timeout < 1 or facts.cred_expire < 5:  # Slurm ignores cred_expire < 5
         raise ValueError("slurmd_timeout must be >= 1 and cred_expire >= 5 seconds")
-    if facts.health_check_interval < 1:
-        raise ValueError("health_check_interval must be >= 1 second")
+    if facts.health_check_interval < 1 or (facts.sched_interval is not None and facts.sched_interval < 1):
+        raise ValueError("health_check_interval and sched_interval must be >= 1 second")
     _check_power_save(facts)
     last = shape.gpu_count - 1
     prefix = facts.gpu_device_prefix

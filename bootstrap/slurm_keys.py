@@ -21,7 +21,7 @@ _SLURM_CONF_COMMON = frozenset({
     "HealthCheckProgram", "InactiveLimit", "JobAcctGatherType", "JobCompType", "JobRequeue",
     "KillOnBadExit", "KillWait", "MessageTimeout", "MinJobAge", "MpiDefault", "PrologFlags",
     "PropagateResourceLimits", "PropagateResourceLimitsExcept", "ProctrackType", "ResumeProgram",
-    "ResumeRate", "ResumeTimeout", "ReturnToService", "SchedulerType", "SelectType",
+    "ResumeRate", "ResumeTimeout", "ReturnToService", "SchedulerParameters", "SchedulerType", "SelectType",
     "SelectTypeParameters", "SlurmUser", "SlurmctldHost", "SlurmctldLogFile", "SlurmctldParameters",
     "SlurmctldPidFile", "SlurmctldPort", "SlurmctldTimeout", "SlurmdLogFile", "SlurmdPidFile",
     "SlurmdPort", "SlurmdSpoolDir", "SlurmdTimeout", "StateSaveLocation", "SuspendExcNodes",

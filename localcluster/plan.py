@@ -44,6 +44,8 @@ def cluster_facts(nodes: int, gpus: int, idle_stop_s: int = 0) -> ClusterFacts:
         slurmd_timeout=15, cred_expire=70, power_save=power.power_save(idle_stop_s),
         # A removed stand-in GPU drains its node within 15 s (AWS: 60 s between checks).
         health_check_interval=15,
+        # A requeued job starts within seconds of its start time (Slurm's next pass: 60 s by default).
+        sched_interval=5,
     )
 
 

@@ -100,6 +100,7 @@ def test_slurm_conf_settings(case):
     assert s["HealthCheckProgram"] == render.HEALTHCHECK_PATH
     assert s["HealthCheckNodeState"] == "ANY"
     assert s["HealthCheckInterval"] == "60"
+    assert "SchedulerParameters" not in s  # Slurm's own scheduler interval (60 s) on AWS
     assert s["SlurmctldParameters"] == "enable_configless"  # GPU nodes fetch the config
     parts = [kv(ln) for ln in conf_lines(text) if ln.startswith("PartitionName=")]
     assert parts == [

@@ -53,3 +53,16 @@ def test_platform_survives_the_inventory_round_trip():
     old = facts_to_dict(_facts())
     del old["platform"]  # inventories written before the platform was recorded: AWS
     assert facts_from_dict(old).platform is AWS
+
+
+def test_local_cluster_shortens_only_its_own_timers():
+    """The local cluster's slurm.conf checks health every 15 s and schedules every 5 s (a requeued job
+    starts seconds after its start time, not at Slurm's next 60 s pass); AWS's keeps Slurm's values."""
+    from tests.test_bootstrap_render import settings
+
+    local = settings(render.render_slurm_conf(local_plan.cluster_facts(2, 2)))
+    aws = settings(render.render_slurm_conf(_facts()))
+    assert (local["SlurmdTimeout"], local["HealthCheckInterval"], local["SchedulerParameters"]) == \
+        ("15", "15", "sched_interval=5")
+    assert (aws["SlurmdTimeout"], aws["HealthCheckInterval"]) == ("180", "60") and "SchedulerParameters" not in aws
+    assert facts_from_dict(facts_to_dict(local_plan.cluster_facts(2, 2))).sched_interval == 5
