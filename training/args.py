@@ -37,8 +37,9 @@ class DataArguments:
     )
     flex_packing: bool | None = field(
         default=None,
-        metadata={"help": "Padding-free batches with flex attention (training/packing.py). Unset = auto: "
-                          "on when a GPU is present and the fast path is installed; false = padded batches."},
+        metadata={"help": "Padding-free packed batches (training/packing.py; the name is historic: on a GPU the "
+                          "attention is flash varlen, TRAINING_ATTENTION=flex for flex). Unset = auto: on when a "
+                          "GPU is present and the fast path is installed; false = padded batches."},
     )
 
 

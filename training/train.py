@@ -62,7 +62,7 @@ def prepare_dataset(data_args: DataArguments):
 
 
 def resolve_flex_packing(setting: bool | None, gpu: bool | None = None) -> bool:
-    """Whether to use the padding-free flex-attention fast path (training/packing.py).
+    """Whether to use the padding-free packed fast path (training/packing.py).
 
     None = auto: on with a GPU when the fast path is installed, otherwise padded batches.
     True without the module is an error rather than a silent slow run.
