@@ -155,6 +155,10 @@ def test_slurmctld_down_is_said_and_waited_out(lc):
         rc, out = fab("ssh", "controller", "--target", "local", "--command", "hostname")  # the way in to fix it
         assert rc == 0 and out.strip() == "controller", out
 
+        # A job query says so from `scontrol ping` (at once) rather than after its own 20 s bound.
+        with pytest.raises(slurm.ControllerUnreachable, match=r"slurmctld does not answer \(`scontrol ping`: .*DOWN"):
+            slurm.job(cl.controller, job_id)
+
         # Giving up (here after 2 s without an answer) names the job and how to reattach.
         said: list[str] = []
         with pytest.raises(slurm.ControllerUnreachable) as info:
