@@ -32,12 +32,14 @@ class ControllerUnreachable(SlurmError):
 QUERY_TIMEOUT_S = 20
 # job()'s exit status for "scontrol ping says slurmctld is not up" (scontrol itself exits 0 or 1).
 PING_DOWN_EXIT = 3
+# What `scontrol ping` says of a controller that answers: "Slurmctld(primary) at HOST is UP".
+PING_UP = "is UP"
 
 
 def controller_up(ctl: Connection) -> bool:
     """`scontrol ping`: answers at once, also when slurmctld is down (other queries retry ~1 min)."""
     res = ctl.run("scontrol ping", hide=True, warn=True)
-    return res.ok and "is UP" in res.stdout
+    return res.ok and PING_UP in res.stdout
 
 
 @dataclass(frozen=True)
@@ -211,7 +213,8 @@ def job(ctl: Connection, job_id: str) -> Job | None:
     """
     # scontrol retries for about a minute when slurmctld is down: `scontrol ping` (answers at once) first,
     # in the same ssh command, and a bound on the query for a controller that is up but does not answer.
-    res = ctl.run(f"scontrol ping | grep -q 'is UP' || {{ scontrol ping; exit {PING_DOWN_EXIT}; }}; "
+    res = ctl.run(f"p=$(scontrol ping 2>&1); case \"$p\" in *'{PING_UP}'*) ;; *) printf '%s\\n' \"$p\"; "
+                  f"exit {PING_DOWN_EXIT};; esac; "
                   f"timeout {QUERY_TIMEOUT_S} scontrol show job -o {shlex.quote(job_id)}", hide=True, warn=True)
     if res.exited == PING_DOWN_EXIT:
         # "Slurmctld(primary) at HOST is DOWN", then a box of asterisks
