@@ -69,6 +69,18 @@ def test_step_graph_replay_matches_uncaptured_step():
                packing.pack_examples(r, pad_token_id=PAD_ID).items()} for r in rows]
     keys = [graphs.key(m) for m in micros]
     assert keys[0] == keys[1] != keys[2] == keys[3]
+    capture = graphs._capture
+
+    def capture_without_waiting(b):
+        """A capture must not wait for the GPU (the steps queued before it run on while it records):
+        CUDA's sync debug mode makes any wait an error, and a failed capture runs the step uncaptured."""
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            capture(b)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    graphs._capture = capture_without_waiting
     for i, m in enumerate(micros):
         loss, hits, grads = graphs.step(m, 1.0 / m["num_targets"])
         assert graphs.replayed == i  # the first step uncaptured, then every step a replay
