@@ -72,13 +72,19 @@ def test_step_graph_replay_matches_uncaptured_step():
     capture = graphs._capture
 
     def capture_without_waiting(b):
-        """A capture must not wait for the GPU (the steps queued before it run on while it records):
-        CUDA's sync debug mode makes any wait an error, and a failed capture runs the step uncaptured."""
+        """A capture must not wait for the GPU: the work queued before it (here a kernel that spins ~2 s)
+        is still running when the capture returns. CUDA's sync debug mode makes a sync the library
+        reports (.item(), a blocking copy) an error; a failed capture runs the step uncaptured."""
+        torch.cuda._sleep(4_000_000_000)  # GPU clock cycles: ~2 s at 2 GHz, far above a tiny model's capture
+        queued = torch.cuda.Event()
+        queued.record()
         torch.cuda.set_sync_debug_mode("error")
         try:
             capture(b)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+        assert not queued.query()  # torch.cuda.graph's entry would have waited for it (synchronize)
+        torch.cuda.synchronize()
 
     graphs._capture = capture_without_waiting
     for i, m in enumerate(micros):
