@@ -208,7 +208,10 @@ class StepGraphs:
             except Exception as e:  # noqa: BLE001 - a step that cannot be captured still trains, uncaptured
                 b.failed += 1
                 b.graph, b.outputs = None, None
+                # The capture no longer empties the allocator's cache first (that waits for the GPU): a
+                # capture that failed for memory gets that room back before its second attempt.
                 torch.cuda.synchronize()
+                torch.cuda.empty_cache()
                 if b.failed >= 2:
                     self.enabled = False
                 log.warning("CUDA graph capture of a %d-token step failed (%s: %s); %s", b.tokens,
