@@ -7,19 +7,20 @@ one launch. A graph needs fixed shapes and addresses, so each step's packed row 
 (TOKEN_BUCKET tokens, as many scored positions) and copied into that bucket's static buffers; the
 padding is a document of its own (it attends only to itself) and its targets weigh 0, so the loss,
 the gradients and the token accuracy are those of the unpadded row. Scored positions follow the token
-bucket rather than having buckets of their own: every bucket costs one capture (about
-an uncaptured compiled step's host time), and for Alpaca rows at 16 a step a separate target bucket nearly doubled the
-buckets of an epoch (22 against 13 in 125 steps) to save ~2 ms of LM head a step.
+bucket rather than having buckets of their own: every bucket costs one capture (about an uncaptured
+compiled step's host time), and for Alpaca rows at 16 a step a separate target bucket nearly doubled
+the buckets of an epoch (22 against 13 in 125 steps) to save ~2 ms of LM head a step.
 
 The run's first step runs uncaptured (it compiles the blocks and creates the libraries' handles); from
 then on each bucket is captured the first time it occurs and replayed ever after: an epoch of Alpaca
-rows at 16 a step meets ~15-25 buckets, and an uncaptured step costs ~3x a replayed one on an H200
-(benchmarks/NOTES.md). A bucket whose capture fails runs uncaptured and is tried once more at its next
-occurrence; a second failure turns step graphs off for the run. Graphs are used only while a step's
-activations fit twice in the GPU's memory (the graphs keep their own memory pool). The gradients come out
-of the graph (torch.autograd.grad) and are handed to the parameters as `.grad`, so the Trainer's clipping,
-optimizer and zero_grad work as before. One process only: under DDP the gradient all-reduce hooks cannot
-run inside a graph.
+rows at 16 a step meets ~12 buckets, and an uncaptured step costs ~3x a replayed one on an H200
+(benchmarks/NOTES.md). A capture records while the GPU runs the steps queued before it (_capture).
+A bucket whose capture fails runs uncaptured and is tried once more at its next occurrence; a second
+failure turns step graphs off for the run. Graphs are used only while a step's activations fit twice
+in the GPU's memory (the graphs keep their own memory pool). The gradients come out of the graph
+(torch.autograd.grad) and are handed to the parameters as `.grad`, so the Trainer's clipping,
+optimizer and zero_grad work as before. One process only: under DDP the gradient all-reduce hooks
+cannot run inside a graph.
 """
 
 from __future__ import annotations
