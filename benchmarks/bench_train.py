@@ -422,7 +422,8 @@ def run_recipe(name: str, rows: list[dict], cfg: dict, device: str, steps: int, 
         "profile": profiler.summary if profiler else None,
         "step_graphs": ({"captured": trainer.step_graphs.captured, "replayed": trainer.step_graphs.replayed,
                          "capture_s": round(trainer.step_graphs.capture_s, 2),
-                         "enabled": trainer.step_graphs.enabled, "max_tokens": trainer.step_graphs.max_tokens}
+                         "enabled": trainer.step_graphs.enabled, "max_tokens": trainer.step_graphs.max_tokens,
+                         "planned": len(trainer.step_graphs.planned), "unplanned": trainer.step_graphs.unplanned}
                         if getattr(trainer, "step_graphs", None) else None),
     }
     if clock.mark and end_step > clock.mark[3]:

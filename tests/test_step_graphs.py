@@ -121,8 +121,22 @@ def test_trainer_step_graph_path_trains_the_same(tmp_path, monkeypatch):
     plain_losses, plain_w, plain = _train(tmp_path, "plain", True, rows, 4)
     assert plain.step_graphs is None
     monkeypatch.setenv("TRAINING_CUDA_GRAPHS", "1")
+    seen = []
+    run_step = step_graphs.StepGraphs.step
+
+    def recording_step(self, micro, scale):
+        seen.append(step_graphs.step_shape(micro))
+        return run_step(self, micro, scale)
+
+    monkeypatch.setattr(step_graphs.StepGraphs, "step", recording_step)
     graph_losses, graph_w, graphed = _train(tmp_path, "graphs", True, rows, 4)
-    assert graphed.step_graphs is not None and graphed.step_graphs.steps == 4
+    graphs = graphed.step_graphs
+    assert graphs is not None and graphs.steps == 4
+    # The buckets were planned from the run's steps before the first: the plan foresaw each step's shape
+    # exactly (the collator leaves the padding to the graphs), and every step used a planned bucket.
+    assert graphed.data_collator.pad_to_multiple_of == 1
+    assert graphed._planned_step_shapes() == seen and graphs.planned and graphs.unplanned == 0
+    assert set(graphs.buckets) <= set(graphs.planned)
     assert len(plain_losses) == len(graph_losses) == 4
     for a, b in zip(plain_losses, graph_losses, strict=True):
         assert abs(a - b) <= 1e-5 * abs(a), (plain_losses, graph_losses)
@@ -184,3 +198,108 @@ def test_attention_choice_on_a_gpu_and_bad_settings(monkeypatch):
         packing.attention_implementation({env: "varlen"})
     with pytest.raises(ValueError, match="TRAINING_ATTENTION='fast': use varlen or flex"):
         packing.attention_implementation({env: "fast"})
+
+
+def mixed_examples(n: int, seed: int) -> list[dict]:
+    """Rows as the trainer meets them: prompt/completion rows, rows with labels, plain rows, an empty one."""
+    import random
+
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        p, c = rng.randint(1, 40), rng.randint(1, 60)
+        ids = [rng.randrange(2, 60) for _ in range(p + c)]
+        kind = i % 3
+        if kind == 0:
+            rows.append({"input_ids": ids, "completion_mask": [0] * p + [1] * c})
+        elif kind == 1:
+            rows.append({"input_ids": ids, "labels": [-100 if rng.random() < 0.3 else t for t in ids]})
+        else:
+            rows.append({"input_ids": ids})
+    rows.append({"input_ids": [], "completion_mask": []})
+    return rows
+
+
+@pytest.mark.parametrize("multiple", [1, 8, 128])
+def test_packed_shape_is_what_pack_examples_makes(multiple):
+    """The step graphs plan their buckets from packed_shape: it must give exactly the shape pack_examples
+    gives the same rows (step_shape reads it), whatever the padding multiple and the kind of row."""
+    for seed in range(6):
+        rows = mixed_examples(5 + seed, seed)
+        lengths = [len(r["input_ids"]) for r in rows]
+        targets = [packing.example_targets(r["input_ids"], r.get("labels"), r.get("completion_mask")) for r in rows]
+        micro = packing.pack_examples(rows, pad_token_id=PAD_ID, pad_to_multiple_of=multiple)
+        assert packing.packed_shape(lengths, targets, multiple) == step_graphs.step_shape(micro)
+
+
+def test_planned_buckets_pad_least_and_hold_every_step():
+    """plan_buckets: at most `limit` sizes, every step fits a bucket (targets, documents and longest
+    document included), and no choice of that many sizes pads the steps less (checked by brute force)."""
+    import itertools
+    import random
+
+    rng = random.Random(3)
+    shapes = []
+    for _ in range(60):
+        lengths = [rng.randint(20, 300) for _ in range(8)]
+        targets = [rng.randint(1, n - 1) for n in lengths]
+        shapes.append(packing.packed_shape(lengths, targets, 1))
+    quantum = step_graphs.PLAN_QUANTUM
+    for limit in (1, 3, 5):
+        keys = step_graphs.plan_buckets(shapes, quantum, limit)
+        assert len(keys) <= limit and keys == sorted(keys)
+        padded = 0
+        for length, targets, offsets, longest in shapes:
+            tokens, most, documents, max_len = next(k for k in keys if k[0] >= length)
+            assert tokens % quantum == 0 and targets <= most <= tokens and offsets <= documents
+            assert max(longest, tokens - length) <= max_len
+            padded += tokens
+        sizes = sorted({step_graphs.bucket(s[0], quantum) for s in shapes})
+        best = min(sum(min(c for c in choice if c >= s[0]) for s in shapes)
+                   for k in range(1, limit + 1) for choice in itertools.combinations(sizes, k) if choice[-1] == sizes[-1])
+        assert padded == best
+    assert step_graphs.plan_buckets([]) == []
+
+
+@pytest.mark.parametrize("attn", ["sdpa", packing.PACKED_VARLEN])
+def test_planned_bucket_step_matches_unpadded(attn):
+    """A planned bucket scores fewer positions than it has tokens (its steps' most targets): loss, hits and
+    gradients still those of the unpadded row, for two rows of the same planned bucket."""
+    packing.register_packed_attention()
+    model = tiny_model(attn).train()
+    packing.add_packed_lm_head(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    graphs = step_graphs.StepGraphs(model, params, PAD_ID, max_tokens=4096, attention=attn)
+    def rows(seed: int) -> list[dict]:  # long prompts, short answers: few targets for the tokens
+        return [{**r, "completion_mask": [0] * (len(r["input_ids"]) - 3) + [1] * 3}
+                for r in synthetic_rows(6, seed=seed)]
+
+    micros = [packing.pack_examples(rows(seed), pad_token_id=PAD_ID, pad_to_multiple_of=1) for seed in (4, 5, 6)]
+    graphs.plan([step_graphs.step_shape(m) for m in micros])
+    assert graphs.planned and all(targets < tokens for tokens, targets, *_ in graphs.planned)
+    for micro in micros:
+        ref_loss, ref_hits, ref_grads = reference(model, micro, flex=False)
+        loss, hits, grads = graphs.step(micro, 1.0 / micro["num_targets"])
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        assert hits.item() == ref_hits.item()
+        for g, r in zip(grads, ref_grads, strict=True):
+            torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)
+    assert set(graphs.buckets) == set(graphs.planned) and graphs.unplanned == 0
+    # A step the plan did not foresee (longer than its largest bucket) still runs, in an unplanned bucket.
+    longer = packing.pack_examples(synthetic_rows(14, seed=7), pad_token_id=PAD_ID, pad_to_multiple_of=1)
+    assert longer["input_ids"].shape[1] > graphs.planned[-1][0]
+    graphs.step(longer, 1.0 / longer["num_targets"])
+    assert graphs.unplanned == 1 and len(graphs.buckets) == len(graphs.planned) + 1
+
+
+def test_plan_makes_no_more_buckets_than_the_fixed_ones():
+    """Each bucket costs a capture: steps that the fixed 256-token buckets put in one bucket get one planned
+    bucket (on short steps a capture costs more GPU time than the padding it saves), longer ones their
+    least-padding sizes."""
+    graphs = step_graphs.StepGraphs(None, [], PAD_ID, max_tokens=4096, attention="sdpa")
+    short = [packing.packed_shape([n], [n - 1], 1) for n in (70, 130, 190, 250)]
+    graphs.plan(short)
+    assert graphs.planned == [(256, 256, 0, 0)]
+    long = [packing.packed_shape([n], [n // 2], 1) for n in (1000, 1100, 1200, 1290)]
+    graphs.plan(long)  # fixed buckets: 1024, 1280 and 1536 tokens
+    assert [k[0] for k in graphs.planned] == [1024, 1216, 1344] and graphs.planned[0][1] == 512

@@ -29,6 +29,7 @@ import functools
 import importlib.util
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,6 +142,29 @@ def pack_examples(examples: list[dict[str, Any]], pad_token_id: int, pad_to_mult
         "max_document_length": max(doc_lengths),
         **attention_indices(doc_lengths),
     }
+
+
+def example_targets(input_ids, labels=None, completion_mask=None) -> int:
+    """Scored positions one example adds to a packed row (pack_examples: labels, else the input ids with
+    the prompt masked by completion_mask; never the first token)."""
+    if labels is not None:
+        return sum(1 for y in labels[1:] if y != -100)
+    if completion_mask is not None:
+        return sum(1 for m in completion_mask[1:] if m)
+    return max(len(input_ids) - 1, 0)
+
+
+def packed_shape(lengths: list[int], targets: list[int], pad_to_multiple_of: int = PAD_MULTIPLE
+                 ) -> tuple[int, int, int, int]:
+    """What pack_examples makes of examples with these token and target counts, without packing them:
+    (row length, scored positions, entries of cu_seqlens, longest document), as step_graphs.step_shape
+    reads them from the packed row; the step graphs plan their buckets from these."""
+    docs = [n for n in lengths if n]
+    n_real = sum(docs)
+    total = -(-max(n_real, 1) // pad_to_multiple_of) * pad_to_multiple_of
+    if total > n_real:
+        docs.append(total - n_real)  # the padding tail is a document of its own
+    return total, sum(t for n, t in zip(lengths, targets, strict=True) if n), len(docs) + 1, max(docs)
 
 
 def _split_by_length(lengths: list[int]) -> int:
@@ -648,6 +672,9 @@ def packed_trainer_class():
             log.info("packed path: compile=%s (%s); token budget %d per micro-batch",
                      bool(self.compiled_layers), self.compile_reason, self.data_collator.token_budget)
             self.use_step_graphs = self._decide_step_graphs(compile_model)
+            if self.use_step_graphs and isinstance(self.data_collator, PackedCollator) and \
+                    getattr(unwrap(self.model).config, "_attn_implementation", None) != "flex_attention":
+                self.data_collator.pad_to_multiple_of = 1  # the step graphs pad each row to its bucket
             self.step_graphs = None  # built at the first step, around the model the Trainer steps
             self.real_tokens_seen = 0
             self._correct = None  # device tensor: top-1 hits since the last log
@@ -710,7 +737,9 @@ def packed_trainer_class():
                 attention = getattr(unwrap(self.model).config, "_attn_implementation", None)
                 self.step_graphs = StepGraphs(model, params, self.data_collator.pad_token_id, max_tokens,
                                               attention, self.compute_loss_context_manager)
-                log.info("step CUDA graphs for packed rows of up to %d tokens", max_tokens)
+                self.step_graphs.plan(self._planned_step_shapes())
+                log.info("step CUDA graphs for packed rows of up to %d tokens; buckets planned for the run's "
+                         "steps (tokens, targets, documents, longest): %s", max_tokens, self.step_graphs.planned)
             return self.step_graphs if self.step_graphs.enabled else None
 
         def _graph_step(self, graphs, micro, num_items_in_batch):
@@ -724,15 +753,47 @@ def packed_trainer_class():
             self._scored += int(micro["num_targets"])
             return loss.clone()
 
+        def _step_sampler(self) -> StepShardSampler:
+            return StepShardSampler(
+                len(self.train_dataset), self.args.per_device_train_batch_size, max(1, self.args.world_size),
+                self.args.process_index, self.args.data_seed if self.args.data_seed is not None else self.args.seed)
+
+        def _planned_step_shapes(self) -> list[tuple[int, int, int, int]]:
+            """The packed shape (packed_shape) of every single-micro-batch step this run will take: the
+            sampler's order is seeded and the rows are tokenized, so the step graphs can size their
+            buckets for the run before its first step."""
+            dataset, collator = self.train_dataset, self.data_collator
+            columns = dataset.column_names
+            ids = list(dataset["input_ids"])
+            labels = list(dataset["labels"]) if "labels" in columns else [None] * len(ids)
+            masks = list(dataset["completion_mask"]) if "completion_mask" in columns else [None] * len(ids)
+            lengths = [len(x) for x in ids]
+            targets = [example_targets(x, y, m) for x, y, m in zip(ids, labels, masks, strict=True)]
+            sampler = self._step_sampler()
+            steps = self.args.max_steps if self.args.max_steps and self.args.max_steps > 0 else \
+                math.ceil(len(sampler) * self.args.num_train_epochs)
+            shapes: list[tuple[int, int, int, int]] = []
+            taken = epoch = 0
+            while len(sampler) and taken < steps:
+                sampler.set_epoch(epoch)
+                for batch in sampler:
+                    if taken == steps:
+                        break
+                    taken += 1
+                    step_lengths = [lengths[i] for i in batch]
+                    if len(split_by_token_budget(step_lengths, collator.token_budget)) == 1:  # else: not graphed
+                        shapes.append(packed_shape(step_lengths, [targets[i] for i in batch],
+                                                   collator.pad_to_multiple_of))
+                epoch += 1
+            return shapes
+
         def get_train_dataloader(self):
             """One rank's share of every optimizer step (StepShardSampler), without accelerate's
             even-batch padding, which would repeat examples."""
             from torch.utils.data import DataLoader
 
             dataset = self.train_dataset
-            sampler = StepShardSampler(
-                len(dataset), self.args.per_device_train_batch_size, max(1, self.args.world_size),
-                self.args.process_index, self.args.data_seed if self.args.data_seed is not None else self.args.seed)
+            sampler = self._step_sampler()
             return DataLoader(dataset, batch_sampler=sampler, collate_fn=self.data_collator,
                               num_workers=self.args.dataloader_num_workers,
                               pin_memory=self.args.dataloader_pin_memory)

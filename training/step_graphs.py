@@ -4,17 +4,21 @@ A packed step of Alpaca-length rows (~1,600 tokens) is launch-bound: about 3,000
 node's CPU the Python and launch work of the 36 compiled blocks takes longer than the GPU needs for them
 (profiled on an H200: GPU busy 18% of the step, benchmarks/NOTES.md). Replaying a captured graph costs
 one launch. A graph needs fixed shapes and addresses, so each step's packed row is padded to a bucket
-(TOKEN_BUCKET tokens, as many scored positions) and copied into that bucket's static buffers; the
-padding is a document of its own (it attends only to itself) and its targets weigh 0, so the loss,
-the gradients and the token accuracy are those of the unpadded row. Scored positions follow the token
-bucket rather than having buckets of their own: every bucket costs one capture (about an uncaptured
-compiled step's host time), and for Alpaca rows at 16 a step a separate target bucket nearly doubled
-the buckets of an epoch (22 against 13 in 125 steps) to save ~2 ms of LM head a step.
+and copied into that bucket's static buffers; the padding is a document of its own (it attends only to
+itself) and its targets weigh 0, so the loss, the gradients and the token accuracy are those of the
+unpadded row. Every bucket costs one capture (about an uncaptured compiled step's host time), so the
+buckets are planned before the run's first step from the steps it will take (StepGraphs.plan: the
+sampler's order is seeded, the rows are tokenized): no more buckets than fixed TOKEN_BUCKET-token ones
+would make of the same steps, sized to pad them least, each scoring its steps' largest count of
+targets. For an epoch of Alpaca rows at 16 a step: 12 buckets either way, padding 7.3% -> 2.6% of the
+tokens, ~1,240 scored positions a step instead of ~1,750 (GPU time of a replayed step -4.4% on an
+H200, benchmarks/NOTES.md). A step the plan did not foresee gets a fixed bucket (TOKEN_BUCKET tokens,
+as many scored positions).
 
 The run's first step runs uncaptured (it compiles the blocks and creates the libraries' handles); from
-then on each bucket is captured the first time it occurs and replayed ever after: an epoch of Alpaca
-rows at 16 a step meets ~12 buckets, and an uncaptured step costs ~3x a replayed one on an H200
-(benchmarks/NOTES.md). A capture records while the GPU runs the steps queued before it (_capture).
+then on each bucket is captured the first time it occurs and replayed ever after (an uncaptured step
+costs ~3x a replayed one on an H200, benchmarks/NOTES.md). A capture records while the GPU runs the
+steps queued before it (_capture).
 A bucket whose capture fails runs uncaptured and is tried once more at its next occurrence; a second
 failure turns step graphs off for the run. Graphs are used only while a step's activations fit twice
 in the GPU's memory (the graphs keep their own memory pool). The gradients come out of the graph
@@ -47,8 +51,64 @@ DOCUMENT_BUCKET = 8
 MIN_MAX_LEN = 128
 
 
+# Planned buckets (StepGraphs.plan): token sizes in multiples of PLAN_QUANTUM (flex: of its 128-token
+# blocks), at most MAX_PLANNED (and no more than the fixed buckets would make), scored positions in
+# multiples of TARGET_QUANTUM.
+PLAN_QUANTUM = 64
+MAX_PLANNED = 12
+TARGET_QUANTUM = 64
+
+
 def bucket(n: int, quantum: int) -> int:
     return max(quantum, -(-n // quantum) * quantum)
+
+
+def step_shape(micro: dict[str, Any]) -> tuple[int, int, int, int]:
+    """Host numbers of a packed micro-batch that size its bucket: (row length, scored positions, entries of
+    cu_seqlens, longest document); training.packing.packed_shape computes them without packing."""
+    return (int(micro["input_ids"].shape[1]), int(micro["num_targets"]), int(micro["cu_seqlens"].numel()),
+            int(micro["max_document_length"]))
+
+
+def plan_buckets(shapes: list[tuple[int, int, int, int]], quantum: int = PLAN_QUANTUM,
+                 limit: int = MAX_PLANNED) -> list[tuple[int, int, int, int]]:
+    """Bucket keys (tokens, targets, documents, longest document) for steps of these shapes (step_shape):
+    at most `limit` token sizes, multiples of `quantum`, chosen to minimise the tokens of all steps padded
+    to their bucket (exact, by dynamic programming over the distinct sizes); each bucket's other fields
+    are the largest its steps need, so one capture serves them all."""
+    if not shapes:
+        return []
+    sizes = sorted({bucket(s[0], quantum) for s in shapes})
+    count = {size: 0 for size in sizes}
+    for s in shapes:
+        count[bucket(s[0], quantum)] += 1
+    below = [0]  # steps needing at most sizes[i - 1]
+    for size in sizes:
+        below.append(below[-1] + count[size])
+    n, inf = len(sizes), float("inf")
+    # cost[k][j]: least padded tokens of the steps needing sizes[:j], served by k buckets, the last sizes[j-1]
+    cost = [[inf] * (n + 1) for _ in range(min(limit, n) + 1)]
+    cut: dict[tuple[int, int], int] = {}
+    cost[0][0] = 0
+    for k in range(1, len(cost)):
+        for j in range(1, n + 1):
+            for i in range(k - 1, j):
+                c = cost[k - 1][i] + (below[j] - below[i]) * sizes[j - 1]
+                if c < cost[k][j]:
+                    cost[k][j], cut[k, j] = c, i
+    k = min(range(1, len(cost)), key=lambda k: (cost[k][n], k))
+    tops, j = [], n
+    while j:
+        tops.append(sizes[j - 1])
+        j, k = cut[k, j], k - 1
+    tops.sort()
+    keys = []
+    for lo, tokens in zip([0, *tops[:-1]], tops, strict=True):
+        group = [s for s in shapes if lo < bucket(s[0], quantum) <= tokens]
+        keys.append((tokens, min(tokens, bucket(max(s[1] for s in group), TARGET_QUANTUM)),
+                     bucket(max(s[2] for s in group), DOCUMENT_BUCKET),
+                     power_of_two(max(max(s[3], tokens - s[0]) for s in group), MIN_MAX_LEN)))
+    return keys
 
 
 def graphs_setting(setting: bool | None = None) -> bool | None:
@@ -101,6 +161,8 @@ class StepGraphs:
         self.context = context
         self.warm = False  # set after the first (uncaptured) step
         self.buckets: dict[tuple[int, int, int, int], _Bucket] = {}
+        self.planned: list[tuple[int, int, int, int]] = []  # plan(): keys chosen for the run's steps
+        self.unplanned = 0  # steps that fitted no planned bucket (with a plan)
         self.pool = None
         self.stream = None  # the capture stream, made with the pool
         self.enabled = True
@@ -110,7 +172,18 @@ class StepGraphs:
         self.steps = 0
 
     def fits(self, micro: dict[str, Any]) -> bool:
-        return self.enabled and bucket(int(micro["input_ids"].shape[1]), TOKEN_BUCKET) <= self.max_tokens
+        return self.enabled and self.key(micro)[0] <= self.max_tokens
+
+    def plan(self, shapes: list[tuple[int, int, int, int]]) -> None:
+        """Buckets for the run's steps, given their shapes (step_shape) in advance: see plan_buckets.
+        Steps that fit none (a shape the plan did not foresee) get the unplanned buckets below."""
+        quantum = 128 if self.flex else PLAN_QUANTUM  # flex attention's BlockMask works on 128-token blocks
+        shapes = [s for s in shapes if bucket(s[0], quantum) <= self.max_tokens]
+        # No more captures than the fixed buckets would make of the same steps: on short steps (2 rows, ~200
+        # tokens) the GPU time hardly depends on the padding and each capture costs more than it saves
+        # (measured on an H200: 10 planned buckets ran 4,069 tokens/s against 5,744 with the fixed 6).
+        limit = min(MAX_PLANNED, len({self._unplanned_key(s) for s in shapes}))
+        self.planned = [k if self.varlen else (*k[:2], 0, 0) for k in plan_buckets(shapes, quantum, limit)]
 
     # ---- one step
     def _fill(self, b: _Bucket, micro: dict[str, Any], scale: float) -> None:
@@ -167,9 +240,8 @@ class StepGraphs:
         `torch.cuda.graph`, whose entry waits for the GPU to finish them (a synchronize, and an
         empty_cache whose cudaFree waits too), which left the GPU idle for the whole ~130 ms of a
         capture's host time. Recording runs nothing on the GPU; the replay is queued after those steps."""
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-            self.stream = torch.cuda.Stream()
+        if self.stream is None:  # made at the first, uncaptured step (see step)
+            self.pool, self.stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
         graph = torch.cuda.CUDAGraph()
         start = time.perf_counter()
         # Work queued on the current stream before the capture is ordered before what the capture
@@ -187,16 +259,28 @@ class StepGraphs:
         self.capture_s += time.perf_counter() - start
 
     def key(self, micro: dict[str, Any]) -> tuple[int, int, int, int]:
-        length = int(micro["input_ids"].shape[1])
+        shape = step_shape(micro)
+        length, targets, offsets, longest = shape
+        for planned in self.planned:  # sorted by tokens: the smallest that holds the step
+            tokens, most_targets, documents, max_len = planned
+            if length <= tokens and targets <= most_targets and (
+                    not self.varlen or (offsets <= documents and max(longest, tokens - length) <= max_len)):
+                return planned
+        return self._unplanned_key(shape)
+
+    def _unplanned_key(self, shape: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
+        length, _, offsets, longest = shape
         tokens = bucket(length, TOKEN_BUCKET)
         documents = max_len = 0
         if self.varlen:  # host numbers: the micro-batch's documents + the bucket's padding document
-            documents = bucket(int(micro["cu_seqlens"].numel()), DOCUMENT_BUCKET)
-            max_len = power_of_two(max(int(micro["max_document_length"]), tokens - length), MIN_MAX_LEN)
+            documents = bucket(offsets, DOCUMENT_BUCKET)
+            max_len = power_of_two(max(longest, tokens - length), MIN_MAX_LEN)
         return tokens, tokens, documents, max_len  # scored positions: as many as the bucket's tokens
 
     def step(self, micro: dict[str, Any], scale: float):
         key = self.key(micro)
+        if self.planned and key not in self.planned:
+            self.unplanned += 1
         b = self.buckets.get(key)
         if b is None:
             b = self.buckets[key] = _Bucket(*key, self.pad_token_id, micro["input_ids"].device)
@@ -222,6 +306,10 @@ class StepGraphs:
             b.graph.replay()
             self.replayed += 1
             return b.outputs
+        if self.stream is None and micro["input_ids"].is_cuda:
+            # Made at the first step, not at the first capture: creating the stream waits for the GPU to
+            # finish the work queued before it (an H200 waited out a ~2 s spin queued before it).
+            self.pool, self.stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
         self.warm = True
         return self._run(b)
 
