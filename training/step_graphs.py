@@ -164,7 +164,7 @@ class StepGraphs:
         self.planned: list[tuple[int, int, int, int]] = []  # plan(): keys chosen for the run's steps
         self.unplanned = 0  # steps that fitted no planned bucket (with a plan)
         self.pool = None
-        self.stream = None  # the capture stream, made with the pool
+        self.stream = None  # the capture stream, made with the pool at the first step
         self.enabled = True
         self.captured = 0
         self.capture_s = 0.0  # host seconds spent capturing (what a bucket costs beyond its replays)
@@ -240,8 +240,6 @@ class StepGraphs:
         `torch.cuda.graph`, whose entry waits for the GPU to finish them (a synchronize, and an
         empty_cache whose cudaFree waits too), which left the GPU idle for the whole ~130 ms of a
         capture's host time. Recording runs nothing on the GPU; the replay is queued after those steps."""
-        if self.stream is None:  # made at the first, uncaptured step (see step)
-            self.pool, self.stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
         graph = torch.cuda.CUDAGraph()
         start = time.perf_counter()
         # Work queued on the current stream before the capture is ordered before what the capture
@@ -286,6 +284,10 @@ class StepGraphs:
             b = self.buckets[key] = _Bucket(*key, self.pad_token_id, micro["input_ids"].device)
         self._fill(b, micro, scale)
         self.steps += 1
+        if self.stream is None and micro["input_ids"].is_cuda:
+            # Made at the run's first step (uncaptured), not at its first capture: creating a stream waits
+            # for the GPU to finish the work queued before it (an H200 waited out a ~2 s spin queued first).
+            self.pool, self.stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
         # Without a GPU (tests) the same bucketed steps run, never captured.
         if b.graph is None and self.warm and micro["input_ids"].is_cuda and b.failed < 2:
             try:
@@ -306,10 +308,6 @@ class StepGraphs:
             b.graph.replay()
             self.replayed += 1
             return b.outputs
-        if self.stream is None and micro["input_ids"].is_cuda:
-            # Made at the first step, not at the first capture: creating the stream waits for the GPU to
-            # finish the work queued before it (an H200 waited out a ~2 s spin queued before it).
-            self.pool, self.stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
         self.warm = True
         return self._run(b)
 
