@@ -137,6 +137,16 @@ def test_trainer_step_graph_path_trains_the_same(tmp_path, monkeypatch):
     assert graphed.data_collator.pad_to_multiple_of == 1
     assert graphed._planned_step_shapes() == seen and graphs.planned and graphs.unplanned == 0
     assert set(graphs.buckets) <= set(graphs.planned)
+    # Over several epochs (16 rows, 4 a step: 10 steps are 2.5 epochs) the plan foresees each epoch's own
+    # order, which the Trainer's steps follow.
+    seen.clear()
+    _, _, epochs = _train(tmp_path, "epochs", True, rows, 10)
+    assert len(seen) == 10 and seen[4:8] != seen[:4]
+    assert epochs._planned_step_shapes() == seen and epochs.step_graphs.unplanned == 0
+    # A run resumed in its second epoch starts a fresh loader: the Trainer's set_epoch gives it that order.
+    loader = epochs.get_train_dataloader()
+    loader.set_epoch(1)
+    assert [step_graphs.step_shape(b["micro_batches"][0]) for b in loader] == seen[4:8]
     assert len(plain_losses) == len(graph_losses) == 4
     for a, b in zip(plain_losses, graph_losses, strict=True):
         assert abs(a - b) <= 1e-5 * abs(a), (plain_losses, graph_losses)

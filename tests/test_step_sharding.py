@@ -34,6 +34,13 @@ def test_same_permutation_on_every_rank_and_new_one_per_epoch():
     for step, batch in enumerate(epoch0):  # the ranks' shares of a step are the one-rank step's examples
         assert sorted(i for shares in four for i in shares[step]) == sorted(batch)
     assert list(one) != epoch0  # the sampler moved to epoch 1: another order
+    # As the Trainer reads it: exactly the epoch's steps, never the generator's end.
+    read = StepShardSampler(64, 16, 1, 0, seed=7)
+    epochs = []
+    for _ in range(3):
+        batches = iter(read)
+        epochs.append([next(batches) for _ in range(len(read))])
+    assert epochs[0] == epoch0 and epochs[1] != epochs[0] and epochs[2] not in epochs[:2]
 
 
 def test_empty_share_still_steps():

@@ -595,13 +595,16 @@ class StepShardSampler:
 
     def __iter__(self):
         order = self.order()
+        # The next pass is the next epoch as soon as this one starts (set_epoch may still choose): the
+        # Trainer reads exactly the epoch's steps and never exhausts this generator, so an increment after
+        # the loop never ran and every epoch repeated the first one's order.
+        self.epoch += 1
         step = self.per_rank * self.world
         for start in range(0, self.n, step):
             chunk = order[start:start + step]
             base, extra = divmod(len(chunk), self.world)
             lo = self.rank * base + min(self.rank, extra)
             yield chunk[lo:lo + base + (self.rank < extra)]
-        self.epoch += 1
 
 
 # ---------------------------------------------------------------- LM head
@@ -792,11 +795,15 @@ def packed_trainer_class():
             even-batch padding, which would repeat examples."""
             from torch.utils.data import DataLoader
 
-            dataset = self.train_dataset
-            sampler = self._step_sampler()
-            return DataLoader(dataset, batch_sampler=sampler, collate_fn=self.data_collator,
-                              num_workers=self.args.dataloader_num_workers,
-                              pin_memory=self.args.dataloader_pin_memory)
+            class EpochDataLoader(DataLoader):
+                """The Trainer calls set_epoch before each epoch (a resumed run too): the epoch's order."""
+
+                def set_epoch(self, epoch: int) -> None:
+                    self.batch_sampler.set_epoch(epoch)
+
+            return EpochDataLoader(self.train_dataset, batch_sampler=self._step_sampler(),
+                                   collate_fn=self.data_collator, num_workers=self.args.dataloader_num_workers,
+                                   pin_memory=self.args.dataloader_pin_memory)
 
         def _prepare_input(self, data):
             """As the Trainer's, but tensors go to the GPU without blocking: the batch is in pinned memory,
