@@ -107,10 +107,12 @@ def test_step_graph_replay_matches_uncaptured_step():
     assert (graphs.captured, graphs.replayed) == (2, 3)  # the second bucket captured at its first step
 
 
-def test_replayed_training_steps_never_wait_for_the_gpu(tmp_path, monkeypatch):
+@pytest.mark.parametrize("logging_steps", [100, 1])
+def test_replayed_training_steps_never_wait_for_the_gpu(tmp_path, monkeypatch, logging_steps):
     """The packed trainer's steady steps (graph replays) make no host<->device sync: CUDA's sync debug mode
     set to "error" over steps 4-6 (rows of one length, so step 1 runs uncaptured, step 2 captures, the rest
-    replay). A sync there (a blocking batch copy, an .item()) would leave the GPU idle every step."""
+    replay). A sync there (a blocking batch copy, an .item()) would leave the GPU idle every step. Logging
+    every step too: the log's values are read one step later, behind an event (not a stream sync)."""
     from datasets import Dataset
     from peft import LoraConfig
     from tokenizers import Tokenizer, models
@@ -126,7 +128,7 @@ def test_replayed_training_steps_never_wait_for_the_gpu(tmp_path, monkeypatch):
             for i in range(64)]
     args = packing.prepare_args(SFTConfig(
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, gradient_accumulation_steps=2,
-        learning_rate=1e-3, max_steps=7, logging_steps=100, save_strategy="no", report_to="none", bf16=True,
+        learning_rate=1e-3, max_steps=7, logging_steps=logging_steps, save_strategy="no", report_to="none", bf16=True,
         seed=7, max_length=256, dataloader_num_workers=0, disable_tqdm=True))
     checked = []
 
@@ -151,3 +153,5 @@ def test_replayed_training_steps_never_wait_for_the_gpu(tmp_path, monkeypatch):
         torch.cuda.set_sync_debug_mode("default")
     assert checked == [4, 5, 6]
     assert trainer.step_graphs is not None and trainer.step_graphs.replayed >= 5
+    logged = [h["step"] for h in trainer.state.log_history if "loss" in h]
+    assert logged == ([] if logging_steps > 7 else list(range(1, 8)))

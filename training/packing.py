@@ -682,6 +682,10 @@ def packed_trainer_class():
             self.real_tokens_seen = 0
             self._correct = None  # device tensor: top-1 hits since the last log
             self._scored = 0  # targets since the last log (host int)
+            # One process: a logging step's values are read one step later (_maybe_log_save_evaluate)
+            self.defer_logs = max(1, self.args.world_size) == 1
+            self._pending_log = None
+            self._log_accuracy = None  # set while a deferred log is written
 
         # ---- data
         def _planned_tokens(self) -> float:
@@ -875,10 +879,81 @@ def packed_trainer_class():
         def log(self, logs, start_time=None):
             self._metrics["train" if self.model.training else "eval"].pop("num_tokens", None)
             if "loss" in logs:  # every rank logs the same steps: the all-reduce below meets
-                accuracy = self._token_accuracy()
-                if accuracy is not None:
+                accuracy = self._log_accuracy if self._log_accuracy is not None else self._token_accuracy()
+                if accuracy is not None and accuracy == accuracy:  # nan: nothing scored
                     logs["mean_token_accuracy"] = accuracy
             super().log(logs, start_time)
+
+        # ---- logs that do not stop the GPU
+        def _maybe_log_save_evaluate(self, tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval,
+                                     start_time, learning_rate=None):
+            """One process: a logging step's loss, gradient norm and token accuracy are copied to the host
+            behind that step's kernels and written at the next step, once the GPU has them; the Trainer's
+            own log reads them at once (.item()), which waits for every kernel queued and leaves the GPU
+            idle while the host prepares the next step: at the recipe's logging_steps=1 every step
+            (measured on an H200, benchmarks/NOTES.md). A checkpoint, an evaluation or the run's end
+            writes the pending log first: log history and train_loss are the Trainer's, one step later."""
+            if not self.defer_logs:
+                return super()._maybe_log_save_evaluate(tr_loss, grad_norm, model, trial, epoch,
+                                                        ignore_keys_for_eval, start_time, learning_rate)
+            log_now = self.control.should_log and self.state.global_step > self._globalstep_last_logged
+            self._write_pending_log()  # the previous logging step's (its on_log clears should_log)
+            if log_now:
+                self._snapshot_log(tr_loss, grad_norm, learning_rate, start_time)
+            if self.control.should_save or self.control.should_evaluate or self.control.should_training_stop:
+                self._write_pending_log()
+            return super()._maybe_log_save_evaluate(tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval,
+                                                    start_time, learning_rate)
+
+        def _finalize_training(self, *args, **kwargs):
+            self._write_pending_log()  # before the Trainer sums train_loss
+            return super()._finalize_training(*args, **kwargs)
+
+        def _snapshot_log(self, tr_loss, grad_norm, learning_rate, start_time) -> None:
+            """Queue a copy of the step's values to the host (pinned memory, an event marks it done), reset
+            the accumulators as the Trainer's log does, and keep the host numbers of the log."""
+            device = tr_loss.device
+            norm = grad_norm if torch.is_tensor(grad_norm) else torch.tensor(
+                float("nan") if grad_norm is None else float(grad_norm), device=device)
+            hits = self._correct if self._correct is not None else torch.zeros((), device=device)
+            values = torch.stack([tr_loss.detach().float(), norm.detach().float().to(device),
+                                  hits.detach().float().to(device)])
+            tr_loss -= tr_loss  # after the copy above, in stream order
+            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=values.is_cuda)
+            host.copy_(values, non_blocking=True)
+            event = None
+            if values.is_cuda:
+                event = torch.cuda.Event()
+                event.record()
+            self._pending_log = {
+                "host": host, "event": event, "scored": self._scored, "has_norm": grad_norm is not None,
+                "steps": self.state.global_step - self._globalstep_last_logged,
+                "learning_rate": learning_rate if learning_rate is not None else self._get_learning_rate(),
+                "global_step": self.state.global_step, "epoch": self.state.epoch, "start_time": start_time}
+            self._correct, self._scored = None, 0
+            self._globalstep_last_logged = self.state.global_step
+            self.store_flos()
+
+        def _write_pending_log(self) -> None:
+            pending, self._pending_log = self._pending_log, None
+            if pending is None:
+                return
+            if pending["event"] is not None:
+                pending["event"].synchronize()  # this log's step only, not the steps queued after it
+            loss_sum, norm, hits = pending["host"].tolist()
+            logs = {"loss": loss_sum / pending["steps"]}
+            if pending["has_norm"]:
+                logs["grad_norm"] = norm
+            logs["learning_rate"] = pending["learning_rate"]
+            self._total_loss_scalar += loss_sum
+            # the log is the logging step's (step, epoch), as the Trainer would have written it then
+            step, epoch = self.state.global_step, self.state.epoch
+            self.state.global_step, self.state.epoch = pending["global_step"], pending["epoch"]
+            self._log_accuracy = hits / pending["scored"] if pending["scored"] else float("nan")
+            try:
+                self.log(logs, pending["start_time"])
+            finally:
+                self.state.global_step, self.state.epoch, self._log_accuracy = step, epoch, None
 
         def _token_accuracy(self) -> float | None:
             """Top-1 hits / scored tokens since the last log, over all ranks (read at log time only)."""

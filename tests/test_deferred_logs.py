@@ -1,0 +1,80 @@
+"""The packed trainer's logs in one process (training/packing.py, PackedSFTTrainer._maybe_log_save_evaluate):
+a logging step's values are copied to the host behind its kernels and written one step later, so that logging
+every step (the recipe's default) never leaves the GPU idle. Checked on CPU against the Trainer's own logs:
+the same log history, train_loss and checkpointed history, each log written after the next step unless a
+checkpoint or the run's end comes first."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("trl")
+
+from tests.test_packing_parity import synthetic_rows, tiny_model  # noqa: E402
+from training import packing  # noqa: E402
+
+TIMING = ("train_runtime", "train_samples_per_second", "train_steps_per_second")
+
+
+def run(tmp_path, name: str, defer: bool, logging_steps: int):
+    packing.register_packed_attention()
+    from datasets import Dataset
+    from peft import LoraConfig
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast, TrainerCallback
+    from trl import SFTConfig
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<eos>": 0, "<pad>": 1}, "<pad>")),
+                                  eos_token="<eos>", pad_token="<pad>")
+    args = packing.prepare_args(SFTConfig(
+        output_dir=str(tmp_path / name), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+        learning_rate=5e-2, max_steps=7, logging_steps=logging_steps, save_strategy="steps", save_steps=3,
+        report_to="none", seed=7, data_seed=7, max_length=256, use_cpu=True, dataloader_num_workers=0,
+        disable_tqdm=True))
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    events = []
+
+    class Order(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            events.append(("step", state.global_step))
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if "loss" in logs:
+                events.append(("log", state.global_step))
+
+    trainer = packing.packed_trainer_class()(
+        model=tiny_model(packing.ATTN_IMPLEMENTATION, seed=3), args=args, train_dataset=Dataset.from_list(
+            synthetic_rows(16, seed=2)), processing_class=tok, peft_config=lora,
+        data_collator=packing.make_collator(tok, args), callbacks=[Order()])
+    assert trainer.defer_logs  # one process
+    trainer.defer_logs = defer
+    output = trainer.train()
+    history = [{k: v for k, v in h.items() if k not in TIMING} for h in trainer.state.log_history]
+    saved = json.loads((tmp_path / name / "checkpoint-3" / "trainer_state.json").read_text())["log_history"]
+    return history, output.training_loss, saved, events
+
+
+@pytest.mark.parametrize("logging_steps", [1, 2])
+def test_deferred_logs_are_the_trainers_one_step_later(tmp_path, logging_steps):
+    history, train_loss, saved, events = run(tmp_path, "deferred", True, logging_steps)
+    ref_history, ref_loss, ref_saved, ref_events = run(tmp_path, "reference", False, logging_steps)
+    assert history == ref_history and train_loss == ref_loss and saved == ref_saved
+    logged = [h["step"] for h in history if "loss" in h]
+    assert logged == list(range(logging_steps, 8, logging_steps))  # the Trainer logs no partial interval
+    assert all("mean_token_accuracy" in h and "grad_norm" in h for h in history if "loss" in h)
+    assert [h["step"] for h in saved if "loss" in h] == [s for s in logged if s <= 3]
+    # The Trainer writes each log at its step; deferred, after the next step, except at a checkpoint (steps 3
+    # and 6), an epoch's end (16 rows, 4 a step: step 4) and the run's end (step 7), which write it at once.
+    assert ref_events == [e for s in range(1, 8) for e in [("step", s)] + ([("log", s)] if s in logged else [])]
+    at_once = (3, 4, 6, 7)
+    expected = []
+    for s in range(1, 8):
+        expected.append(("step", s))
+        if s - 1 in logged and s - 1 not in at_once:
+            expected.append(("log", s - 1))
+        if s in logged and s in at_once:
+            expected.append(("log", s))
+    assert events == expected
