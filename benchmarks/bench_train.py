@@ -51,6 +51,20 @@ RECIPES = ("seed", "project", "project-compiled", "project-eager", "project-comp
            "project-eager-graphs")
 RECIPES += tuple(f"{r}-flex" for r in RECIPES if r.startswith("project"))  # flex attention instead of varlen
 EFFECTIVE_BATCH = (2, 8)  # the seed's per-device batch x accumulation = 16 examples per step
+SEED_LOGGING_STEPS = 10  # the seed's SFTConfig(logging_steps=10)
+PROJECT_CONFIG = REPO / "training" / "configs" / "qwen3-4b-lora.yaml"
+
+
+def recipe_logging_steps(name: str, override: int | None = None) -> int:
+    """How often a recipe logs, as its users run it: the seed's script every 10 steps, the project's config
+    (what fab train launches) every step; `--logging-steps` overrides both."""
+    if override is not None:
+        return override
+    if name == "seed":
+        return SEED_LOGGING_STEPS
+    import yaml
+
+    return int(yaml.safe_load(PROJECT_CONFIG.read_text())["logging_steps"])
 
 QWEN3_4B = dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                 head_dim=128, intermediate_size=9728, vocab_size=151936, tie_word_embeddings=True,
@@ -401,6 +415,7 @@ def run_recipe(name: str, rows: list[dict], cfg: dict, device: str, steps: int, 
         "recipe": name,
         "steps": end_step,
         "examples_per_step": trainer.args.per_device_train_batch_size * trainer.args.gradient_accumulation_steps,
+        "logging_steps": trainer.args.logging_steps,
         "micro_batch": trainer.args.per_device_train_batch_size,
         "gradient_accumulation": trainer.args.gradient_accumulation_steps,
         "activation_checkpointing": bool(getattr(trainer.args, "activation_checkpointing", False)
@@ -545,7 +560,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed-steps", type=int, default=12, help="optimizer steps of the seed recipe (0 = epoch)")
     parser.add_argument("--project-steps", type=int, default=0, help="optimizer steps of the project (0 = epoch)")
     parser.add_argument("--warmup-steps", type=int, default=None, help="steps left out of the steady rates")
-    parser.add_argument("--logging-steps", type=int, default=10)
+    parser.add_argument("--logging-steps", type=int, default=None,
+                        help="log every N steps (default: each recipe's own: seed 10, project as its config, 1)")
     parser.add_argument("--memory-gib", type=float, default=None,
                         help="cap this process's GPU memory (an L4 offers about 22 GiB)")
     parser.add_argument("--time-to-adapters", default=None, metavar="WORKDIR",
@@ -560,6 +576,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no GPU visible (use --device cpu --tiny)")
+    if args.logging_steps is not None and args.logging_steps < 1:
+        parser.error(f"--logging-steps {args.logging_steps}: log every N >= 1 steps (omit it for each recipe's own)")
 
     cfg = TINY if args.tiny else QWEN3_4B
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
@@ -636,7 +654,8 @@ def main(argv: list[str] | None = None) -> dict:
                     warmup = args.warmup_steps if args.warmup_steps is not None else (2 if name == "seed" else 5)
                     started = time.time()
                     try:
-                        row = run_recipe(name, rows, cfg, args.device, steps, warmup, tmp, None, args.logging_steps,
+                        row = run_recipe(name, rows, cfg, args.device, steps, warmup, tmp, None,
+                                         recipe_logging_steps(name, args.logging_steps),
                                          profile if name.startswith("project") else None,
                                          examples_per_step=per_step)
                     except Exception as e:  # noqa: BLE001 - one failed recipe must not lose the others' figures

@@ -1,5 +1,5 @@
-"""benchmarks/bench_train.py's profile summary: GPU busy time and time by kind of kernel, from profiler events
-(here made by hand, named as an H200 profile of the packed path names them)."""
+"""benchmarks/bench_train.py: its profile summary (GPU busy time and time by kind of kernel, from profiler
+events made by hand, named as an H200 profile of the packed path names them) and a tiny run on CPU."""
 
 from __future__ import annotations
 
@@ -37,3 +37,20 @@ def test_kernels_by_kind_first_match_wins():
                                                   "other": 0.05, "optimizer": 0.05}
     assert summary["gpu_busy_ms_per_step"] == pytest.approx(1.85)  # 0-160 and 200-225
     assert summary["kernels_per_step"] == 7 and summary["cpu_ms_per_step"] == {"cudaLaunchKernel": 0.01}  # 7 us
+
+
+def test_tiny_benchmark_runs_each_recipe_at_its_own_logging(capsys):
+    """The benchmark end to end on CPU (tiny Qwen3): the seed recipe logs as the seed's script (every 10
+    steps), the project's as its config (every step: what fab train runs); a bad --logging-steps is refused."""
+    from benchmarks import bench_train
+
+    results = bench_train.main(["--device", "cpu", "--tiny", "--workloads", "alpaca-102", "--recipes", "seed,project",
+                                "--examples", "32", "--seed-steps", "3", "--project-steps", "3", "--warmup-steps", "1",
+                                "--no-write"])
+    rows = {r["recipe"]: r for r in results["rows"]}
+    assert rows["seed"]["logging_steps"] == 10 and rows["project"]["logging_steps"] == 1
+    assert all(r["steps"] == 3 and r["tokens_per_s"] > 0 and "error" not in r for r in rows.values())
+    assert rows["project"]["mean_token_accuracy"] is not None  # logged every step
+    with pytest.raises(SystemExit):
+        bench_train.main(["--device", "cpu", "--tiny", "--logging-steps", "0", "--no-write"])
+    assert "--logging-steps 0: log every N >= 1 steps" in capsys.readouterr().err
