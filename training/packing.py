@@ -654,6 +654,7 @@ def packed_trainer_class():
             super().__init__(*args, **kwargs)
             self.model.config.use_cache = False
             add_packed_lm_head(unwrap(self.model))
+            self._lengths: list[int] | None = None
             self.planned_tokens = self._planned_tokens()
             compile_model = compile_setting(compile_model)
             self.cache_warm = compile_cache_warm(self.model)
@@ -688,9 +689,15 @@ def packed_trainer_class():
             self._log_accuracy = None  # set while a deferred log is written
 
         # ---- data
+        def _row_lengths(self) -> list[int]:
+            """Each training row's tokens, read once (reading a column materialises all of it)."""
+            if self._lengths is None:
+                self._lengths = [len(x) for x in self.train_dataset["input_ids"]]
+            return self._lengths
+
         def _planned_tokens(self) -> float:
             """Tokens this rank will train on in this run (after tokenization and truncation)."""
-            lengths = [len(x) for x in self.train_dataset["input_ids"]]
+            lengths = self._row_lengths()
             world = max(1, self.args.world_size)
             if self.args.max_steps and self.args.max_steps > 0:
                 per_step = self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps
@@ -723,7 +730,7 @@ def packed_trainer_class():
             setting = graphs_setting(None)
             # Forced without a GPU: the same bucketed steps, never captured (how tests check the path).
             possible = max(1, self.args.world_size) == 1 and (torch.cuda.is_available() or setting is True)
-            lengths = [len(x) for x in self.train_dataset["input_ids"]]
+            lengths = self._row_lengths()
             step_tokens = sum(lengths) / max(len(lengths), 1) * self.args.per_device_train_batch_size
             auto = bool(compiled) and step_tokens <= AUTO_MAX_MEAN_STEP_TOKENS
             use = possible and (auto if setting is None else setting)
@@ -774,7 +781,7 @@ def packed_trainer_class():
             ids = list(dataset["input_ids"])
             labels = list(dataset["labels"]) if "labels" in columns else [None] * len(ids)
             masks = list(dataset["completion_mask"]) if "completion_mask" in columns else [None] * len(ids)
-            lengths = [len(x) for x in ids]
+            lengths = self._row_lengths()
             targets = [example_targets(x, y, m) for x, y, m in zip(ids, labels, masks, strict=True)]
             sampler = self._step_sampler()
             steps = self.args.max_steps if self.args.max_steps and self.args.max_steps > 0 else \
