@@ -19,7 +19,7 @@ from training import packing  # noqa: E402
 TIMING = ("train_runtime", "train_samples_per_second", "train_steps_per_second")
 
 
-def run(tmp_path, name: str, defer: bool, logging_steps: int):
+def run(tmp_path, name: str, defer: bool, logging_steps: int, max_grad_norm: float = 1.0, norm_as=None):
     packing.register_packed_attention()
     from datasets import Dataset
     from peft import LoraConfig
@@ -33,7 +33,7 @@ def run(tmp_path, name: str, defer: bool, logging_steps: int):
         output_dir=str(tmp_path / name), per_device_train_batch_size=2, gradient_accumulation_steps=2,
         learning_rate=5e-2, max_steps=7, logging_steps=logging_steps, save_strategy="steps", save_steps=3,
         report_to="none", seed=7, data_seed=7, max_length=256, use_cpu=True, dataloader_num_workers=0,
-        disable_tqdm=True))
+        disable_tqdm=True, max_grad_norm=max_grad_norm))
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     events = []
 
@@ -51,16 +51,20 @@ def run(tmp_path, name: str, defer: bool, logging_steps: int):
         data_collator=packing.make_collator(tok, args), callbacks=[Order()])
     assert trainer.defer_logs  # one process
     trainer.defer_logs = defer
+    if norm_as is not None:  # the gradient norm handed to the log as a host number or None
+        snapshot = trainer._snapshot_log
+        trainer._snapshot_log = lambda tr_loss, norm, *a: snapshot(tr_loss, norm_as(norm), *a)
     output = trainer.train()
     history = [{k: v for k, v in h.items() if k not in TIMING} for h in trainer.state.log_history]
     saved = json.loads((tmp_path / name / "checkpoint-3" / "trainer_state.json").read_text())["log_history"]
     return history, output.training_loss, saved, events
 
 
-@pytest.mark.parametrize("logging_steps", [1, 2])
-def test_deferred_logs_are_the_trainers_one_step_later(tmp_path, logging_steps):
-    history, train_loss, saved, events = run(tmp_path, "deferred", True, logging_steps)
-    ref_history, ref_loss, ref_saved, ref_events = run(tmp_path, "reference", False, logging_steps)
+@pytest.mark.parametrize(("logging_steps", "max_grad_norm"), [(1, 1.0), (2, 1.0), (1, 0.0)])
+def test_deferred_logs_are_the_trainers_one_step_later(tmp_path, logging_steps, max_grad_norm):
+    """Also without clipping (max_grad_norm 0), where the gradient norm may reach the log another way."""
+    history, train_loss, saved, events = run(tmp_path, "deferred", True, logging_steps, max_grad_norm)
+    ref_history, ref_loss, ref_saved, ref_events = run(tmp_path, "reference", False, logging_steps, max_grad_norm)
     assert history == ref_history and train_loss == ref_loss and saved == ref_saved
     logged = [h["step"] for h in history if "loss" in h]
     assert logged == list(range(logging_steps, 8, logging_steps))  # the Trainer logs no partial interval
@@ -78,3 +82,13 @@ def test_deferred_logs_are_the_trainers_one_step_later(tmp_path, logging_steps):
         if s in logged and s in at_once:
             expected.append(("log", s))
     assert events == expected
+
+
+def test_deferred_log_of_a_host_gradient_norm_or_none(tmp_path):
+    """A gradient norm that is a host number is logged as it is; None logs none (no GPU copy made for it)."""
+    ref_history = run(tmp_path, "reference", False, 1)[0]
+    as_float = run(tmp_path, "float", True, 1, norm_as=lambda n: float(n))[0]
+    as_none = run(tmp_path, "none", True, 1, norm_as=lambda n: None)[0]
+    assert as_float == ref_history
+    assert as_none == [{k: v for k, v in h.items() if k != "grad_norm"} for h in ref_history]
+    assert any("grad_norm" in h for h in ref_history)

@@ -920,11 +920,11 @@ def packed_trainer_class():
             """Queue a copy of the step's values to the host (pinned memory, an event marks it done), reset
             the accumulators as the Trainer's log does, and keep the host numbers of the log."""
             device = tr_loss.device
-            norm = grad_norm if torch.is_tensor(grad_norm) else torch.tensor(
-                float("nan") if grad_norm is None else float(grad_norm), device=device)
             hits = self._correct if self._correct is not None else torch.zeros((), device=device)
-            values = torch.stack([tr_loss.detach().float(), norm.detach().float().to(device),
-                                  hits.detach().float().to(device)])
+            queued = [tr_loss.detach().float(), hits.detach().float().to(device)]
+            if torch.is_tensor(grad_norm):  # a host number (or None) is kept as it is: no copy to the GPU
+                queued.append(grad_norm.detach().float().to(device))
+            values = torch.stack(queued)
             tr_loss -= tr_loss  # after the copy above, in stream order
             host = torch.empty(values.shape, dtype=values.dtype, pin_memory=values.is_cuda)
             host.copy_(values, non_blocking=True)
@@ -933,7 +933,8 @@ def packed_trainer_class():
                 event = torch.cuda.Event()
                 event.record()
             self._pending_log = {
-                "host": host, "event": event, "scored": self._scored, "has_norm": grad_norm is not None,
+                "host": host, "event": event, "scored": self._scored,
+                "grad_norm": None if torch.is_tensor(grad_norm) else grad_norm,
                 "steps": self.state.global_step - self._globalstep_last_logged,
                 "learning_rate": learning_rate if learning_rate is not None else self._get_learning_rate(),
                 "global_step": self.state.global_step, "epoch": self.state.epoch, "start_time": start_time}
@@ -947,9 +948,10 @@ def packed_trainer_class():
                 return
             if pending["event"] is not None:
                 pending["event"].synchronize()  # this log's step only, not the steps queued after it
-            loss_sum, norm, hits = pending["host"].tolist()
+            loss_sum, hits, *norm = pending["host"].tolist()
             logs = {"loss": loss_sum / pending["steps"]}
-            if pending["has_norm"]:
+            norm = norm[0] if norm else pending["grad_norm"]
+            if norm is not None:
                 logs["grad_norm"] = norm
             logs["learning_rate"] = pending["learning_rate"]
             self._total_loss_scalar += loss_sum
