@@ -2,7 +2,7 @@
 a logging step's values are copied to the host behind its kernels and written one step later, so that logging
 every step (the recipe's default) never leaves the GPU idle. Checked on CPU against the Trainer's own logs:
 the same log history, train_loss and checkpointed history, each log written after the next step unless a
-checkpoint or the run's end comes first."""
+checkpoint, an epoch's end or the run's end comes first."""
 
 from __future__ import annotations
 

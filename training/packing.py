@@ -887,7 +887,7 @@ def packed_trainer_class():
             self._metrics["train" if self.model.training else "eval"].pop("num_tokens", None)
             if "loss" in logs:  # every rank logs the same steps: the all-reduce below meets
                 accuracy = self._log_accuracy if self._log_accuracy is not None else self._token_accuracy()
-                if accuracy is not None and accuracy == accuracy:  # nan: nothing scored
+                if accuracy is not None and not math.isnan(accuracy):  # nan: a deferred log scored nothing
                     logs["mean_token_accuracy"] = accuracy
             super().log(logs, start_time)
 
@@ -899,7 +899,8 @@ def packed_trainer_class():
             own log reads them at once (.item()), which waits for every kernel queued and leaves the GPU
             idle while the host prepares the next step: at the recipe's logging_steps=1 every step
             (measured on an H200, benchmarks/NOTES.md). A checkpoint, an evaluation or the run's end
-            writes the pending log first: log history and train_loss are the Trainer's, one step later."""
+            writes the pending log at once (so does an epoch's end: one more call). Log history and
+            train_loss are the Trainer's."""
             if not self.defer_logs:
                 return super()._maybe_log_save_evaluate(tr_loss, grad_norm, model, trial, epoch,
                                                         ignore_keys_for_eval, start_time, learning_rate)
