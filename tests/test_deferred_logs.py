@@ -1,4 +1,5 @@
-"""The packed trainer's logs in one process (training/packing.py, PackedSFTTrainer._maybe_log_save_evaluate):
+"""The packed trainer's logs in one process (training/packing.py, PackedSFTTrainer._maybe_log_save_evaluate;
+under DDP: tests/test_training_run.py):
 a logging step's values are copied to the host behind its kernels and written one step later, so that logging
 every step (the recipe's default) never leaves the GPU idle. Checked on CPU against the Trainer's own logs:
 the same log history, train_loss and checkpointed history, each log written after the next step unless a
@@ -49,7 +50,7 @@ def run(tmp_path, name: str, defer: bool, logging_steps: int, max_grad_norm: flo
         model=tiny_model(packing.ATTN_IMPLEMENTATION, seed=3), args=args, train_dataset=Dataset.from_list(
             synthetic_rows(16, seed=2)), processing_class=tok, peft_config=lora,
         data_collator=packing.make_collator(tok, args), callbacks=[Order()])
-    assert trainer.defer_logs  # one process
+    assert trainer.defer_logs  # the default (TRAINING_DEFER_LOGS unset)
     trainer.defer_logs = defer
     if norm_as is not None:  # the gradient norm handed to the log as a host number or None
         snapshot = trainer._snapshot_log

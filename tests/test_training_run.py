@@ -163,6 +163,43 @@ def test_two_processes_over_gloo(tiny, tmp_path):
     assert ABORT not in proc.stderr, proc.stderr[-3000:]
 
 
+TIMING = ("train_runtime", "train_samples_per_second", "train_steps_per_second")
+
+
+@pytest.mark.slow
+def test_two_processes_deferred_logs_are_the_trainers(tiny, tmp_path):
+    """2 gloo ranks, a log every step and a checkpoint at step 5: the deferred logs (one all-reduce of the
+    ranks' loss, hits, scored tokens and flos, written a step later) give the Trainer's own log history,
+    train_loss, total flos and checkpointed history (TRAINING_DEFER_LOGS=0: the Trainer's log)."""
+    runs = {}
+    for defer in ("1", "0"):
+        out = tmp_path / f"defer-{defer}"
+        proc = torchrun(tiny, out, "--max_steps", "6", env={"TRAINING_DEFER_LOGS": defer})
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        metrics = json.loads((out / "metrics.json").read_text())
+        saved = json.loads((out / "checkpoint-5" / "trainer_state.json").read_text())
+        runs[defer] = metrics, saved
+    (deferred, deferred_saved), (own, own_saved) = runs["1"], runs["0"]
+    assert deferred["deferred_logs"] is True and own["deferred_logs"] is False
+    assert deferred["world_size"] == own["world_size"] == 2
+
+    def history(entries):
+        return [{k: v for k, v in h.items() if k not in TIMING} for h in entries]
+
+    for got, want in ((deferred["log_history"], own["log_history"]),
+                      (deferred_saved["log_history"], own_saved["log_history"])):
+        got, want = history(got), history(want)
+        assert [sorted(h) for h in got] == [sorted(h) for h in want]
+        for g, w in zip(got, want, strict=True):
+            assert g == pytest.approx(w, rel=1e-6), (g, w)
+    logged = [h for h in deferred["log_history"] if "loss" in h]
+    assert [h["step"] for h in logged] == [1, 2, 3, 4, 5, 6]
+    assert all(0.0 <= h["mean_token_accuracy"] <= 1.0 for h in logged)
+    assert deferred["train_loss"] == pytest.approx(own["train_loss"], rel=1e-6)
+    # (the packed path's batches carry no input_ids for the Trainer's flos estimate: both count 0 today)
+    assert deferred_saved["total_flos"] == own_saved["total_flos"]
+
+
 # In a fresh interpreter: a live gloo process group, then cli() on success or on bad data; prints
 # whether the group is still alive afterwards.
 _TEARDOWN_PROBE = """

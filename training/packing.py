@@ -683,8 +683,9 @@ def packed_trainer_class():
             self.real_tokens_seen = 0
             self._correct = None  # device tensor: top-1 hits since the last log
             self._scored = 0  # targets since the last log (host int)
-            # One process: a logging step's values are read one step later (_maybe_log_save_evaluate)
-            self.defer_logs = max(1, self.args.world_size) == 1
+            # A logging step's values are read one step later (_maybe_log_save_evaluate);
+            # TRAINING_DEFER_LOGS=0 keeps the Trainer's own log (read at once).
+            self.defer_logs = bool(env_switch("TRAINING_DEFER_LOGS", True))
             self._pending_log = None
             self._log_accuracy = None  # set while a deferred log is written
 
@@ -894,13 +895,14 @@ def packed_trainer_class():
         # ---- logs that do not stop the GPU
         def _maybe_log_save_evaluate(self, tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval,
                                      start_time, learning_rate=None):
-            """One process: a logging step's loss, gradient norm and token accuracy are copied to the host
-            behind that step's kernels and written at the next step, once the GPU has them; the Trainer's
-            own log reads them at once (.item()), which waits for every kernel queued and leaves the GPU
-            idle while the host prepares the next step: at the recipe's logging_steps=1 every step
-            (measured on an H200, benchmarks/NOTES.md). A checkpoint, an evaluation or the run's end
-            writes the pending log at once (so does an epoch's end: one more call). Log history and
-            train_loss are the Trainer's."""
+            """A logging step's loss, gradient norm and token accuracy are copied to the host behind that
+            step's kernels (under DDP after one all-reduce of every rank's loss, hits, scored tokens and
+            flos, queued like the step's gradient all-reduce) and written at the next step, once the GPU
+            has them. The Trainer's own log reads them at once (.item(); under DDP also its flos gather),
+            which waits for every kernel queued and leaves the GPU idle while the host prepares the next
+            step: at the recipe's logging_steps=1 every step (measured on an H200 in one process,
+            benchmarks/NOTES.md). A checkpoint, an evaluation or the run's end writes the pending log at
+            once (so does an epoch's end: one more call). Log history and train_loss are the Trainer's."""
             if not self.defer_logs:
                 return super()._maybe_log_save_evaluate(tr_loss, grad_norm, model, trial, epoch,
                                                         ignore_keys_for_eval, start_time, learning_rate)
@@ -919,13 +921,23 @@ def packed_trainer_class():
 
         def _snapshot_log(self, tr_loss, grad_norm, learning_rate, start_time) -> None:
             """Queue a copy of the step's values to the host (pinned memory, an event marks it done), reset
-            the accumulators as the Trainer's log does, and keep the host numbers of the log."""
+            the accumulators as the Trainer's log does, and keep the host numbers of the log. Under DDP the
+            ranks' loss (mean), hits, scored tokens and flos (sums) are all-reduced first, in the stream."""
             device = tr_loss.device
             hits = self._correct if self._correct is not None else torch.zeros((), device=device)
-            queued = [tr_loss.detach().float(), hits.detach().float().to(device)]
-            if torch.is_tensor(grad_norm):  # a host number (or None) is kept as it is: no copy to the GPU
-                queued.append(grad_norm.detach().float().to(device))
-            values = torch.stack(queued)
+            values = torch.stack([tr_loss.detach().double(), hits.detach().double().to(device)])
+            distributed = self.args.world_size > 1 and torch.distributed.is_initialized()
+            if distributed:
+                counts = torch.tensor([float(self._scored), float(self.current_flos)], dtype=torch.float64,
+                                      pin_memory=values.is_cuda).to(device, non_blocking=True)
+                values = torch.cat([values, counts])
+                torch.distributed.all_reduce(values)  # queued: the host does not wait for it
+                values[0] /= self.args.world_size  # the Trainer's gather + mean
+                self.current_flos = 0  # its sum over the ranks is added to total_flos when written
+            else:
+                self.store_flos()
+            if torch.is_tensor(grad_norm):  # the same on every rank; a host number (or None) stays on the host
+                values = torch.cat([values, grad_norm.detach().double().reshape(1).to(device)])
             tr_loss -= tr_loss  # after the copy above, in stream order
             host = torch.empty(values.shape, dtype=values.dtype, pin_memory=values.is_cuda)
             host.copy_(values, non_blocking=True)
@@ -934,14 +946,13 @@ def packed_trainer_class():
                 event = torch.cuda.Event()
                 event.record()
             self._pending_log = {
-                "host": host, "event": event, "scored": self._scored,
+                "host": host, "event": event, "scored": self._scored, "distributed": distributed,
                 "grad_norm": None if torch.is_tensor(grad_norm) else grad_norm,
                 "steps": self.state.global_step - self._globalstep_last_logged,
                 "learning_rate": learning_rate if learning_rate is not None else self._get_learning_rate(),
                 "global_step": self.state.global_step, "epoch": self.state.epoch, "start_time": start_time}
             self._correct, self._scored = None, 0
             self._globalstep_last_logged = self.state.global_step
-            self.store_flos()
 
         def _write_pending_log(self) -> None:
             pending, self._pending_log = self._pending_log, None
@@ -949,9 +960,13 @@ def packed_trainer_class():
                 return
             if pending["event"] is not None:
                 pending["event"].synchronize()  # this log's step only, not the steps queued after it
-            loss_sum, hits, *norm = pending["host"].tolist()
+            loss_sum, hits, *rest = pending["host"].tolist()
+            scored = pending["scored"]
+            if pending["distributed"]:
+                scored, flos, *rest = rest
+                self.state.total_flos += flos
             logs = {"loss": loss_sum / pending["steps"]}
-            norm = norm[0] if norm else pending["grad_norm"]
+            norm = rest[0] if rest else pending["grad_norm"]
             if norm is not None:
                 logs["grad_norm"] = norm
             logs["learning_rate"] = pending["learning_rate"]
@@ -959,7 +974,7 @@ def packed_trainer_class():
             # the log is the logging step's (step, epoch), as the Trainer would have written it then
             step, epoch = self.state.global_step, self.state.epoch
             self.state.global_step, self.state.epoch = pending["global_step"], pending["epoch"]
-            self._log_accuracy = hits / pending["scored"] if pending["scored"] else float("nan")
+            self._log_accuracy = hits / scored if scored else float("nan")
             try:
                 self.log(logs, pending["start_time"])
             finally:

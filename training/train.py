@@ -244,6 +244,7 @@ def collect_metrics(trainer, train_output, start_epoch: float, start_step: int, 
         "tokens_per_s": run_tokens / runtime if runtime else None,
         "world_size": trainer.args.world_size,
         "distributed_backend": _backend(),
+        "deferred_logs": bool(getattr(trainer, "defer_logs", False)),  # packed path: logs read a step later
         "resumed_from_step": start_step,
         "epoch": end_epoch,
         "log_history": history,
