@@ -112,6 +112,21 @@ def test_train_tokens_counts_non_padding_tokens(full_run, tiny):
     assert metrics["train_tokens"] == expected
 
 
+def test_total_flos_counts_the_packed_tokens(full_run, tiny):
+    """The Trainer's flos estimate, 6 x tokens x non-embedding parameters, over the packed micro-batches (the
+    Trainer alone finds no input_ids in a packed batch and counts 0): between the non-padding tokens' figure and
+    that plus the packing's padding (to a multiple of PAD_MULTIPLE tokens, one micro-batch a step here)."""
+    from transformers import AutoModelForCausalLM
+
+    from training.packing import PAD_MULTIPLE
+
+    _, metrics = full_run
+    params = AutoModelForCausalLM.from_pretrained(tiny[0]).num_parameters(exclude_embeddings=True)
+    flos = metrics["log_history"][-1]["total_flos"]
+    low = 6 * metrics["train_tokens"] * params
+    assert low <= flos <= low + 6 * (PAD_MULTIPLE - 1) * metrics["train_steps"] * params, (flos, low)
+
+
 def test_resume_after_a_crash_reaches_the_same_step(full_run, tiny, tmp_path, monkeypatch):
     _, uninterrupted = full_run
     out = tmp_path / "out"
@@ -196,8 +211,8 @@ def test_two_processes_deferred_logs_are_the_trainers(tiny, tmp_path):
     assert [h["step"] for h in logged] == [1, 2, 3, 4, 5, 6]
     assert all(0.0 <= h["mean_token_accuracy"] <= 1.0 for h in logged)
     assert deferred["train_loss"] == pytest.approx(own["train_loss"], rel=1e-6)
-    # (the packed path's batches carry no input_ids for the Trainer's flos estimate: both count 0 today)
-    assert deferred_saved["total_flos"] == own_saved["total_flos"]
+    assert deferred_saved["total_flos"] == own_saved["total_flos"] > 0
+    assert deferred["log_history"][-1]["total_flos"] == own["log_history"][-1]["total_flos"] > 0
 
 
 # In a fresh interpreter: a live gloo process group, then cli() on success or on bad data; prints

@@ -688,6 +688,7 @@ def packed_trainer_class():
             self.defer_logs = bool(env_switch("TRAINING_DEFER_LOGS", True))
             self._pending_log = None
             self._log_accuracy = None  # set while a deferred log is written
+            self._flos_parameters = None  # floating_point_ops
 
         # ---- data
         def _row_lengths(self) -> list[int]:
@@ -879,6 +880,16 @@ def packed_trainer_class():
                 total = loss.detach() if total is None else total + loss.detach()
             self._after_first_step()
             return total
+
+        def floating_point_ops(self, inputs) -> int:
+            """The Trainer's estimate (6 x tokens x non-embedding parameters) over a packed step's
+            micro-batches; its own looks for input_ids at the top of the batch and counts 0 here."""
+            micro_batches = inputs.get("micro_batches") if isinstance(inputs, dict) else None
+            if micro_batches is None or not hasattr(self.model, "num_parameters"):
+                return super().floating_point_ops(inputs)
+            if self._flos_parameters is None:  # counted once: the host is ahead of the GPU, keep it there
+                self._flos_parameters = self.model.num_parameters(exclude_embeddings=True)
+            return 6 * sum(m["input_ids"].numel() for m in micro_batches) * self._flos_parameters
 
         def _after_first_step(self) -> None:
             if self.compiled_layers and self.state.global_step == 0 and torch.cuda.is_available():
