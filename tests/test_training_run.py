@@ -178,9 +178,6 @@ def test_two_processes_over_gloo(tiny, tmp_path):
     assert ABORT not in proc.stderr, proc.stderr[-3000:]
 
 
-TIMING = ("train_runtime", "train_samples_per_second", "train_steps_per_second")
-
-
 @pytest.mark.slow
 def test_two_processes_deferred_logs_are_the_trainers(tiny, tmp_path):
     """2 gloo ranks, a log every step and a checkpoint at step 5: the deferred logs (one all-reduce of the
@@ -197,6 +194,8 @@ def test_two_processes_deferred_logs_are_the_trainers(tiny, tmp_path):
     (deferred, deferred_saved), (own, own_saved) = runs["1"], runs["0"]
     assert deferred["deferred_logs"] is True and own["deferred_logs"] is False
     assert deferred["world_size"] == own["world_size"] == 2
+
+    from tests.test_deferred_logs import TIMING
 
     def history(entries):
         return [{k: v for k, v in h.items() if k not in TIMING} for h in entries]

@@ -942,7 +942,7 @@ def packed_trainer_class():
                 counts = torch.tensor([float(self._scored), float(self.current_flos)], dtype=torch.float64,
                                       pin_memory=values.is_cuda).to(device, non_blocking=True)
                 values = torch.cat([values, counts])
-                torch.distributed.all_reduce(values)  # queued: the host does not wait for it
+                torch.distributed.all_reduce(values)  # NCCL: queued, the host does not wait for it
                 values[0] /= self.args.world_size  # the Trainer's gather + mean
                 self.current_flos = 0  # its sum over the ranks is added to total_flos when written
             else:
@@ -957,7 +957,8 @@ def packed_trainer_class():
                 event = torch.cuda.Event()
                 event.record()
             self._pending_log = {
-                "host": host, "event": event, "scored": self._scored, "distributed": distributed,
+                "host": host, "event": event, "distributed": distributed,
+                "scored": None if distributed else self._scored,  # under DDP: the reduced sum in host
                 "grad_norm": None if torch.is_tensor(grad_norm) else grad_norm,
                 "steps": self.state.global_step - self._globalstep_last_logged,
                 "learning_rate": learning_rate if learning_rate is not None else self._get_learning_rate(),
