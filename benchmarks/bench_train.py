@@ -69,6 +69,7 @@ def recipe_logging_steps(name: str, override: int | None = None) -> int:
 QWEN3_4B = dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                 head_dim=128, intermediate_size=9728, vocab_size=151936, tie_word_embeddings=True,
                 max_position_embeddings=40960, rope_theta=1_000_000, rms_norm_eps=1e-6)
+KNOB_PREFIXES = ("TORCHINDUCTOR_", "TORCH_BLAS_", "TRAINING_", "PYTORCH_CUDA_ALLOC_CONF")
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             intermediate_size=128, vocab_size=512, tie_word_embeddings=True, max_position_embeddings=2048)
 
@@ -500,9 +501,11 @@ def write_alpaca_text(path: Path, n: int, vocab: int, seed: int = 0) -> None:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
-def time_to_adapters(cfg: dict, work: Path, rows: int, runs: list[tuple[str, dict]], timeout: int = 300) -> list[dict]:
+def time_to_adapters(cfg: dict, work: Path, rows: int, runs: list[tuple[str, dict]], timeout: int = 300,
+                     profile: bool = False) -> list[dict]:
     """Run `python -m training.train` (the production entry point, the seed's config) as a fresh process
-    per entry of `runs` (label, extra environment) and time process start -> adapters written."""
+    per entry of `runs` (label, extra environment) and time process start -> adapters written.
+    `profile`: each run under cProfile (WORKDIR/tta-LABEL.prof, its top functions in tta-LABEL-profile.txt)."""
     model_dir, data = work / "model", work / "data.jsonl"
     if not (model_dir / "config.json").exists():
         t = time.time()
@@ -513,7 +516,10 @@ def time_to_adapters(cfg: dict, work: Path, rows: int, runs: list[tuple[str, dic
     for label, env_extra in runs:
         out = work / f"out-{label}"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **env_extra}
-        cmd = [sys.executable, "-m", "training.train", "--config", str(REPO / "training/configs/qwen3-4b-lora.yaml"),
+        name = re.sub(r"[^A-Za-z0-9_.-]", "-", label)  # file names $OUT gives back
+        prof = work / f"tta-{name}.prof"
+        cmd = [sys.executable, *(["-m", "cProfile", "-o", str(prof)] if profile else []),
+               "-m", "training.train", "--config", str(REPO / "training/configs/qwen3-4b-lora.yaml"),
                "--model_name_or_path", str(model_dir), "--dataset_name", str(data), "--n_examples", "0",
                "--output_dir", str(out)]
         import subprocess
@@ -523,7 +529,7 @@ def time_to_adapters(cfg: dict, work: Path, rows: int, runs: list[tuple[str, dic
         ended = time.time()
         log_text = proc.stdout + proc.stderr
         if os.environ.get("OUT"):
-            Path(os.environ["OUT"], f"tta-{label}.log").write_text(log_text)
+            Path(os.environ["OUT"], f"tta-{name}.log").write_text(log_text)
         adapters = out / "adapter_model.safetensors"
         metrics = next((json.loads(line.split(" ", 1)[1]) for line in log_text.splitlines()
                         if line.startswith("SLURM_GPU_METRICS ")), {})
@@ -535,12 +541,27 @@ def time_to_adapters(cfg: dict, work: Path, rows: int, runs: list[tuple[str, dic
                "phases_s": {k: round(v - started, 2) for k, v in timing.items()},
                **{k: metrics.get(k) for k in ("train_steps", "train_tokens", "train_runtime", "tokens_per_s",
                                               "train_loss", "mean_token_accuracy", "compiled_layers",
-                                              "compile_reason")}}
+                                              "compile_reason", "checkpoints_saved", "checkpoint_s")}}
+        if profile and prof.exists():
+            row["profile"] = write_profile_summary(prof, work / f"tta-{name}-profile.txt")
         if proc.returncode:
             print(log_text[-4000:], flush=True)
         print(f"TTA {json.dumps(row)}", flush=True)
         results.append(row)
     return results
+
+
+def write_profile_summary(prof: Path, text: Path, lines: int = 60) -> str:
+    """The profile's top functions by cumulative time, as text (also copied to $OUT when set)."""
+    import io
+    import pstats
+
+    buf = io.StringIO()
+    pstats.Stats(str(prof), stream=buf).sort_stats("cumulative").print_stats(lines)
+    text.write_text(buf.getvalue())
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], text.name).write_text(buf.getvalue())
+    return str(text)
 
 
 # ---------------------------------------------------------------- main
@@ -569,6 +590,10 @@ def main(argv: list[str] | None = None) -> dict:
                              "fresh then a warm compile cache (in WORKDIR), and time process start -> adapters")
     parser.add_argument("--tta-rows", type=int, default=250, help="rows of the time-to-adapters run")
     parser.add_argument("--tta-runs", default="cold,warm", help="cold,warm and/or eager,compiled (forced)")
+    parser.add_argument("--tta-bytecode", choices=["node", "as-is"], default="node",
+                        help="node: byte-compile the packages a run imports first, as pip does on a node "
+                             "(benchmarks/node_bytecode.py); as-is: time the interpreter as it is")
+    parser.add_argument("--tta-profile", action="store_true", help="run each time-to-adapters process under cProfile")
     parser.add_argument("--results-dir", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--results-name", default=None, help="results file name suffix (default: the GPU)")
     parser.add_argument("--no-write", action="store_true", help="print only; write no results file")
@@ -584,6 +609,9 @@ def main(argv: list[str] | None = None) -> dict:
     results = {"date": dt.date.today().isoformat(), "gpu": gpu, "torch": torch.__version__,
                "model": "tiny-qwen3" if args.tiny else "Qwen3-4B architecture, random weights",
                "peak_flops": PEAK_FLOPS, "workloads": {}, "rows": []}
+    # The knobs a run may be given from outside (Inductor, cuBLAS, the trainer's switches), so a result says
+    # which settings made it.
+    results["environment"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith(KNOB_PREFIXES)}
     import peft
     import transformers  # noqa: E401
     import trl
@@ -619,13 +647,20 @@ def main(argv: list[str] | None = None) -> dict:
                 runs.append((full, env))
             else:
                 parser.error(f"--tta-runs: unknown run {label!r}")
+        if args.tta_bytecode == "node":
+            from benchmarks.node_bytecode import RUN_IMPORTS, ensure_bytecode
+
+            results["bytecode"] = ensure_bytecode(RUN_IMPORTS, {**os.environ}, REPO)
+            print(f"bytecode: {json.dumps(results['bytecode'])}", flush=True)
+        else:
+            results["bytecode"] = "as-is"
         # each run is its own process: a cold run must not see the previous run's cache
         tta = []
         for label, env in runs:
             if label.partition("+")[0] == "cold":
                 import shutil
                 shutil.rmtree(cache, ignore_errors=True)
-            tta += time_to_adapters(cfg, work, args.tta_rows, [(label, env)])
+            tta += time_to_adapters(cfg, work, args.tta_rows, [(label, env)], profile=args.tta_profile)
         results["time_to_adapters"] = tta
         by = {r["label"]: r for r in tta}
         for label in ("cold", "warm"):

@@ -3,6 +3,7 @@ events made by hand, named as an H200 profile of the packed path names them) and
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -39,10 +40,15 @@ def test_kernels_by_kind_first_match_wins():
     assert summary["kernels_per_step"] == 7 and summary["cpu_ms_per_step"] == {"cudaLaunchKernel": 0.01}  # 7 us
 
 
-def test_tiny_benchmark_runs_each_recipe_at_its_own_logging(capsys):
+def test_tiny_benchmark_runs_each_recipe_at_its_own_logging(capsys, monkeypatch):
     """The benchmark end to end on CPU (tiny Qwen3): the seed recipe logs as the seed's script (every 10
-    steps), the project's as its config (every step: what fab train runs); a bad --logging-steps is refused."""
+    steps), the project's as its config (every step: what fab train runs); a bad --logging-steps is refused;
+    the results name the knobs the run was given from the environment."""
     from benchmarks import bench_train
+
+    monkeypatch.setenv("TORCHINDUCTOR_COORDINATE_DESCENT_TUNING", "1")
+    monkeypatch.setenv("TRAINING_DEFER_LOGS", "1")
+    monkeypatch.delenv("TORCH_BLAS_PREFER_CUBLASLT", raising=False)
 
     results = bench_train.main(["--device", "cpu", "--tiny", "--workloads", "alpaca-102", "--recipes", "seed,project",
                                 "--examples", "32", "--seed-steps", "3", "--project-steps", "3", "--warmup-steps", "1",
@@ -51,6 +57,55 @@ def test_tiny_benchmark_runs_each_recipe_at_its_own_logging(capsys):
     assert rows["seed"]["logging_steps"] == 10 and rows["project"]["logging_steps"] == 1
     assert all(r["steps"] == 3 and r["tokens_per_s"] > 0 and "error" not in r for r in rows.values())
     assert rows["project"]["mean_token_accuracy"] is not None  # logged every step
+    env = results["environment"]
+    assert env["TORCHINDUCTOR_COORDINATE_DESCENT_TUNING"] == "1" and env["TRAINING_DEFER_LOGS"] == "1"
+    assert "TORCH_BLAS_PREFER_CUBLASLT" not in env and "HOME" not in env
     with pytest.raises(SystemExit):
         bench_train.main(["--device", "cpu", "--tiny", "--logging-steps", "0", "--no-write"])
     assert "--logging-steps 0: log every N >= 1 steps" in capsys.readouterr().err
+
+
+def test_node_bytecode_compiles_what_a_run_imports_without_bytecode(tmp_path):
+    """An image without bytecode (PYTHONDONTWRITEBYTECODE=1, sources only) recompiles each import in every
+    process; ensure_bytecode finds those modules and compiles their package in place, as pip does on a node."""
+    import os
+    import sys
+
+    from benchmarks.node_bytecode import ensure_bytecode, probe
+
+    pkg = tmp_path / "site" / "pkgx"
+    (pkg / "inner").mkdir(parents=True)
+    for f in (pkg / "__init__.py", pkg / "inner" / "__init__.py", pkg / "inner" / "mod.py", pkg / "unused.py"):
+        f.write_text("VALUE = 1\n")
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": str(tmp_path / "site")}
+    env.pop("PYTHONPYCACHEPREFIX", None)
+    code = "import pkgx.inner.mod\n"
+    ours = {str(pkg / "__init__.py"), str(pkg / "inner" / "__init__.py"), str(pkg / "inner" / "mod.py")}
+    assert ours <= set(probe(code, env, tmp_path)["missing"])  # and the probe itself wrote none
+    assert ours <= set(probe(code, env, tmp_path)["missing"])
+
+    done = ensure_bytecode(code, env, tmp_path)
+    assert "pkgx" in done["compiled"] and done["missing_before"] >= 3 and done["missing_after"] == 0, done
+    assert not ours & set(probe(code, env, tmp_path)["missing"])
+    assert list((pkg / "__pycache__").glob(f"unused.*{sys.implementation.cache_tag}*.pyc"))  # the whole package
+    again = ensure_bytecode(code, env, tmp_path)
+    assert again["compiled"] == [] and again["missing_before"] == 0
+
+
+def test_time_to_adapters_on_cpu(tmp_path, monkeypatch):
+    """The time-to-adapters run end to end (tiny Qwen3, CPU): `python -m training.train` with the seed's
+    config on Alpaca-length rows, its phases in order, the checkpoints it wrote, a cProfile summary."""
+    from benchmarks import bench_train
+
+    monkeypatch.delenv("OUT", raising=False)
+    results = bench_train.main(["--device", "cpu", "--tiny", "--time-to-adapters", str(tmp_path), "--tta-rows", "64",
+                                "--tta-runs", "warm", "--tta-profile", "--no-write"])
+    assert results["bytecode"]["missing_after"] == 0
+    (row,) = results["time_to_adapters"]
+    assert row["rc"] == 0 and row["train_steps"] == 4  # 64 rows, 16 a step
+    phases = list(row["phases_s"].values())
+    assert phases == sorted(phases) and list(row["phases_s"])[-1] == "adapters_written"
+    assert 0 < row["time_to_adapters_s"] == results["time_to_adapters_warm_s"] <= row["process_wall_s"]
+    assert row["checkpoints_saved"] == 0  # save_steps 5, and none at the last step
+    assert "training/train.py" in Path(row["profile"]).read_text()
+    assert (tmp_path / "out-warm" / "adapter_model.safetensors").exists()

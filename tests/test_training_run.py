@@ -100,6 +100,32 @@ def test_training_run_loss_falls_and_writes_outputs(full_run, tiny):
     assert (after - before).abs().max() > 1e-2
 
 
+def test_timing_marks_the_phases_in_order(full_run):
+    """metrics.json's timing (what time to adapters is split into): each phase's wall clock, in run order,
+    the first step's end inside training, and the checkpoints' share of it (one every save_steps=5)."""
+    _, metrics = full_run
+    timing = metrics["timing"]
+    order = ["args_parsed", "data_ready", "model_loaded", "trainer_built", "first_step_done", "trained",
+             "adapters_written"]
+    assert list(timing) == order
+    assert all(timing[a] <= timing[b] for a, b in zip(order, order[1:], strict=False)), timing
+    assert metrics["checkpoints_saved"] == metrics["train_steps"] // 5 == 4
+    assert 0 < metrics["checkpoint_s"] < timing["trained"] - timing["first_step_done"]
+
+
+def test_no_checkpoint_at_the_last_step_unless_asked(full_run, tiny, tmp_path):
+    """final_checkpoint=false (the default): checkpoints every save_steps for a requeue, none at the last step
+    (the adapters and trainer state follow in output_dir); true keeps the Trainer's checkpoint there."""
+    out, metrics = full_run
+    assert metrics["train_steps"] == 24
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-15", "checkpoint-20"]
+    kept = tmp_path / "kept"
+    asked = train.main(argv_for(tiny, kept, "--final_checkpoint", "true", "--max_steps", "6"))
+    assert asked["checkpoints_saved"] == 2
+    assert sorted(p.name for p in kept.glob("checkpoint-*")) == ["checkpoint-5", "checkpoint-6"]
+    assert (kept / "checkpoint-6" / "optimizer.pt").exists()
+
+
 def test_train_tokens_counts_non_padding_tokens(full_run, tiny):
     from transformers import AutoTokenizer
 

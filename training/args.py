@@ -75,6 +75,13 @@ class TrainConfig(SFTConfig):
     logging_steps: float = field(default=1, metadata={"help": "Log every N optimizer steps (fab streams them)."})
     save_steps: float = field(default=50, metadata={"help": "Checkpoint every N optimizer steps (for requeue)."})
     save_total_limit: int | None = field(default=2, metadata={"help": "Keep at most N checkpoints."})
+    final_checkpoint: bool = field(
+        default=False,
+        metadata={"help": "Also checkpoint at the last step (the Trainer's habit). Off: the run writes its adapters, "
+                          "trainer_state.json and COMPLETED marker right after, and a finished job is not resumed, "
+                          "so that checkpoint (optimizer state included: ~140 MB for Qwen3-4B's adapters) only "
+                          "delays the adapters. On: keep it, to continue training from the optimizer state."},
+    )
     report_to: None | str | list[str] = field(default="none", metadata={"help": "Experiment trackers (none)."})
     ddp_find_unused_parameters: bool | None = field(
         default=False, metadata={"help": "False: frozen base weights are not searched for every step."}

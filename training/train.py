@@ -156,8 +156,49 @@ class FaultInjectionCallback(TrainerCallback):
             raise RuntimeError(f"injected fault ({FAULT_RANK_ENV}={self.rank}, {FAULT_STEP_ENV}={self.step})")
 
 
-def make_callbacks() -> list[TrainerCallback]:
+class PhaseTimingCallback(TrainerCallback):
+    """Where a run's training time goes, for metrics.json and time-to-adapters: the host's clock at the end
+    of the first optimizer step (CUDA, kernel and allocator warm-up included) and the wall seconds from a
+    saving step's end to its checkpoint written (the queued step finishing on the GPU, its log, the files)."""
+
+    def __init__(self):
+        self.first_step_end: float | None = None
+        self.checkpoint_s = 0.0
+        self.checkpoints = 0
+        self._step_end: float | None = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._step_end = time.time()
+        if self.first_step_end is None:
+            self.first_step_end = self._step_end
+
+    def on_save(self, args, state, control, **kwargs):
+        if self._step_end is not None:
+            self.checkpoint_s += time.time() - self._step_end
+            self.checkpoints += 1
+
+
+class NoFinalCheckpointCallback(TrainerCallback):
+    """Drop the checkpoint the Trainer schedules at the last step (final_checkpoint=false): the adapters and
+    trainer state follow at once in output_dir. Runs after the Trainer's own flow callback, which sets it."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        return self._drop_at_end(state, control)
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        return self._drop_at_end(state, control)
+
+    @staticmethod
+    def _drop_at_end(state, control):
+        if state.max_steps and state.global_step >= state.max_steps:
+            control.should_save = False
+        return control
+
+
+def make_callbacks(final_checkpoint: bool) -> list[TrainerCallback]:
     callbacks: list[TrainerCallback] = [StepLogCallback()]
+    if not final_checkpoint:
+        callbacks.append(NoFinalCheckpointCallback())
     if os.environ.get(FAULT_RANK_ENV) and os.environ.get(FAULT_STEP_ENV):
         callbacks.append(FaultInjectionCallback(int(os.environ[FAULT_RANK_ENV]), int(os.environ[FAULT_STEP_ENV])))
     return callbacks
@@ -289,7 +330,9 @@ def main(argv: list[str] | None = None) -> dict | None:
         timing["data_ready"] = time.time()
         model = load_model(model_args, train_args, flex_packing)
         timing["model_loaded"] = time.time()
-    trainer = build_trainer(model, tokenizer, dataset, model_args, train_args, flex_packing, make_callbacks())
+    phases = PhaseTimingCallback()
+    trainer = build_trainer(model, tokenizer, dataset, model_args, train_args, flex_packing,
+                            [*make_callbacks(train_args.final_checkpoint), phases])
     timing["trainer_built"] = time.time()
 
     resume = train_args.resume_from_checkpoint or find_resume_checkpoint(train_args.output_dir)
@@ -311,7 +354,11 @@ def main(argv: list[str] | None = None) -> dict | None:
     if not trainer.is_world_process_zero():
         return None
     metrics = collect_metrics(trainer, train_output, start_epoch, start_step, dataset_tokens(trainer.train_dataset))
-    metrics["timing"] = timing  # wall-clock (epoch) seconds of each phase, for time-to-adapters
+    if phases.first_step_end is not None:
+        timing["first_step_done"] = phases.first_step_end
+    metrics["timing"] = dict(sorted(timing.items(), key=lambda kv: kv[1]))  # wall-clock (epoch) seconds
+    metrics["checkpoints_saved"] = phases.checkpoints
+    metrics["checkpoint_s"] = round(phases.checkpoint_s, 3)
     metrics["compiled_layers"] = getattr(trainer, "compiled_layers", None)
     metrics["compile_reason"] = getattr(trainer, "compile_reason", None)
     write_metrics(train_args.output_dir, metrics)
