@@ -652,6 +652,9 @@ def main(argv: list[str] | None = None) -> dict:
 
             results["bytecode"] = ensure_bytecode(RUN_IMPORTS, {**os.environ}, REPO)
             print(f"bytecode: {json.dumps(results['bytecode'])}", flush=True)
+            if results["bytecode"]["missing_after"]:
+                print(f"WARNING: {results['bytecode']['missing_after']} modules still have no bytecode (read-only "
+                      "packages?): the imports below are slower than a node's", flush=True)
         else:
             results["bytecode"] = "as-is"
         # each run is its own process: a cold run must not see the previous run's cache

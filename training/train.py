@@ -158,8 +158,9 @@ class FaultInjectionCallback(TrainerCallback):
 
 class PhaseTimingCallback(TrainerCallback):
     """Where a run's training time goes, for metrics.json and time-to-adapters: the host's clock at the end
-    of the first optimizer step (CUDA, kernel and allocator warm-up included) and the wall seconds from a
-    saving step's end to its checkpoint written (the queued step finishing on the GPU, its log, the files)."""
+    of the first optimizer step (CUDA, kernel and allocator warm-up included) and the wall seconds the loop
+    spends on checkpoints: from a saving step's end until training may go on (the queued step finishing on
+    the GPU, its log, and the files, or with background checkpoints a copy of the state)."""
 
     def __init__(self):
         self.first_step_end: float | None = None
@@ -210,12 +211,15 @@ def build_trainer(model, tokenizer, dataset, model_args: ModelArguments, train_a
                   flex_packing: bool = False, callbacks: list[TrainerCallback] | None = None):
     from trl import SFTTrainer, get_peft_config
 
+    from training.background_checkpoints import with_background_checkpoints
+
     trainer_cls = SFTTrainer
     if flex_packing:
         # One packed row per optimizer step (same examples per step), no checkpointing, compiled layers.
         from training import packing
         train_args = packing.prepare_args(train_args)
         trainer_cls = packing.packed_trainer_class()
+    trainer_cls = with_background_checkpoints(trainer_cls)
     extra = {"compile_model": train_args.compile_layers} if flex_packing else {}
     trainer = trainer_cls(
         **extra,
