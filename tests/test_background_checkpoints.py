@@ -114,3 +114,47 @@ def test_a_writer_error_fails_the_run_and_leaves_no_complete_checkpoint(tiny, tm
         run(tiny, out, monkeypatch, background=True)
     assert not list(out.glob("checkpoint-*/trainer_state.json"))
     assert train.find_resume_checkpoint(str(out)) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the benchmark device)")
+def test_the_writer_does_not_disturb_a_graph_capture(tmp_path):
+    """The writer's work (torch.save and safetensors of host tensors, JSON) runs while the training thread
+    captures CUDA graphs in the default (global) capture mode, which fails a capture if any thread makes a
+    CUDA call it forbids: every capture succeeds and replays what the eager step computes."""
+    import threading
+
+    from safetensors.torch import save_file
+
+    host = {f"w{i}": torch.randn(1024, 1024) for i in range(12)}  # ~50 MB, like a checkpoint's pieces
+    stop, errors, writes = threading.Event(), [], [0]
+
+    def writer():
+        try:
+            while not stop.is_set():
+                torch.save(host, tmp_path / "optimizer.pt")
+                save_file(host, str(tmp_path / "adapter_model.safetensors"))
+                (tmp_path / "trainer_state.json").write_text(json.dumps({"step": writes[0]}))
+                writes[0] += 1
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    x = torch.randn(512, 512, device="cuda")
+    w = torch.randn(512, 512, device="cuda")
+    side = torch.cuda.Stream()
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        for _ in range(30):
+            graph = torch.cuda.CUDAGraph()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                graph.capture_begin()
+                y = torch.relu(x @ w).sum(dim=0)
+                graph.capture_end()
+            torch.cuda.current_stream().wait_stream(side)
+            graph.replay()
+            torch.testing.assert_close(y, torch.relu(x @ w).sum(dim=0))
+    finally:
+        stop.set()
+        thread.join()
+    assert not errors and writes[0] > 0, (errors, writes)
