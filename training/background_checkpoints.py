@@ -27,13 +27,11 @@ from pathlib import Path
 
 import torch
 
+from training.packing import env_switch
+
 log = logging.getLogger(__name__)
 
 ENV = "TRAINING_BACKGROUND_CHECKPOINTS"
-
-
-def enabled() -> bool:
-    return os.environ.get(ENV, "").strip().lower() not in ("0", "false", "off")
 
 
 def host_copy(obj):
@@ -55,7 +53,7 @@ class BackgroundCheckpoints:
 
     def _checkpoint_in_background(self, trial) -> bool:
         args = self.args
-        return (enabled() and trial is None and self.hp_search_backend is None and not args.push_to_hub
+        return (env_switch(ENV, True) and trial is None and self.hp_search_backend is None and not args.push_to_hub
                 and not self.is_deepspeed_enabled and not self.is_fsdp_enabled and not self.state.best_global_step
                 and args.metric_for_best_model is None)
 
