@@ -52,6 +52,15 @@ TRAINING_PYTHON = f"{TRAINING_VENV}/bin/python"
 # Per-host state (under /var/lib/slurm, which the local cluster gives each host).
 STATE_DIR = "/var/lib/slurm/slurm-gpu"
 MARKER_PATH = f"{STATE_DIR}/bootstrap.done"
+# Present while a GPU node holds the munge key it made for itself at first boot: slurmd's
+# drop-in does not start slurmd while it exists (a configless slurmd cannot fetch its config with
+# a key the controller does not share; Slurm 23.11 then exits for good). fab's key sync
+# (ops/munge.py) installs the cluster's key, removes it, and starts slurmd.
+NODE_LOCAL_KEY_MARKER = f"{STATE_DIR}/munge-key.node-local"
+# Written by cloud-init's write_files (before its package module runs) so that apt waits for a
+# dpkg lock held by first-boot unattended upgrades instead of failing after 30 s.
+APT_LOCK_CONF = "/etc/apt/apt.conf.d/90slurm-gpu-lock-wait"
+APT_LOCK_TIMEOUT_S = 900
 # Each bootstrap step's record: <step>.status ("running|ok|skipped|failed ... <UTC time>") and
 # <step>.log (its output); ops/cloudinit.py reads them to name a failed step.
 STEPS_DIR = f"{STATE_DIR}/bootstrap"
@@ -163,6 +172,8 @@ def _context(facts: ClusterFacts) -> dict:
             "venv": TRAINING_VENV,
             "state_dir": STATE_DIR,
             "marker": MARKER_PATH,
+            "node_local_key": NODE_LOCAL_KEY_MARKER,
+            "apt_lock_conf": APT_LOCK_CONF,
             "steps_dir": STEPS_DIR,
             "suspend": SUSPEND_PATH,
             "resume": RESUME_PATH,
@@ -171,6 +182,7 @@ def _context(facts: ClusterFacts) -> dict:
         "power": facts.power_save,
         "hosts_begin": HOSTS_BEGIN,
         "hosts_end": HOSTS_END,
+        "apt_lock_timeout_s": APT_LOCK_TIMEOUT_S,
     }
 
 
@@ -241,6 +253,11 @@ def render_slurmd_env(facts: ClusterFacts) -> str:
 
 def render_slurmd_dropin(facts: ClusterFacts) -> str:
     return _TEMPLATES.get_template("slurmd-dropin.conf.j2").render(**_context(facts))
+
+
+def render_apt_lock_conf(facts: ClusterFacts) -> str:
+    """apt's wait for the dpkg lock (cloud-init's package module and the bootstrap's apt-get)."""
+    return _TEMPLATES.get_template("apt-lock-wait.conf.j2").render(**_context(facts))
 
 
 def render_files(facts: ClusterFacts) -> dict[str, str]:
@@ -351,6 +368,7 @@ def user_data(facts: ClusterFacts, role: str, hostname: str | None = None) -> st
     if role == "gpu" and hostname is not None:
         facts = node_facts(facts, hostname)
     contents = dict(role_files(facts, role))
+    contents[APT_LOCK_CONF] = render_apt_lock_conf(facts)
     contents[BOOTSTRAP_PATH] = bootstrap_script(facts, role, hostname)
     ctx = _context(facts)
     ctx.update(role=role, packages=PACKAGES[role])

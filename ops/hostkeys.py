@@ -6,8 +6,9 @@ still recognised) and paramiko's RejectPolicy; `fab ssh` runs OpenSSH with
 StrictHostKeyChecking=yes and HostKeyAlias=<node name> on the same file.
 
 The keys come from a source an attacker on the network path cannot forge:
-- AWS: the host keys cloud-init prints to each instance's console output at first boot
-  (`-----BEGIN SSH HOST KEY KEYS-----`, checked against the `ec2:` fingerprint block),
+- AWS: the host keys printed to each instance's console output at first boot, by the
+  bootstrap as it starts and by cloud-init when it ends (`-----BEGIN SSH HOST KEY KEYS-----`,
+  checked against the fingerprint block printed with it),
   read through the EC2 API with the `aws` CLI (`aws ec2 get-console-output`), the same
   way for GPU nodes (no public IP needed). The file lives in
   ~/.config/slurm-gpu/<cluster>-<controller instance id>/known_hosts.
@@ -95,8 +96,9 @@ def parse_console_output(text: str) -> list[Key]:
     (`<14>Dec  4 01:02:03 ec2: `, kernel timestamps): only the markers and keys count."""
     keys_blocks, fp_blocks = _blocks(text, KEYS_BEGIN, KEYS_END), _blocks(text, FP_BEGIN, FP_END)
     if not keys_blocks:
-        raise HostKeyError("the console output holds no SSH HOST KEY KEYS block yet (cloud-init "
-                           "prints it at the end of the first boot); wait a minute and retry")
+        raise HostKeyError("the console output holds no SSH HOST KEY KEYS block yet (the bootstrap "
+                           "prints it as it starts, a minute or two into the first boot); wait a "
+                           "minute and retry")
     keys = [(m["type"], m["blob"]) for line in keys_blocks[-1] for m in [_KEY.search(line)] if m]
     if not keys:
         raise HostKeyError("the console output's SSH HOST KEY KEYS block holds no public key")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from fabric import Connection
 
+from bootstrap.render import NODE_LOCAL_KEY_MARKER
 from ops.remote import WholeInput, sudo
 
 KEY_PATH = "/etc/munge/munge.key"
@@ -56,7 +57,8 @@ def key_digest(c: Connection) -> str | None:
 
 
 def install_key(c: Connection, key: bytes, service_cmd: str) -> None:
-    """Write the key munge:munge 0400 (atomically, from stdin) and restart munged.
+    """Write the key munge:munge 0400 (atomically, from stdin), drop the node-local key's marker
+    (render.NODE_LOCAL_KEY_MARKER) and restart munged.
 
     One command: every ssh session costs a round trip (and on a namespace host a
     noticeable fraction of a second).
@@ -65,10 +67,11 @@ def install_key(c: Connection, key: bytes, service_cmd: str) -> None:
 
     tmp = f"{KEY_PATH}.new"
     restart = service_cmd.format(action="restart", service="munge")
+    # The node-local key's marker goes with it: slurmd's drop-in may start slurmd from now on.
     sudo(
         c,
         f"sh -c 'base64 -d | install -o munge -g munge -m 0400 /dev/stdin {tmp}"
-        f" && mv -f {tmp} {KEY_PATH} && {restart}'",
+        f" && mv -f {tmp} {KEY_PATH} && rm -f {NODE_LOCAL_KEY_MARKER} && {restart}'",
         in_stream=WholeInput(base64.b64encode(key).decode()),
     )
 

@@ -216,6 +216,13 @@ def file_text(entry):
     return entry["content"]
 
 
+def decoded_text(entry: dict) -> str:
+    """A write_files entry's text, decoding cloud-init's gz+b64."""
+    if entry.get("encoding") == "gz+b64":
+        return gzip.decompress(base64.b64decode(entry["content"])).decode()
+    return entry["content"]
+
+
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("role", render.ROLES)
 def test_user_data_content(case, role):
@@ -231,8 +238,16 @@ def test_user_data_content(case, role):
     expected[render.BOOTSTRAP_PATH] = render.bootstrap_script(
         facts, role, facts.controller.name if role == "controller" else None
     )
+    expected[render.APT_LOCK_CONF] = render.render_apt_lock_conf(facts)
     # Every file arrives byte for byte (YAML block scalars keep the text).
     assert {p: file_text(f) for p, f in written.items()} == expected
+    # apt waits for a dpkg lock held by first-boot unattended upgrades (cloud-init's own wait is
+    # 30 s): the file is written by write_files, which runs before the package module.
+    assert re.fullmatch(r'DPkg::Lock::Timeout "(\d+)";', expected[render.APT_LOCK_CONF].splitlines()[-1])
+    assert int(expected[render.APT_LOCK_CONF].split('"')[1]) >= 600
+    # First boot holds the apt timers so background upgrades do not race the bootstrap.
+    assert any("apt-daily-upgrade.timer" in " ".join(map(str, cmd)) and "cloud-init-per" in cmd
+               for cmd in cfg["bootcmd"])
     assert (render.EXPORTS_FILE in written) == (role == "controller")
     assert (render.HEALTHCHECK_PATH in written) == (role == "gpu")
     assert written[render.BOOTSTRAP_PATH]["permissions"] == "0755"
@@ -260,7 +275,8 @@ def test_user_data_names_the_host():
     assert "local want='gpu-node-02'" in script
     # Without a name, the GPU script finds its name from its IP in the hosts block.
     assert "local want=''" in render.bootstrap_script(facts, "gpu")
-    assert "local want='controller'" in render.user_data(facts, "controller")
+    written = {f["path"]: f for f in parse_user_data(render.user_data(facts, "controller"))["write_files"]}
+    assert "local want='controller'" in decoded_text(written[render.BOOTSTRAP_PATH])
 
 
 def test_gpu_nodes_get_nothing_from_slurms_config_dir(monkeypatch):

@@ -10,12 +10,14 @@ overlays, so the machine itself is not changed.
 import os
 import subprocess
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from bootstrap import render
 from bootstrap.facts import NodeShape
 from bootstrap.platform import LOCAL as LOCAL_PLATFORM
+from ops import hostkeys
 from tests.test_bootstrap_render import FACTS, make_facts
 
 
@@ -185,7 +187,17 @@ def test_gpu_bootstrap_runs_and_is_idempotent(tmp_path):
     assert "marker_role=role=gpu" in report
     assert "step munge" in logs and "skip training" in logs
     assert "made a node-local one" in logs
+    # The node-local key is marked: slurmd's drop-in keeps slurmd off until fab's key sync.
+    assert st[render.NODE_LOCAL_KEY_MARKER][0] == "root:root"
+    assert f"ConditionPathExists=!{render.NODE_LOCAL_KEY_MARKER}" in render.render_slurmd_dropin(LOCAL)
     assert f"GPU check: 2 device files present ({LOCAL.gpu_device_prefix}[0-1])" in logs
+    # The host keys are printed as the bootstrap starts (before its first step), in the format
+    # fab reads from the console, and they are this host's keys.
+    first_run = logs.split("done (")[0]
+    assert first_run.index(hostkeys.KEYS_END) < first_run.index("step hostname")
+    printed = hostkeys.parse_console_output(first_run)
+    on_disk = sorted(tuple(p.read_text().split()[:2]) for p in Path("/etc/ssh").glob("ssh_host_*_key.pub"))
+    assert on_disk and sorted(printed) == on_disk
 
 
 @pytest.mark.cluster

@@ -142,4 +142,5 @@ def test_cloud_init_decodes_encoded_files_back_to_the_rendered_text(tmp_path):
     assert res.returncode == 0, res.stderr
     expected = render.role_files(FULL, "gpu")
     expected[render.BOOTSTRAP_PATH] = render.bootstrap_script(FULL, "gpu")
+    expected[render.APT_LOCK_CONF] = render.render_apt_lock_conf(FULL)
     assert json.loads(res.stdout) == expected

@@ -119,8 +119,11 @@ def test_fresh_gpu_hosts_cannot_decode_the_controllers_credential(lc):
         assert "Invalid credential" in status
         # ...and its own munged works: the keys differ, not the daemon.
         run(c, "munge -n | unmunge")
-    # Nodes are not usable by Slurm yet.
+    # Nodes are not usable by Slurm yet, and each marks its node-local key (slurmd's drop-in
+    # keeps a systemd slurmd off while the mark is there).
     assert all(state != "idle" for state, _ in sinfo_nodes(controller).values())
+    for name, c in nodes.items():
+        assert run(c, f"test -e {render.NODE_LOCAL_KEY_MARKER} && echo marked").stdout.strip() == "marked", name
 
 
 @pytest.mark.cluster
@@ -133,6 +136,8 @@ def test_key_distribution_then_rerun_skips(lc):
         assert ok, f"{name}: {status}"
         assert run(c, "stat -c '%U:%G %a' /etc/munge /etc/munge/munge.key").stdout.split() \
             == ["munge:munge", "700", "munge:munge", "400"]
+        # The cluster's key is in: the node-local key's mark is gone, so slurmd may start.
+        assert run(c, f"test -e {render.NODE_LOCAL_KEY_MARKER} || echo gone").stdout.strip() == "gone", name
     # The other direction too: a node's credential decodes on the controller.
     cred = run(nodes[NODE_NAMES[0]], "munge -n").stdout
     assert "ENCODE_HOST:" in run(controller, "unmunge", in_stream=WholeInput(cred)).stdout
