@@ -85,7 +85,7 @@ def test_training_run_loss_falls_and_writes_outputs(full_run, tiny):
     assert any(p.name.startswith("checkpoint-") for p in out.iterdir())
     # The completion marker a requeued job checks: the final metrics, written after everything else.
     marker = out / train.COMPLETED_MARKER
-    assert json.loads(marker.read_text()) == {k: v for k, v in on_disk.items() if k != "log_history"}
+    assert json.loads(marker.read_text()) == {k: v for k, v in on_disk.items() if k not in ("log_history", "phases")}
     for name in ("adapter_model.safetensors", "trainer_state.json", "metrics.json"):
         assert marker.stat().st_mtime_ns >= (out / name).stat().st_mtime_ns, name
 
@@ -144,7 +144,7 @@ def test_total_flos_counts_the_packed_tokens(full_run, tiny):
     that plus the packing's padding (to a multiple of PAD_MULTIPLE tokens, one micro-batch a step here)."""
     from transformers import AutoModelForCausalLM
 
-    from training.packing import PAD_MULTIPLE
+    from training.fastpath.batches import PAD_MULTIPLE
 
     _, metrics = full_run
     params = AutoModelForCausalLM.from_pretrained(tiny[0]).num_parameters(exclude_embeddings=True)
@@ -208,11 +208,11 @@ def test_two_processes_over_gloo(tiny, tmp_path):
 def test_two_processes_deferred_logs_are_the_trainers(tiny, tmp_path):
     """2 gloo ranks, a log every step and a checkpoint at step 5: the deferred logs (one all-reduce of the
     ranks' loss, hits, scored tokens and flos, written a step later) give the Trainer's own log history,
-    train_loss, total flos and checkpointed history (TRAINING_DEFER_LOGS=0: the Trainer's log)."""
+    train_loss, total flos and checkpointed history (defer_logs false: the Trainer's log)."""
     runs = {}
     for defer in ("1", "0"):
         out = tmp_path / f"defer-{defer}"
-        proc = torchrun(tiny, out, "--max_steps", "6", env={"TRAINING_DEFER_LOGS": defer})
+        proc = torchrun(tiny, out, "--max_steps", "6", "--defer_logs", {"1": "true", "0": "false"}[defer])
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         metrics = json.loads((out / "metrics.json").read_text())
         saved = json.loads((out / "checkpoint-5" / "trainer_state.json").read_text())
