@@ -113,6 +113,30 @@ def test_timing_marks_the_phases_in_order(full_run):
     assert 0 < metrics["checkpoint_s"] < timing["trained"] - timing["first_step_done"]
 
 
+def assert_rank_phases(record: dict, rank: int, checkpoints: int) -> None:
+    """One rank's phases (docs/ARCHITECTURE.md, Training contract): in run order, each ending before the next
+    starts (the checkpoints inside `steps`), first_step saying whether it compiled."""
+    assert record["rank"] == rank and record["host"]
+    phases = record["phases"]
+    main = [p for p in phases if p["name"] != "checkpoint"]
+    names = [p["name"] for p in main]
+    assert names[-6:] == ["data", "model_load", "trainer", "first_step", "steps", "save"], names
+    assert names[:-6] in ([], ["imports"])  # imports: the process's first run only
+    assert all(p["start"] <= p["end"] for p in phases)
+    assert all(a["end"] <= b["start"] + 1e-3 for a, b in zip(main, main[1:], strict=False)), main
+    steps = next(p for p in main if p["name"] == "steps")
+    saved = [p for p in phases if p["name"] == "checkpoint"]
+    assert len(saved) == checkpoints and all(steps["start"] <= c["start"] <= c["end"] <= steps["end"] for c in saved)
+    assert next(p for p in main if p["name"] == "first_step")["compiled"] is False  # CPU: never compiled
+
+
+def test_metrics_keep_each_ranks_phases(full_run):
+    _, metrics = full_run
+    (record,) = metrics["phases"]
+    assert_rank_phases(record, 0, checkpoints=metrics["checkpoints_saved"])
+    assert metrics["choices"]["path"] == {"value": "packed", "by": "config"}  # local-tiny.yaml: flex_packing true
+
+
 def test_no_checkpoint_at_the_last_step_unless_asked(full_run, tiny, tmp_path):
     """final_checkpoint=false (the default): checkpoints every save_steps for a requeue, none at the last step
     (the adapters and trainer state follow in output_dir); true keeps the Trainer's checkpoint there."""
@@ -193,6 +217,9 @@ def test_two_processes_over_gloo(tiny, tmp_path):
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["world_size"] == 2 and metrics["distributed_backend"] == "gloo"
     assert metrics["train_steps"] == 4
+    assert [r["rank"] for r in metrics["phases"]] == [0, 1]  # every rank's own phases, gathered to rank 0
+    for record in metrics["phases"]:
+        assert_rank_phases(record, record["rank"], checkpoints=0)
     printed = [line for line in proc.stdout.splitlines() if line.startswith(train.METRICS_PREFIX)]
     assert len(printed) == 1, "rank 0 alone prints the metrics line"
     summary = json.loads(printed[0][len(train.METRICS_PREFIX):])

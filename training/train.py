@@ -200,6 +200,9 @@ def main(argv: list[str] | None = None) -> dict | None:
         trainer.save_model(train_args.output_dir)  # the adapters (and tokenizer), rank 0 writes
         timing["adapters_written"] = time.time()
         trainer.save_state()  # trainer_state.json in output_dir
+    for item in phases.items:
+        if item["name"] == "first_step":
+            item["compiled"] = bool(getattr(trainer, "compiled_layers", 0))
     ranks = phases.gather()  # a collective: every rank, before rank 0 goes on alone
     if not trainer.is_world_process_zero():
         return None
