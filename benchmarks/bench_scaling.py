@@ -220,8 +220,8 @@ def worker(args) -> None:
     from transformers import TrainerCallback
 
     from benchmarks import bench_train
-    from training import packing
     from training.args import ModelArguments, TrainConfig
+    from training.fastpath import attention
     from training.train import build_trainer
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -231,16 +231,16 @@ def worker(args) -> None:
         torch.cuda.set_device(local_rank)  # make_model builds on the current device
     cfg = bench_train.TINY if args.tiny else bench_train.QWEN3_4B
     rows = workload(args, cfg)
-    model = bench_train.make_model(cfg, args.device, packing.attention_implementation())
+    model = bench_train.make_model(cfg, args.device, attention.attention_implementation())
     train_args = TrainConfig(
         output_dir=os.path.join(args.out_dir, f"trainer-{rank}"), per_device_train_batch_size=per_rank,
         gradient_accumulation_steps=1, learning_rate=2e-4, num_train_epochs=1,
         max_steps=args.steps if args.steps > 0 else -1, logging_steps=args.logging_steps, save_strategy="no",
-        report_to="none", max_length=1024, seed=42, activation_checkpointing=True, completion_only_loss=True,
+        report_to="none", max_length=1024, seed=42, activation_checkpointing="auto", completion_only_loss=True,
         use_cpu=args.device == "cpu", disable_tqdm=True, dataloader_num_workers=0,
         ddp_find_unused_parameters=False)
     if args.token_budget:
-        train_args.token_budget = args.token_budget  # read by packing.make_collator: splits a step
+        train_args.token_budget = args.token_budget  # read by batches.make_collator: splits a step
     if args.bucket_cap_mb:
         train_args.ddp_bucket_cap_mb = args.bucket_cap_mb  # passed to DDP as is (a float is fine there)
     model_args = ModelArguments(model_name_or_path="synthetic-qwen3")

@@ -5,7 +5,7 @@ dropout 0.05 on q/k/v/o, AdamW, lr 2e-4 linear decay, 16 examples per optimizer 
 
 - seed:    batch 2 x accumulation 8, gradient checkpointing, padded batches, SDPA attention
            (measured over `--seed-steps` optimizer steps, not the whole epoch, to save GPU time);
-- project: training/packing.py (the default of train.py on a GPU): one packed row per optimizer step,
+- project: training/fastpath/ (the default of train.py on a GPU): one packed row per optimizer step,
            flex attention with a per-example BlockMask, no checkpointing, compiled decoder layers,
            fused LM head; one whole epoch.
 
@@ -69,7 +69,7 @@ def recipe_logging_steps(name: str, override: int | None = None) -> int:
 QWEN3_4B = dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                 head_dim=128, intermediate_size=9728, vocab_size=151936, tie_word_embeddings=True,
                 max_position_embeddings=40960, rope_theta=1_000_000, rms_norm_eps=1e-6)
-KNOB_PREFIXES = ("TORCHINDUCTOR_", "TORCH_BLAS_", "TRAINING_", "PYTORCH_CUDA_ALLOC_CONF")
+KNOB_PREFIXES = ("TORCHINDUCTOR_", "TORCH_BLAS_", "PYTORCH_CUDA_ALLOC_CONF")
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             intermediate_size=128, vocab_size=512, tie_word_embeddings=True, max_position_embeddings=2048)
 
@@ -191,10 +191,10 @@ def make_tokenizer():
 def make_model(cfg: dict, device: str, attn: str):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from training import packing
+    from training.fastpath import attention
 
-    if attn in (packing.PACKED_SDPA, packing.PACKED_VARLEN):
-        packing.register_packed_attention()
+    if attn in (attention.PACKED_SDPA, attention.PACKED_VARLEN):
+        attention.register_packed_attention()
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     config = Qwen3Config(**cfg, pad_token_id=1, eos_token_id=0, bos_token_id=0)
     torch.manual_seed(0)
@@ -357,8 +357,8 @@ def run_recipe(name: str, rows: list[dict], cfg: dict, device: str, steps: int, 
                examples_per_step: int = 16) -> dict:
     from datasets import Dataset
 
-    from training import packing
     from training.args import ModelArguments, TrainConfig
+    from training.fastpath import attention, batches
     from training.train import build_trainer
 
     project = name.startswith("project")
@@ -367,15 +367,10 @@ def run_recipe(name: str, rows: list[dict], cfg: dict, device: str, steps: int, 
     if project and compile_model is None:
         compile_model = {"project-compiled": True, "project-eager": False, "project-compiled-nographs": True,
                          "project-eager-graphs": False}.get(base)
-    # Step CUDA graphs (training/step_graphs.py): as train.py decides, or forced by the recipe's name.
-    graphs = {"project-compiled-nographs": "0", "project-eager-graphs": "1"}.get(base)
-    saved_graphs = os.environ.pop("TRAINING_CUDA_GRAPHS", None)
-    if graphs is not None:
-        os.environ["TRAINING_CUDA_GRAPHS"] = graphs
-    elif saved_graphs is not None:
-        os.environ["TRAINING_CUDA_GRAPHS"] = saved_graphs
-    attn = ("flex_attention" if name.endswith("-flex") else packing.attention_implementation()) if project \
-        else "sdpa"
+    # Step CUDA graphs (training/fastpath/step_graphs.py): as the config's auto decides, or forced by the name.
+    graphs = {"project-compiled-nographs": "false", "project-eager-graphs": "true"}.get(base, "auto")
+    attention_setting = "flex" if name.endswith("-flex") else "auto"
+    attn = attention.attention_implementation(attention_setting) if project else "sdpa"
     if device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -385,25 +380,25 @@ def run_recipe(name: str, rows: list[dict], cfg: dict, device: str, steps: int, 
         output_dir=os.path.join(out_dir, name), per_device_train_batch_size=seed_layout(examples_per_step)[0],
         gradient_accumulation_steps=seed_layout(examples_per_step)[1], learning_rate=2e-4, num_train_epochs=1,
         max_steps=steps if steps > 0 else -1, logging_steps=logging_steps, save_strategy="no",
-        report_to="none", max_length=1024, seed=42, activation_checkpointing=True, completion_only_loss=True,
+        report_to="none", max_length=1024, seed=42, completion_only_loss=True,
         use_cpu=device == "cpu", disable_tqdm=True, dataloader_num_workers=0,
-        compile_layers=compile_model if project else None)
+        # The seed's recomputation as its script states it; the project's config leaves it to the fast path.
+        activation_checkpointing="auto" if project else "true", step_layout="auto", attention=attention_setting,
+        compile_layers={None: "auto", True: "true", False: "false"}[compile_model] if project else "auto",
+        cuda_graphs=graphs)
     model_args = ModelArguments(model_name_or_path="synthetic-qwen3")
     trainer = build_trainer(model, tokenizer, Dataset.from_list(rows), model_args, train_args,
                             flex_packing=project)
     if project:
-        first = packing.pack_examples(
+        first = batches.pack_examples(
             [{"input_ids": r["input_ids"], "labels": r["input_ids"]}
              for r in rows[:examples_per_step]],
             pad_token_id=1)
-        mask = packing.attention_mask_for(model, first["document_ids"].to(device)) \
+        mask = attention.attention_mask_for(model, first["document_ids"].to(device)) \
             if model.config._attn_implementation == "flex_attention" else None
         if hasattr(mask, "sparsity"):
             print(f"block mask of a {examples_per_step}-example row: {first['input_ids'].shape[1]} tokens, "
                   f"sparsity {mask.sparsity():.1f}%", flush=True)
-    os.environ.pop("TRAINING_CUDA_GRAPHS", None)
-    if saved_graphs is not None:
-        os.environ["TRAINING_CUDA_GRAPHS"] = saved_graphs
     counts = model_counts(cfg, lora_r=model_args.lora_r)
     clock = StepClock(trainer, counts, warmup)
     profiler = ProfileSteps(*profile, tag=f"{name}-{examples_per_step}-{len(rows)}") if profile else None
@@ -424,6 +419,7 @@ def run_recipe(name: str, rows: list[dict], cfg: dict, device: str, steps: int, 
         "attention": getattr(model.config, "_attn_implementation", attn),
         "compiled_layers": getattr(trainer, "compiled_layers", 0),
         "compile_reason": getattr(trainer, "compile_reason", None),
+        "choices": getattr(trainer, "choices", None),
         "token_budget": getattr(trainer.data_collator, "token_budget", None),
         "mean_token_accuracy": next((h["mean_token_accuracy"] for h in reversed(trainer.state.log_history)
                                      if "mean_token_accuracy" in h), None),
@@ -501,10 +497,11 @@ def write_alpaca_text(path: Path, n: int, vocab: int, seed: int = 0) -> None:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
-def time_to_adapters(cfg: dict, work: Path, rows: int, runs: list[tuple[str, dict]], timeout: int = 300,
-                     profile: bool = False) -> list[dict]:
+def time_to_adapters(cfg: dict, work: Path, rows: int, runs: list[tuple[str, dict, list[str]]],
+                     timeout: int = 300, profile: bool = False) -> list[dict]:
     """Run `python -m training.train` (the production entry point, the seed's config) as a fresh process
-    per entry of `runs` (label, extra environment) and time process start -> adapters written.
+    per entry of `runs` (label, extra environment, extra flags of training/args.py) and time process start ->
+    adapters written.
     `profile`: each run under cProfile (WORKDIR/tta-LABEL.prof, its top functions in tta-LABEL-profile.txt)."""
     model_dir, data = work / "model", work / "data.jsonl"
     if not (model_dir / "config.json").exists():
@@ -513,7 +510,7 @@ def time_to_adapters(cfg: dict, work: Path, rows: int, runs: list[tuple[str, dic
         print(f"saved the model in {time.time() - t:.1f} s", flush=True)
     write_alpaca_text(data, rows, cfg["vocab_size"])
     results = []
-    for label, env_extra in runs:
+    for label, env_extra, flags in runs:
         out = work / f"out-{label}"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **env_extra}
         name = re.sub(r"[^A-Za-z0-9_.-]", "-", label)  # file names $OUT gives back
@@ -521,7 +518,7 @@ def time_to_adapters(cfg: dict, work: Path, rows: int, runs: list[tuple[str, dic
         cmd = [sys.executable, *(["-m", "cProfile", "-o", str(prof)] if profile else []),
                "-m", "training.train", "--config", str(REPO / "training/configs/qwen3-4b-lora.yaml"),
                "--model_name_or_path", str(model_dir), "--dataset_name", str(data), "--n_examples", "0",
-               "--output_dir", str(out)]
+               "--output_dir", str(out), *flags]
         import subprocess
 
         started = time.time()
@@ -534,14 +531,17 @@ def time_to_adapters(cfg: dict, work: Path, rows: int, runs: list[tuple[str, dic
         metrics = next((json.loads(line.split(" ", 1)[1]) for line in log_text.splitlines()
                         if line.startswith("SLURM_GPU_METRICS ")), {})
         timing = metrics.get("timing", {})
-        row = {"label": label, "env": env_extra, "rc": proc.returncode,
+        row = {"label": label, "env": env_extra, "flags": flags, "rc": proc.returncode,
                "time_to_adapters_s": round(timing["adapters_written"] - started, 2) if "adapters_written" in timing
                else (round(adapters.stat().st_mtime - started, 2) if adapters.exists() else None),
                "process_wall_s": round(ended - started, 2),
                "phases_s": {k: round(v - started, 2) for k, v in timing.items()},
                **{k: metrics.get(k) for k in ("train_steps", "train_tokens", "train_runtime", "tokens_per_s",
                                               "train_loss", "mean_token_accuracy", "compiled_layers",
-                                              "compile_reason", "checkpoints_saved", "checkpoint_s")}}
+                                              "compile_reason", "checkpoints_saved", "checkpoint_s",
+                                              "choices")}}
+        if (out / "metrics.json").exists():  # each rank's phases: metrics.json only (not the summary line)
+            row["phases"] = json.loads((out / "metrics.json").read_text()).get("phases")
         if profile and prof.exists():
             row["profile"] = write_profile_summary(prof, work / f"tta-{name}-profile.txt")
         if proc.returncode:
@@ -628,23 +628,24 @@ def main(argv: list[str] | None = None) -> dict:
         runs = []
         for full in [x.strip() for x in args.tta_runs.split(",") if x.strip()]:
             env = {"TORCHINDUCTOR_CACHE_DIR": str(cache), "TRITON_CACHE_DIR": str(cache / "triton")}
+            flags: list[str] = []  # settings of training/args.py, as a user would give them
             label, _, graphs = full.partition("+")  # "+graphs" / "+nographs": step graphs forced on / off
             if graphs:
                 if graphs not in ("graphs", "nographs"):
                     parser.error(f"--tta-runs: {label}+{graphs}: use +graphs or +nographs")
-                env["TRAINING_CUDA_GRAPHS"] = "1" if graphs == "graphs" else "0"
+                flags += ["--cuda_graphs", "true" if graphs == "graphs" else "false"]
             if label == "cold":
                 import shutil
                 shutil.rmtree(cache, ignore_errors=True)
-                runs.append((full, env))
+                runs.append((full, env, flags))
             elif label == "warm":
-                runs.append((full, env))
+                runs.append((full, env, flags))
             elif label in ("eager", "compiled-cold", "compiled-warm"):
-                env["TRAINING_COMPILE"] = "0" if label == "eager" else "1"
+                flags += ["--compile_layers", "false" if label == "eager" else "true"]
                 if label == "compiled-cold":
                     env["TORCHINDUCTOR_CACHE_DIR"] = str(work / "compile-cache-forced")
                     env["TRITON_CACHE_DIR"] = str(work / "compile-cache-forced" / "triton")
-                runs.append((full, env))
+                runs.append((full, env, flags))
             else:
                 parser.error(f"--tta-runs: unknown run {label!r}")
         if args.tta_bytecode == "node":
@@ -659,11 +660,11 @@ def main(argv: list[str] | None = None) -> dict:
             results["bytecode"] = "as-is"
         # each run is its own process: a cold run must not see the previous run's cache
         tta = []
-        for label, env in runs:
+        for label, env, flags in runs:
             if label.partition("+")[0] == "cold":
                 import shutil
                 shutil.rmtree(cache, ignore_errors=True)
-            tta += time_to_adapters(cfg, work, args.tta_rows, [(label, env)], profile=args.tta_profile)
+            tta += time_to_adapters(cfg, work, args.tta_rows, [(label, env, flags)], profile=args.tta_profile)
         results["time_to_adapters"] = tta
         by = {r["label"]: r for r in tta}
         for label in ("cold", "warm"):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 # What `python -m training.train` imports before its first step (the modules loaded later, Qwen3's and the
 # optimizer's among them, are in the same packages, and whole packages are compiled).
-RUN_IMPORTS = ("import training.train, training.packing, training.step_graphs, trl, peft, datasets, accelerate\n"
+RUN_IMPORTS = ("import training.train, training.fastpath.trainer, trl, peft, datasets, accelerate\n"
                "from transformers import AutoModelForCausalLM, AutoTokenizer\n")
 
 _PROBE = """

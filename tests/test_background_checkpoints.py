@@ -1,4 +1,4 @@
-"""training/background_checkpoints.py on CPU with the tiny Qwen3: a checkpoint written by the background thread
+"""training/checkpoints.py on CPU with the tiny Qwen3: a checkpoint written by the background thread
 holds exactly what the Trainer's own would at that step, even while training runs on during the write; a
 writer's error fails the run and leaves no complete-looking checkpoint."""
 
@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.test_training_run import argv_for
-from training import background_checkpoints, train
+from training import train
 from training.make_tiny import make_tiny
 
 STEPS = ["--max_steps", "7", "--save_steps", "2", "--save_total_limit", "5", "--lora_dropout", "0.1"]
@@ -26,8 +26,7 @@ def tiny(tmp_path_factory):
 
 
 def run(tiny, out, monkeypatch, background: bool) -> dict:
-    monkeypatch.setenv(background_checkpoints.ENV, "1" if background else "0")
-    return train.main(argv_for(tiny, out, *STEPS))
+    return train.main(argv_for(tiny, out, *STEPS, "--background_checkpoints", str(background).lower()))
 
 
 def load(path):

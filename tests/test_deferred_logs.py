@@ -1,4 +1,4 @@
-"""The packed trainer's logs in one process (training/packing.py, PackedSFTTrainer._maybe_log_save_evaluate;
+"""The packed trainer's logs in one process (training/fastpath/deferred_logs.py, DeferredLogs._maybe_log_save_evaluate;
 under DDP: tests/test_training_run.py):
 a logging step's values are copied to the host behind its kernels and written one step later, so that logging
 every step (the recipe's default) never leaves the GPU idle. Checked on CPU against the Trainer's own logs:
@@ -15,13 +15,14 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("trl")
 
 from tests.test_packing_parity import synthetic_rows, tiny_model  # noqa: E402
-from training import packing  # noqa: E402
+from training.fastpath import attention, batches, layout  # noqa: E402
+from training.fastpath.trainer import PackedSFTTrainer  # noqa: E402
 
 TIMING = ("train_runtime", "train_samples_per_second", "train_steps_per_second")
 
 
 def run(tmp_path, name: str, defer: bool, logging_steps: int, max_grad_norm: float = 1.0, norm_as=None):
-    packing.register_packed_attention()
+    attention.register_packed_attention()
     from datasets import Dataset
     from peft import LoraConfig
     from tokenizers import Tokenizer, models
@@ -30,7 +31,7 @@ def run(tmp_path, name: str, defer: bool, logging_steps: int, max_grad_norm: flo
 
     tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<eos>": 0, "<pad>": 1}, "<pad>")),
                                   eos_token="<eos>", pad_token="<pad>")
-    args = packing.prepare_args(SFTConfig(
+    args = layout.prepare_args(SFTConfig(
         output_dir=str(tmp_path / name), per_device_train_batch_size=2, gradient_accumulation_steps=2,
         learning_rate=5e-2, max_steps=7, logging_steps=logging_steps, save_strategy="steps", save_steps=3,
         report_to="none", seed=7, data_seed=7, max_length=256, use_cpu=True, dataloader_num_workers=0,
@@ -46,11 +47,11 @@ def run(tmp_path, name: str, defer: bool, logging_steps: int, max_grad_norm: flo
             if "loss" in logs:
                 events.append(("log", state.global_step))
 
-    trainer = packing.packed_trainer_class()(
-        model=tiny_model(packing.ATTN_IMPLEMENTATION, seed=3), args=args, train_dataset=Dataset.from_list(
+    trainer = PackedSFTTrainer(
+        model=tiny_model(attention.ATTN_IMPLEMENTATION, seed=3), args=args, train_dataset=Dataset.from_list(
             synthetic_rows(16, seed=2)), processing_class=tok, peft_config=lora,
-        data_collator=packing.make_collator(tok, args), callbacks=[Order()])
-    assert trainer.defer_logs  # the default (TRAINING_DEFER_LOGS unset)
+        data_collator=batches.make_collator(tok, args), callbacks=[Order()])
+    assert trainer.defer_logs  # the default (defer_logs: true)
     trainer.defer_logs = defer
     if norm_as is not None:  # the gradient norm handed to the log as a host number or None
         snapshot = trainer._snapshot_log

@@ -108,3 +108,67 @@ def test_no_module_level_getattr():
               for node in ast.parse(source, rel).body
               if isinstance(node, ast.FunctionDef) and node.name == "__getattr__"]
     assert hidden == []
+
+
+def module_name(rel: str) -> str:
+    parts = list(Path(rel).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_edges(files: dict[str, str]) -> dict[str, set[str]]:
+    """module -> the project modules it imports (lazy imports too). `from a.b import c` is an edge to
+    a.b.c when that is a module of the project, else to a.b; `import a.b` is an edge to a.b."""
+    modules = {module_name(rel) for rel in files}
+    edges: dict[str, set[str]] = {m: set() for m in modules}
+    for rel, source in files.items():
+        here = module_name(rel)
+        for node in ast.walk(ast.parse(source, rel)):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
+                           for alias in node.names]
+            else:
+                continue
+            edges[here] |= {t for t in targets if t in modules and t != here}
+    return edges
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Every import circle, once each, as the list of modules around it (depth-first search)."""
+    found, seen_cycles = [], set()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                cycle = path[path.index(nxt):]
+                key = frozenset(cycle)
+                if key not in seen_cycles:
+                    seen_cycles.add(key)
+                    found.append([*cycle, nxt])
+            elif nxt not in state:
+                visit(nxt, path)
+        path.pop()
+        state[node] = 2
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node, [])
+    return found
+
+
+def test_no_import_circle_among_the_projects_modules():
+    edges = import_edges(project_modules())
+    assert "training.fastpath.trainer" in edges and edges["training.train"]  # the walk found the modules
+    assert cycles(edges) == [], "import circles (break each: move the shared part to a module both import)"
+
+
+def test_an_import_circle_is_caught():
+    files = {"training/a.py": "from training.b import f\n",
+             "training/b.py": "def f():\n    from training import a\n",
+             "training/c.py": "import training.a\n"}
+    assert cycles(import_edges(files)) == [["training.a", "training.b", "training.a"]]
+    assert cycles(import_edges({"training/a.py": "import training.c\n", "training/c.py": "x = 1\n"})) == []

@@ -2,7 +2,7 @@
 kernels against the per-document reference, forward and gradients, with the layouts the trainer makes
 (bucket padding as one more document, empty trailing documents, a max length above the longest), and a
 captured step graph replaying the uncaptured step. Needs CUDA: CI has no GPU, so this module skips there
-with that reason; it runs on the benchmark device (benchmarks/NOTES.md records its runs)."""
+with that reason; it runs on the benchmark device."""
 
 from __future__ import annotations
 
@@ -14,9 +14,11 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (run on the benchmark device)", allow_module_level=True)
 
 from tests.test_packing_parity import PAD_ID, synthetic_rows, tiny_model  # noqa: E402
-from training import packing, step_graphs  # noqa: E402
+from training.fastpath import attention, batches, layout, step_graphs  # noqa: E402
+from training.fastpath import model as fp_model  # noqa: E402
+from training.fastpath.trainer import PackedSFTTrainer  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not packing.varlen_available(), reason="this torch has no varlen_attn")
+pytestmark = pytest.mark.skipif(not attention.varlen_available(), reason="this torch has no varlen_attn")
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -27,7 +29,7 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 def test_varlen_kernel_matches_reference(layout):
     """Random Qwen3-like heads (8 query, 2 KV heads of 128): output and q/k/v gradients within bf16 rounding
     of the float32 per-document reference."""
-    packing.register_packed_attention()
+    attention.register_packed_attention()
     gen = torch.Generator().manual_seed(11)
     lengths = [int(x) for x in torch.randint(1, 300, (13,), generator=gen)]
     offsets = [0]
@@ -42,9 +44,9 @@ def test_varlen_kernel_matches_reference(layout):
     q, k, v = (torch.randn(1, h, total, 128, generator=gen).cuda().to(torch.bfloat16).requires_grad_()
                for h in (8, 2, 2))
     module = torch.nn.Module().train()
-    out, _ = packing.packed_varlen_attention(module, q, k, v, (cu, max_len), scaling=128 ** -0.5)
+    out, _ = attention.packed_varlen_attention(module, q, k, v, (cu, max_len), scaling=128 ** -0.5)
     ref_inputs = [t.detach().float().requires_grad_() for t in (q, k, v)]
-    ref = packing.varlen_reference(*ref_inputs, cu, 128 ** -0.5)
+    ref = attention.varlen_reference(*ref_inputs, cu, 128 ** -0.5)
     assert out.shape == ref.shape == (1, total, 8, 128)
     assert rel_err(out, ref) < 1e-2
     grad = torch.randn(out.shape, generator=gen).cuda()
@@ -58,15 +60,15 @@ def test_step_graph_replay_matches_uncaptured_step():
     """A tiny Qwen3 on the GPU, attention weights trainable: the first step runs uncaptured, a bucket met
     later is captured at its first occurrence and replayed after; every replayed step's loss, hits and
     gradients equal an uncaptured run's of the same row."""
-    packing.register_packed_attention()
-    model = tiny_model(packing.PACKED_VARLEN).to("cuda", torch.bfloat16).train()  # flash: 16-bit only
-    packing.add_packed_lm_head(model)
+    attention.register_packed_attention()
+    model = tiny_model(attention.PACKED_VARLEN).to("cuda", torch.bfloat16).train()  # flash: 16-bit only
+    fp_model.add_packed_lm_head(model)
     params = [p for n, p in model.named_parameters() if "self_attn" in n]
-    graphs = step_graphs.StepGraphs(model, params, PAD_ID, max_tokens=4096, attention=packing.PACKED_VARLEN)
+    graphs = step_graphs.StepGraphs(model, params, PAD_ID, max_tokens=4096, attention=attention.PACKED_VARLEN)
     rows = [synthetic_rows(2, seed=1), synthetic_rows(2, seed=2), synthetic_rows(12, seed=3),
             synthetic_rows(12, seed=4)]
     micros = [{k: v.cuda() if torch.is_tensor(v) else v for k, v in
-               packing.pack_examples(r, pad_token_id=PAD_ID).items()} for r in rows]
+               batches.pack_examples(r, pad_token_id=PAD_ID).items()} for r in rows]
     keys = [graphs.key(m) for m in micros]
     assert keys[0] == keys[1] != keys[2] == keys[3]
     capture = graphs._capture
@@ -90,7 +92,7 @@ def test_step_graph_replay_matches_uncaptured_step():
     for i, m in enumerate(micros):
         loss, hits, grads = graphs.step(m, 1.0 / m["num_targets"])
         assert graphs.replayed == i  # the first step uncaptured, then every step a replay
-        mask = packing.attention_mask_for(model, m)
+        mask = attention.attention_mask_for(model, m)
         log_probs, is_top1 = model(input_ids=m["input_ids"], position_ids=m["position_ids"], attention_mask=mask,
                                    use_cache=False, packed_head=True, target_index=m["target_index"],
                                    target_ids=m["target_ids"])
@@ -119,17 +121,17 @@ def test_replayed_training_steps_never_wait_for_the_gpu(tmp_path, monkeypatch, l
     from transformers import PreTrainedTokenizerFast, TrainerCallback
     from trl import SFTConfig
 
-    monkeypatch.setenv("TRAINING_CUDA_GRAPHS", "1")
-    monkeypatch.setenv("TRAINING_COMPILE", "0")
-    packing.register_packed_attention()
+    attention.register_packed_attention()
     tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<eos>": 0, "<pad>": 1}, "<pad>")),
                                   eos_token="<eos>", pad_token="<pad>")
     rows = [{"input_ids": [2 + (i * 7 + j) % 90 for j in range(40)], "completion_mask": [0] * 20 + [1] * 20}
             for i in range(64)]
-    args = packing.prepare_args(SFTConfig(
+    args = SFTConfig(
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, gradient_accumulation_steps=2,
         learning_rate=1e-3, max_steps=7, logging_steps=logging_steps, save_strategy="no", report_to="none", bf16=True,
-        seed=7, max_length=256, dataloader_num_workers=0, disable_tqdm=True))
+        seed=7, max_length=256, dataloader_num_workers=0, disable_tqdm=True)
+    args.cuda_graphs, args.compile_layers = "true", "false"  # the fast path's settings (training/args.py)
+    args = layout.prepare_args(args)
     checked = []
 
     class SyncGuard(TrainerCallback):
@@ -142,11 +144,11 @@ def test_replayed_training_steps_never_wait_for_the_gpu(tmp_path, monkeypatch, l
                 checked.append(state.global_step)
             torch.cuda.set_sync_debug_mode("default")
 
-    model = tiny_model(packing.PACKED_VARLEN).to("cuda", torch.bfloat16)
+    model = tiny_model(attention.PACKED_VARLEN).to("cuda", torch.bfloat16)
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    trainer = packing.packed_trainer_class()(model=model, args=args, train_dataset=Dataset.from_list(rows),
-                                             processing_class=tok, peft_config=lora,
-                                             data_collator=packing.make_collator(tok, args), callbacks=[SyncGuard()])
+    trainer = PackedSFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
+                               processing_class=tok, peft_config=lora,
+                               data_collator=batches.make_collator(tok, args), callbacks=[SyncGuard()])
     try:
         trainer.train()
     finally:

@@ -1,4 +1,4 @@
-"""The padding-free fast path (training/packing.py) computes the same thing as padded batches.
+"""The padding-free fast path (training/fastpath/) computes the same thing as padded batches.
 
 On CPU, with a tiny random Qwen3 and LoRA: (1) a packed forward with the document BlockMask gives the
 same logits as running each example alone (no attention across examples); (2) training several
@@ -15,7 +15,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("trl")
 
-from training import packing  # noqa: E402
+from training.fastpath import attention, batches, layout  # noqa: E402
+from training.fastpath.trainer import PackedSFTTrainer  # noqa: E402
 
 VOCAB = 96
 PAD_ID = 1
@@ -43,7 +44,7 @@ def synthetic_rows(n: int, seed: int = 0) -> list[dict]:
 
 
 def test_pack_examples_layout():
-    packed = packing.pack_examples(
+    packed = batches.pack_examples(
         [{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}, {"input_ids": [8, 9], "labels": [8, 9]}],
         pad_token_id=PAD_ID, pad_to_multiple_of=8)
     assert packed["input_ids"].tolist() == [[5, 6, 7, 8, 9, 1, 1, 1]]
@@ -54,7 +55,7 @@ def test_pack_examples_layout():
     assert packed["num_real_tokens"] == 5
     assert packed["cu_seqlens"].tolist() == [0, 3, 5, 8] and packed["cu_seqlens"].dtype == torch.int32
     assert packed["max_document_length"] == 3
-    assert packing.split_by_token_budget([5, 5, 5, 20, 1], 10) == [[0, 1], [2], [3], [4]]
+    assert batches.split_by_token_budget([5, 5, 5, 20, 1], 10) == [[0, 1], [2], [3], [4]]
 
 
 @pytest.fixture
@@ -69,17 +70,17 @@ def eager_flex(monkeypatch):
     monkeypatch.setattr(hf_flex, "compile_friendly_flex_attention", uncompiled)
 
 
-@pytest.mark.parametrize("attn", [packing.PACKED_SDPA, packing.PACKED_VARLEN, "flex_attention", "sdpa"])
+@pytest.mark.parametrize("attn", [attention.PACKED_SDPA, attention.PACKED_VARLEN, "flex_attention", "sdpa"])
 def test_packed_logits_match_separate_runs(attn, eager_flex):
     """packed_sdpa (the path of training/train.py on CPU: each document gathered into a padded batch for
     causal SDPA), packed_varlen (on a GPU; here its per-document reference gets the same offsets), flex +
     BlockMask, and SDPA + the same mask as a dense tensor."""
-    if attn in (packing.PACKED_SDPA, packing.PACKED_VARLEN):
-        packing.register_packed_attention()
+    if attn in (attention.PACKED_SDPA, attention.PACKED_VARLEN):
+        attention.register_packed_attention()
     model = tiny_model(attn)
     rows = synthetic_rows(4, seed=1)
-    packed = packing.pack_examples(rows, pad_token_id=PAD_ID)
-    mask = packing.attention_mask_for(model, packed)
+    packed = batches.pack_examples(rows, pad_token_id=PAD_ID)
+    mask = attention.attention_mask_for(model, packed)
     if attn == "flex_attention":
         assert type(mask).__name__ == "BlockMask"
     with torch.no_grad():
@@ -98,7 +99,8 @@ def test_packed_logits_match_separate_runs(attn, eager_flex):
         assert not torch.allclose(causal[second], logits[second], atol=1e-3)
 
 
-def _train(tmp_path, name: str, packed: bool, rows: list[dict], steps: int):
+def _train(tmp_path, name: str, packed: bool, rows: list[dict], steps: int, **settings):
+    """`settings`: fast-path settings of training/args.py (cuda_graphs=..., ...) set on the SFTConfig."""
     from datasets import Dataset
     from peft import LoraConfig
     from tokenizers import Tokenizer, models
@@ -113,12 +115,14 @@ def _train(tmp_path, name: str, packed: bool, rows: list[dict], steps: int):
                      gradient_checkpointing=not packed, disable_tqdm=True)
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                       task_type="CAUSAL_LM")
-    model = tiny_model(packing.ATTN_IMPLEMENTATION if packed else "sdpa", seed=3)
+    model = tiny_model(attention.ATTN_IMPLEMENTATION if packed else "sdpa", seed=3)
     ds = Dataset.from_list(rows)
+    for key, value in settings.items():
+        setattr(args, key, value)
     if packed:
-        args = packing.prepare_args(args)
-        trainer = packing.packed_trainer_class()(model=model, args=args, train_dataset=ds, processing_class=tok,
-                                           peft_config=lora, data_collator=packing.make_collator(tok, args))
+        args = layout.prepare_args(args)
+        trainer = PackedSFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok,
+                                   peft_config=lora, data_collator=batches.make_collator(tok, args))
     else:
         trainer = SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok, peft_config=lora)
     trainer.train()
@@ -142,3 +146,21 @@ def test_packed_training_matches_padded(tmp_path):
     assert moved > 1e-3
     for k in padded_w:
         assert torch.allclose(padded_w[k], packed_w[k], atol=1e-5, rtol=1e-3), k
+
+
+def test_step_layout_as_configured_trains_the_same_examples_per_step(tmp_path):
+    """step_layout as_configured keeps the config's 2 x 2 (two packed micro-batches a step, accumulated);
+    auto packs the step's 4 examples into one row. Same examples per optimizer step, same loss over the
+    step's tokens: the same training, and each run's choices say which layout it used and who chose it."""
+    attention.register_packed_attention()
+    rows = synthetic_rows(16, seed=4)
+    auto_losses, auto_w, auto = _train(tmp_path, "auto", True, rows, 4)
+    kept_losses, kept_w, kept = _train(tmp_path, "kept", True, rows, 4, step_layout="as_configured")
+    assert (auto.args.per_device_train_batch_size, auto.args.gradient_accumulation_steps) == (4, 1)
+    assert (kept.args.per_device_train_batch_size, kept.args.gradient_accumulation_steps) == (2, 2)
+    assert auto.choices["examples_per_micro_batch"]["by"].startswith("auto (step_layout)")
+    assert kept.choices["examples_per_micro_batch"] == {"value": 2, "by": "config (step_layout: as_configured)"}
+    assert kept.choices["cuda_graphs"]["value"] is False
+    assert kept_losses == pytest.approx(auto_losses, rel=1e-5)
+    for k in auto_w:
+        torch.testing.assert_close(kept_w[k], auto_w[k], atol=1e-5, rtol=1e-4)  # summation order

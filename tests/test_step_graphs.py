@@ -1,4 +1,4 @@
-"""Step graphs (training/step_graphs.py) pad each packed row to a bucket of fixed shape: the padding must
+"""Step graphs (training/fastpath/step_graphs.py) pad each packed row to a bucket of fixed shape: the padding must
 change nothing. On CPU (no capture; the same function the graph records): loss, token hits and the
 gradients of a bucket-padded step equal those of the unpadded row, with a dense mask and with flex
 attention's BlockMask refreshed in place for a second, different row of the same bucket."""
@@ -11,11 +11,13 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("trl")
 
 from tests.test_packing_parity import PAD_ID, eager_flex, synthetic_rows, tiny_model  # noqa: E402,F401
-from training import packing, step_graphs  # noqa: E402
+from training.fastpath import attention, batches, step_graphs  # noqa: E402
+from training.fastpath import model as fp_model  # noqa: E402
+from training.fastpath.trainer import PackedSFTTrainer  # noqa: E402
 
 
 def reference(model, micro, flex: bool):
-    mask = packing.document_block_mask(micro["document_ids"]) if flex else packing.attention_mask_for(model, micro)
+    mask = attention.document_block_mask(micro["document_ids"]) if flex else attention.attention_mask_for(model, micro)
     log_probs, is_top1 = model(input_ids=micro["input_ids"], position_ids=micro["position_ids"], attention_mask=mask,
                                use_cache=False, packed_head=True, target_index=micro["target_index"],
                                target_ids=micro["target_ids"])
@@ -24,24 +26,24 @@ def reference(model, micro, flex: bool):
     return loss.detach(), is_top1.sum().float(), torch.autograd.grad(loss, params)
 
 
-@pytest.mark.parametrize("attn", ["sdpa", packing.PACKED_VARLEN])
+@pytest.mark.parametrize("attn", ["sdpa", attention.PACKED_VARLEN])
 def test_bucket_padded_step_matches_unpadded(attn):
     """sdpa: the dense document mask; packed_varlen: the documents' offsets, the bucket's padding one more
     document and the unused slots empty ones (on CPU its per-document reference computes it). flex
     attention has no backward on CPU: its BlockMask is checked below."""
-    packing.register_packed_attention()
+    attention.register_packed_attention()
     model = tiny_model(attn).train()
-    packing.add_packed_lm_head(model)
+    fp_model.add_packed_lm_head(model)
     params = [p for p in model.parameters() if p.requires_grad]
     graphs = step_graphs.StepGraphs(model, params, PAD_ID, max_tokens=4096, attention=attn)
     for seed in (1, 2):  # two different rows in the same 256-token bucket: the second reuses its buffers
-        micro = packing.pack_examples(synthetic_rows(2, seed=seed), pad_token_id=PAD_ID)  # <= 100 tokens
+        micro = batches.pack_examples(synthetic_rows(2, seed=seed), pad_token_id=PAD_ID)  # <= 100 tokens
         assert micro["input_ids"].shape[1] < step_graphs.TOKEN_BUCKET  # so the bucket adds padding
         ref_loss, ref_hits, ref_grads = reference(model, micro, flex=False)
         loss, hits, grads = graphs.step(micro, 1.0 / micro["num_targets"])
         assert len(graphs.buckets) == 1 and graphs.captured == 0  # CPU: the recorded function runs directly
         b = next(iter(graphs.buckets.values()))
-        if attn == packing.PACKED_VARLEN:
+        if attn == attention.PACKED_VARLEN:
             t, n = micro["input_ids"].shape[1], micro["cu_seqlens"].numel()
             assert (b.documents, b.max_len) == (step_graphs.DOCUMENT_BUCKET, step_graphs.MIN_MAX_LEN) and n < 8
             assert b.cu_seqlens.tolist() == micro["cu_seqlens"].tolist() + [b.tokens] * (b.documents + 1 - n)
@@ -66,8 +68,8 @@ def test_steps_of_one_token_bucket_share_a_graph_whatever_their_scored_count():
         return {"input_ids": list(range(2, 2 + prompt + completion)), "completion_mask": [0] * prompt + [1] * completion}
 
     graphs = step_graphs.StepGraphs(None, [], PAD_ID, max_tokens=4096, attention="sdpa")
-    few = packing.pack_examples([row(400, 20), row(20, 20)], pad_token_id=PAD_ID)
-    many = packing.pack_examples([row(20, 200), row(20, 200)], pad_token_id=PAD_ID)
+    few = batches.pack_examples([row(400, 20), row(20, 20)], pad_token_id=PAD_ID)
+    many = batches.pack_examples([row(20, 200), row(20, 200)], pad_token_id=PAD_ID)
     assert few["num_targets"] < step_graphs.TOKEN_BUCKET < many["num_targets"]
     assert graphs.key(few) == graphs.key(many)
     tokens, targets = graphs.key(many)[:2]
@@ -80,7 +82,7 @@ def test_block_mask_refreshed_in_place(eager_flex):  # noqa: F811
     model = tiny_model("flex_attention")
     graphs = step_graphs.StepGraphs(model, [], PAD_ID, max_tokens=4096, attention="flex_attention")
     for seed in (1, 2):
-        micro = packing.pack_examples(synthetic_rows(2, seed=seed), pad_token_id=PAD_ID)
+        micro = batches.pack_examples(synthetic_rows(2, seed=seed), pad_token_id=PAD_ID)
         key = graphs.key(micro)
         assert key == (step_graphs.TOKEN_BUCKET, step_graphs.TOKEN_BUCKET, 0, 0)
         b = graphs.buckets.setdefault(key, step_graphs._Bucket(*key, PAD_ID, micro["input_ids"].device))
@@ -91,21 +93,26 @@ def test_block_mask_refreshed_in_place(eager_flex):  # noqa: F811
         t = micro["input_ids"].shape[1]
         docs = torch.cat([micro["document_ids"][0], torch.full((b.tokens - t,), step_graphs.PAD_DOCUMENT,
                                                                dtype=torch.int32)])[None]
-        expected = packing.document_block_mask(docs)
+        expected = attention.document_block_mask(docs)
         assert torch.equal(b.mask.to_dense(), expected.to_dense())
         # the element mask the kernel evaluates reads the bucket's current document ids
         q, k = torch.arange(b.tokens)[:, None], torch.arange(b.tokens)[None, :]
         dense = b.mask.mask_mod(0, 0, q, k)
-        torch.testing.assert_close(dense[None, None], packing.dense_document_mask(docs))
+        torch.testing.assert_close(dense[None, None], attention.dense_document_mask(docs))
 
 
-def test_graphs_setting(monkeypatch):
-    monkeypatch.setenv("TRAINING_CUDA_GRAPHS", "0")
-    assert step_graphs.graphs_setting(True) is False
-    monkeypatch.setenv("TRAINING_CUDA_GRAPHS", "on")
-    assert step_graphs.graphs_setting(None) is True
-    monkeypatch.delenv("TRAINING_CUDA_GRAPHS")
-    assert step_graphs.graphs_setting(None) is None
+def test_graphs_decision():
+    """cuda_graphs: the config's true/false stands (true only where graphs can run: one process, one micro-batch
+    a step, a clear error otherwise); auto decides from the run, and says why."""
+    assert step_graphs.decide_graphs(False, True, 1, 1, 100) == (False, "config")
+    assert step_graphs.decide_graphs(True, False, 1, 1, 10_000) == (True, "config")
+    for world, accumulation in ((2, 1), (1, 2)):
+        with pytest.raises(ValueError, match="cuda_graphs=true needs one process and gradient_accumulation_steps 1"):
+            step_graphs.decide_graphs(True, True, world, accumulation, 100)
+    use, why = step_graphs.decide_graphs(None, True, 2, 1, 100)
+    assert not use and why.startswith("auto: several processes")
+    if not torch.cuda.is_available():
+        assert step_graphs.decide_graphs(None, True, 1, 1, 100) == (False, "auto: no GPU")
     assert step_graphs.bucket(1, 256) == 256 and step_graphs.bucket(257, 256) == 512 and step_graphs.bucket(0, 256) == 256
 
 
@@ -115,12 +122,10 @@ def test_trainer_step_graph_path_trains_the_same(tmp_path, monkeypatch):
     token accuracy, same LoRA weights (LoRA dropout 0)."""
     from tests.test_packing_parity import _train
 
-    packing.register_packed_attention()
+    attention.register_packed_attention()
     rows = synthetic_rows(16, seed=2)
-    monkeypatch.setenv("TRAINING_CUDA_GRAPHS", "0")
-    plain_losses, plain_w, plain = _train(tmp_path, "plain", True, rows, 4)
-    assert plain.step_graphs is None
-    monkeypatch.setenv("TRAINING_CUDA_GRAPHS", "1")
+    plain_losses, plain_w, plain = _train(tmp_path, "plain", True, rows, 4, cuda_graphs="false")
+    assert plain.step_graphs is None and plain.choices["cuda_graphs"] == {"value": False, "by": "config"}
     seen = []
     run_step = step_graphs.StepGraphs.step
 
@@ -129,7 +134,7 @@ def test_trainer_step_graph_path_trains_the_same(tmp_path, monkeypatch):
         return run_step(self, micro, scale)
 
     monkeypatch.setattr(step_graphs.StepGraphs, "step", recording_step)
-    graph_losses, graph_w, graphed = _train(tmp_path, "graphs", True, rows, 4)
+    graph_losses, graph_w, graphed = _train(tmp_path, "graphs", True, rows, 4, cuda_graphs="true")
     graphs = graphed.step_graphs
     assert graphs is not None and graphs.steps == 4
     # The buckets were planned from the run's steps before the first: the plan foresaw each step's shape
@@ -140,7 +145,7 @@ def test_trainer_step_graph_path_trains_the_same(tmp_path, monkeypatch):
     # Over several epochs (16 rows, 4 a step: 10 steps are 2.5 epochs) the plan foresees each epoch's own
     # order, which the Trainer's steps follow.
     seen.clear()
-    _, _, epochs = _train(tmp_path, "epochs", True, rows, 10)
+    _, _, epochs = _train(tmp_path, "epochs", True, rows, 10, cuda_graphs="true")
     assert len(seen) == 10 and seen[4:8] != seen[:4]
     assert epochs._planned_step_shapes() == seen and epochs.step_graphs.unplanned == 0
     # A run resumed in its second epoch starts a fresh loader: the Trainer's set_epoch gives it that order.
@@ -172,7 +177,7 @@ def test_batches_go_to_the_device_without_blocking():
                 seen.append((kwargs or {}).get("non_blocking", False))
             return super().__torch_function__(func, types, args, kwargs)
 
-    trainer_class = packing.packed_trainer_class()
+    trainer_class = PackedSFTTrainer
     trainer = object.__new__(trainer_class)
     trainer.args, trainer.is_deepspeed_enabled = SimpleNamespace(device=torch.device("cpu")), False
     batch = {"labels": torch.zeros(3).as_subclass(Spy), "num_real_tokens": 3,
@@ -193,21 +198,20 @@ def test_batches_go_to_the_device_without_blocking():
 
 def test_attention_choice_on_a_gpu_and_bad_settings(monkeypatch):
     """varlen on every GPU run (compiled or eager, step graphs or not) where torch has it, flex where it
-    has not or TRAINING_ATTENTION=flex asks; the CPU path whatever the setting; bad values named."""
-    env = packing.ATTENTION_ENV
-    assert packing.attention_implementation({env: "varlen"}) == packing.attention_implementation({}) == (
-        packing.PACKED_VARLEN if packing.varlen_available() else packing.PACKED_SDPA
+    has not or `attention: flex` asks; the CPU path whatever the setting; bad values named."""
+    assert attention.attention_implementation("varlen") == attention.attention_implementation() == (
+        attention.PACKED_VARLEN if attention.varlen_available() else attention.PACKED_SDPA
         if not torch.cuda.is_available() else "flex_attention")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the choice as a GPU node makes it
-    monkeypatch.setattr(packing, "varlen_installed", lambda: True)
-    assert packing.attention_implementation({}) == packing.PACKED_VARLEN
-    assert packing.attention_implementation({env: " Flex "}) == "flex_attention"
-    monkeypatch.setattr(packing, "varlen_installed", lambda: False)
-    assert packing.attention_implementation({}) == "flex_attention"
-    with pytest.raises(ValueError, match="TRAINING_ATTENTION=varlen: this torch .* has no torch.nn.attention.varlen"):
-        packing.attention_implementation({env: "varlen"})
-    with pytest.raises(ValueError, match="TRAINING_ATTENTION='fast': use varlen or flex"):
-        packing.attention_implementation({env: "fast"})
+    monkeypatch.setattr(attention, "varlen_installed", lambda: True)
+    assert attention.attention_implementation("auto") == attention.PACKED_VARLEN
+    assert attention.attention_implementation(" Flex ") == "flex_attention"
+    monkeypatch.setattr(attention, "varlen_installed", lambda: False)
+    assert attention.attention_implementation("auto") == "flex_attention"
+    with pytest.raises(ValueError, match="attention=varlen: this torch .* has no torch.nn.attention.varlen"):
+        attention.attention_implementation("varlen")
+    with pytest.raises(ValueError, match="attention='fast' is not allowed: set attention to one of auto, varlen, flex"):
+        attention.attention_implementation("fast")
 
 
 def mixed_examples(n: int, seed: int) -> list[dict]:
@@ -237,9 +241,9 @@ def test_packed_shape_is_what_pack_examples_makes(multiple):
     for seed in range(6):
         rows = mixed_examples(5 + seed, seed)
         lengths = [len(r["input_ids"]) for r in rows]
-        targets = [packing.example_targets(r["input_ids"], r.get("labels"), r.get("completion_mask")) for r in rows]
-        micro = packing.pack_examples(rows, pad_token_id=PAD_ID, pad_to_multiple_of=multiple)
-        assert packing.packed_shape(lengths, targets, multiple) == step_graphs.step_shape(micro)
+        targets = [batches.example_targets(r["input_ids"], r.get("labels"), r.get("completion_mask")) for r in rows]
+        micro = batches.pack_examples(rows, pad_token_id=PAD_ID, pad_to_multiple_of=multiple)
+        assert batches.packed_shape(lengths, targets, multiple) == step_graphs.step_shape(micro)
 
 
 def test_planned_buckets_pad_least_and_hold_every_step():
@@ -253,7 +257,7 @@ def test_planned_buckets_pad_least_and_hold_every_step():
     for _ in range(60):
         lengths = [rng.randint(20, 300) for _ in range(8)]
         targets = [rng.randint(1, n - 1) for n in lengths]
-        shapes.append(packing.packed_shape(lengths, targets, 1))
+        shapes.append(batches.packed_shape(lengths, targets, 1))
     quantum = step_graphs.PLAN_QUANTUM
     for limit in (1, 3, 5):
         keys = step_graphs.plan_buckets(shapes, quantum, limit)
@@ -271,20 +275,20 @@ def test_planned_buckets_pad_least_and_hold_every_step():
     assert step_graphs.plan_buckets([]) == []
 
 
-@pytest.mark.parametrize("attn", ["sdpa", packing.PACKED_VARLEN])
+@pytest.mark.parametrize("attn", ["sdpa", attention.PACKED_VARLEN])
 def test_planned_bucket_step_matches_unpadded(attn):
     """A planned bucket scores fewer positions than it has tokens (its steps' most targets): loss, hits and
     gradients still those of the unpadded row, for two rows of the same planned bucket."""
-    packing.register_packed_attention()
+    attention.register_packed_attention()
     model = tiny_model(attn).train()
-    packing.add_packed_lm_head(model)
+    fp_model.add_packed_lm_head(model)
     params = [p for p in model.parameters() if p.requires_grad]
     graphs = step_graphs.StepGraphs(model, params, PAD_ID, max_tokens=4096, attention=attn)
     def rows(seed: int) -> list[dict]:  # long prompts, short answers: few targets for the tokens
         return [{**r, "completion_mask": [0] * (len(r["input_ids"]) - 3) + [1] * 3}
                 for r in synthetic_rows(6, seed=seed)]
 
-    micros = [packing.pack_examples(rows(seed), pad_token_id=PAD_ID, pad_to_multiple_of=1) for seed in (4, 5, 6)]
+    micros = [batches.pack_examples(rows(seed), pad_token_id=PAD_ID, pad_to_multiple_of=1) for seed in (4, 5, 6)]
     graphs.plan([step_graphs.step_shape(m) for m in micros])
     assert graphs.planned and all(targets < tokens for tokens, targets, *_ in graphs.planned)
     for micro in micros:
@@ -296,7 +300,7 @@ def test_planned_bucket_step_matches_unpadded(attn):
             torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)
     assert set(graphs.buckets) == set(graphs.planned) and graphs.unplanned == 0
     # A step the plan did not foresee (longer than its largest bucket) still runs, in an unplanned bucket.
-    longer = packing.pack_examples(synthetic_rows(14, seed=7), pad_token_id=PAD_ID, pad_to_multiple_of=1)
+    longer = batches.pack_examples(synthetic_rows(14, seed=7), pad_token_id=PAD_ID, pad_to_multiple_of=1)
     assert longer["input_ids"].shape[1] > graphs.planned[-1][0]
     graphs.step(longer, 1.0 / longer["num_targets"])
     assert graphs.unplanned == 1 and len(graphs.buckets) == len(graphs.planned) + 1
@@ -307,9 +311,9 @@ def test_plan_makes_no_more_buckets_than_the_fixed_ones():
     bucket (on short steps a capture costs more GPU time than the padding it saves), longer ones their
     least-padding sizes."""
     graphs = step_graphs.StepGraphs(None, [], PAD_ID, max_tokens=4096, attention="sdpa")
-    short = [packing.packed_shape([n], [n - 1], 1) for n in (70, 130, 190, 250)]
+    short = [batches.packed_shape([n], [n - 1], 1) for n in (70, 130, 190, 250)]
     graphs.plan(short)
     assert graphs.planned == [(256, 256, 0, 0)]
-    long = [packing.packed_shape([n], [n // 2], 1) for n in (1000, 1100, 1200, 1290)]
+    long = [batches.packed_shape([n], [n // 2], 1) for n in (1000, 1100, 1200, 1290)]
     graphs.plan(long)  # fixed buckets: 1024, 1280 and 1536 tokens
     assert [k[0] for k in graphs.planned] == [1024, 1216, 1344] and graphs.planned[0][1] == 512

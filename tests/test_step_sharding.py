@@ -10,7 +10,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from training.packing import PackedCollator, StepShardSampler  # noqa: E402
+from training.fastpath.batches import PackedCollator
+from training.fastpath.sampler import StepShardSampler  # noqa: E402
 
 
 @pytest.mark.parametrize("n, per_rank, world", [(2000, 16, 8), (250, 16, 1), (2001, 16, 8), (37, 4, 3),

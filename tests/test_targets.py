@@ -70,7 +70,7 @@ def test_a_third_target_is_one_registration(monkeypatch):
         def load(self, stack):
             return replace(make_inventory(), target="onprem")
 
-    monkeypatch.setitem(targets._REGISTRY, "onprem", OnPrem())
+    monkeypatch.setitem(targets.base._REGISTRY, "onprem", OnPrem())
     inv: Inventory = inventory.load("onprem")
     spec = jobs.base_spec(inv, jobs.SANITY_NAME, 2, 4, "/scratch/j", script_path="/scratch/j/sanity.sbatch")
     assert spec.real_gpus and not spec.nccl_efa and spec.device_prefix == "/dev/nvidia"

@@ -173,7 +173,8 @@ def test_gpu_config_matches_seed_and_flags_override():
     assert data.dataset_name == "tatsu-lab/alpaca" and data.n_examples == 2000
     assert (cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps) == (2, 8)
     assert cfg.learning_rate == 1e-4  # the flag wins over the config
-    assert cfg.activation_checkpointing is True
+    # auto: the seed's recomputation on padded batches; the packed path decides for itself (and says so).
+    assert cfg.activation_checkpointing is True and cfg.activation_checkpointing_setting == "auto"
     # This machine has no GPU: the config's bf16 gives way to fp32 on CPU (gloo via use_cpu).
     assert cfg.bf16 is False and cfg.use_cpu is True
 
@@ -185,19 +186,54 @@ def test_unknown_setting_in_config_is_an_error(tmp_path):
         parse_args(["--config", str(cfg)])
 
 
-def test_flex_packing_resolution(monkeypatch):
-    import importlib.util
-
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "training.packing" else real_find_spec(name, *a))
-    with pytest.raises(ValueError, match="training/packing.py"):
-        train.resolve_flex_packing(True)
-    assert train.resolve_flex_packing(None, gpu=True) is False  # auto falls back to padded batches
-    assert train.resolve_flex_packing(False, gpu=True) is False
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
-    assert train.resolve_flex_packing(None, gpu=True) is True
+def test_flex_packing_resolution():
+    assert train.resolve_flex_packing(None, gpu=True) is True  # auto: the fast path with a GPU
     assert train.resolve_flex_packing(None, gpu=False) is False
+    assert train.resolve_flex_packing(False, gpu=True) is False
+    assert train.resolve_flex_packing(True, gpu=False) is True
+
+
+@pytest.mark.parametrize("key, value, canonical", [
+    ("flex_packing", True, "true"), ("compile_layers", "off", "false"), ("cuda_graphs", None, "auto"),
+    ("activation_checkpointing", "AUTO", "auto"), ("attention", "Flex", "flex"), ("step_layout", "auto", "auto")])
+def test_switches_take_auto_true_false(tmp_path, key, value, canonical):
+    import yaml
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({key: value}))
+    data, _, train_args = parse_args(["--config", str(cfg)])
+    setting = getattr(data, key, None) if key == "flex_packing" else getattr(
+        train_args, "activation_checkpointing_setting" if key == "activation_checkpointing" else key)
+    assert setting == canonical
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--compile_layers", "maybe"], "compile_layers='maybe' is not allowed: set compile_layers to one of auto, true, "
+                                    "false"),
+    (["--attention", "fast"], "attention='fast' is not allowed: set attention to one of auto, varlen, flex"),
+    (["--step_layout", "16x1"], "step_layout='16x1' is not allowed: set step_layout to one of auto, as_configured"),
+    (["--flex_packing", "sometimes"], "flex_packing='sometimes' is not allowed")])
+def test_bad_switch_values_name_the_setting(argv, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        parse_args(argv)
+
+
+def test_bad_switch_in_a_config_is_caught_before_launch():
+    from training.validate import ConfigProblem, check_config
+
+    with pytest.raises(ConfigProblem, match="cuda_graphs='sometimes' is not allowed: set cuda_graphs to one of auto"):
+        check_config({"cuda_graphs": "sometimes", "compile_layers": True, "attention": "varlen"}, "c.yaml")
+    check_config({"cuda_graphs": "auto", "compile_layers": False, "defer_logs": True, "step_layout": "auto"}, "c.yaml")
+
+
+def test_project_configs_say_auto_for_the_gpu_choices():
+    """qwen3-4b-lora.yaml leaves the GPU's choices to the fast path in words, not by omission."""
+    import yaml
+
+    config = yaml.safe_load((CONFIGS / "qwen3-4b-lora.yaml").read_text())
+    for key in ("flex_packing", "step_layout", "activation_checkpointing", "attention", "compile_layers", "cuda_graphs"):
+        assert config[key] == "auto", key
+    assert (config["per_device_train_batch_size"], config["gradient_accumulation_steps"]) == (2, 8)
 
 
 def test_resume_checkpoint_skips_incomplete(tmp_path):

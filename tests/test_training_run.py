@@ -85,7 +85,7 @@ def test_training_run_loss_falls_and_writes_outputs(full_run, tiny):
     assert any(p.name.startswith("checkpoint-") for p in out.iterdir())
     # The completion marker a requeued job checks: the final metrics, written after everything else.
     marker = out / train.COMPLETED_MARKER
-    assert json.loads(marker.read_text()) == {k: v for k, v in on_disk.items() if k != "log_history"}
+    assert json.loads(marker.read_text()) == {k: v for k, v in on_disk.items() if k not in ("log_history", "phases")}
     for name in ("adapter_model.safetensors", "trainer_state.json", "metrics.json"):
         assert marker.stat().st_mtime_ns >= (out / name).stat().st_mtime_ns, name
 
@@ -111,6 +111,30 @@ def test_timing_marks_the_phases_in_order(full_run):
     assert all(timing[a] <= timing[b] for a, b in zip(order, order[1:], strict=False)), timing
     assert metrics["checkpoints_saved"] == metrics["train_steps"] // 5 == 4
     assert 0 < metrics["checkpoint_s"] < timing["trained"] - timing["first_step_done"]
+
+
+def assert_rank_phases(record: dict, rank: int, checkpoints: int) -> None:
+    """One rank's phases (docs/ARCHITECTURE.md, Training contract): in run order, each ending before the next
+    starts (the checkpoints inside `steps`), first_step saying whether it compiled."""
+    assert record["rank"] == rank and record["host"]
+    phases = record["phases"]
+    main = [p for p in phases if p["name"] != "checkpoint"]
+    names = [p["name"] for p in main]
+    assert names[-6:] == ["data", "model_load", "trainer", "first_step", "steps", "save"], names
+    assert names[:-6] in ([], ["imports"])  # imports: the process's first run only
+    assert all(p["start"] <= p["end"] for p in phases)
+    assert all(a["end"] <= b["start"] + 1e-3 for a, b in zip(main, main[1:], strict=False)), main
+    steps = next(p for p in main if p["name"] == "steps")
+    saved = [p for p in phases if p["name"] == "checkpoint"]
+    assert len(saved) == checkpoints and all(steps["start"] <= c["start"] <= c["end"] <= steps["end"] for c in saved)
+    assert next(p for p in main if p["name"] == "first_step")["compiled"] is False  # CPU: never compiled
+
+
+def test_metrics_keep_each_ranks_phases(full_run):
+    _, metrics = full_run
+    (record,) = metrics["phases"]
+    assert_rank_phases(record, 0, checkpoints=metrics["checkpoints_saved"])
+    assert metrics["choices"]["path"] == {"value": "packed", "by": "config"}  # local-tiny.yaml: flex_packing true
 
 
 def test_no_checkpoint_at_the_last_step_unless_asked(full_run, tiny, tmp_path):
@@ -144,7 +168,7 @@ def test_total_flos_counts_the_packed_tokens(full_run, tiny):
     that plus the packing's padding (to a multiple of PAD_MULTIPLE tokens, one micro-batch a step here)."""
     from transformers import AutoModelForCausalLM
 
-    from training.packing import PAD_MULTIPLE
+    from training.fastpath.batches import PAD_MULTIPLE
 
     _, metrics = full_run
     params = AutoModelForCausalLM.from_pretrained(tiny[0]).num_parameters(exclude_embeddings=True)
@@ -193,6 +217,9 @@ def test_two_processes_over_gloo(tiny, tmp_path):
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["world_size"] == 2 and metrics["distributed_backend"] == "gloo"
     assert metrics["train_steps"] == 4
+    assert [r["rank"] for r in metrics["phases"]] == [0, 1]  # every rank's own phases, gathered to rank 0
+    for record in metrics["phases"]:
+        assert_rank_phases(record, record["rank"], checkpoints=0)
     printed = [line for line in proc.stdout.splitlines() if line.startswith(train.METRICS_PREFIX)]
     assert len(printed) == 1, "rank 0 alone prints the metrics line"
     summary = json.loads(printed[0][len(train.METRICS_PREFIX):])
@@ -208,11 +235,11 @@ def test_two_processes_over_gloo(tiny, tmp_path):
 def test_two_processes_deferred_logs_are_the_trainers(tiny, tmp_path):
     """2 gloo ranks, a log every step and a checkpoint at step 5: the deferred logs (one all-reduce of the
     ranks' loss, hits, scored tokens and flos, written a step later) give the Trainer's own log history,
-    train_loss, total flos and checkpointed history (TRAINING_DEFER_LOGS=0: the Trainer's log)."""
+    train_loss, total flos and checkpointed history (defer_logs false: the Trainer's log)."""
     runs = {}
     for defer in ("1", "0"):
         out = tmp_path / f"defer-{defer}"
-        proc = torchrun(tiny, out, "--max_steps", "6", env={"TRAINING_DEFER_LOGS": defer})
+        proc = torchrun(tiny, out, "--max_steps", "6", "--defer_logs", {"1": "true", "0": "false"}[defer])
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         metrics = json.loads((out / "metrics.json").read_text())
         saved = json.loads((out / "checkpoint-5" / "trainer_state.json").read_text())

@@ -14,6 +14,35 @@ from trl import ModelConfig, SFTConfig, TrlParser
 
 log = logging.getLogger(__name__)
 
+# Switches of the GPU fast path that it may also decide itself: `auto` lets it choose (and say why, in the
+# log's "run choices" block and metrics.json's `choices`); `true`/`false` are the user's word.
+AUTO_SWITCH = ("auto", "true", "false")
+_WORDS = {"auto": "auto", "true": "true", "on": "true", "yes": "true", "1": "true",
+          "false": "false", "off": "false", "no": "false", "0": "false"}
+# Settings with a fixed list of values (the switches above, and these), checked after parsing: a YAML
+# value never meets argparse's own checks.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "flex_packing": AUTO_SWITCH, "activation_checkpointing": AUTO_SWITCH, "compile_layers": AUTO_SWITCH,
+    "cuda_graphs": AUTO_SWITCH, "attention": ("auto", "varlen", "flex"), "step_layout": ("auto", "as_configured"),
+}
+
+
+def choice(name: str, value) -> str:
+    """`value` of setting `name` in its canonical spelling; a clear error naming the allowed values."""
+    allowed = CHOICES[name]
+    word = value if value is None else ("true" if value is True else "false" if value is False else
+                                        str(value).strip().lower())
+    if allowed == AUTO_SWITCH:
+        word = "auto" if word is None else _WORDS.get(word, word)
+    if word not in allowed:
+        raise ValueError(f"{name}={value!r} is not allowed: set {name} to one of {', '.join(allowed)}")
+    return word
+
+
+def switch(value: str) -> bool | None:
+    """A canonical AUTO_SWITCH value as True / False / None (auto)."""
+    return {"true": True, "false": False, "auto": None}[value]
+
 
 def gpu_available() -> bool:
     import torch
@@ -35,12 +64,15 @@ class DataArguments:
     n_examples: int = field(
         default=2000, metadata={"help": "Train on the first N rows (0 = all rows)."}
     )
-    flex_packing: bool | None = field(
-        default=None,
-        metadata={"help": "Padding-free packed batches (training/packing.py; the name is historic: on a GPU the "
-                          "attention is flash varlen, TRAINING_ATTENTION=flex for flex). Unset = auto: on when a "
-                          "GPU is present and the fast path is installed; false = padded batches."},
+    flex_packing: str = field(
+        default="auto",
+        metadata={"help": "The padding-free packed fast path (training/fastpath/; the name is historic: on a GPU "
+                          "the attention is set by `attention`). auto: on when a GPU is present; true: on (on CPU "
+                          "too); false: TRL's padded batches. One of auto, true, false."},
     )
+
+    def __post_init__(self):
+        self.flex_packing = choice("flex_packing", self.flex_packing)
 
 
 @dataclass
@@ -86,8 +118,15 @@ class TrainConfig(SFTConfig):
     ddp_find_unused_parameters: bool | None = field(
         default=False, metadata={"help": "False: frozen base weights are not searched for every step."}
     )
-    activation_checkpointing: bool | None = field(
-        default=True, metadata={"help": "Recompute activations in backward (the seed's recipe; saves memory)."}
+    activation_checkpointing: str = field(
+        default="auto",
+        metadata={"help": "Recompute activations in backward (saves memory). auto: on for padded batches (the "
+                          "seed's recipe); on the packed path off unless the GPU's memory cannot hold one "
+                          "max_length row without it. One of auto, true, false."},
+    )
+    activation_checkpointing_setting: str = field(
+        default="auto", init=False, metadata={"help": "The setting as given (activation_checkpointing becomes "
+                                                      "the Trainer's bool)."},
     )
     gradient_checkpointing: bool | None = field(
         default=None, metadata={"help": "Deprecated alias of activation_checkpointing."}
@@ -100,11 +139,41 @@ class TrainConfig(SFTConfig):
         metadata={"help": "bf16 mixed precision. Unset = on with a GPU; always off (fp32) without one."},
     )
 
-    compile_layers: bool | None = field(
-        default=None,
-        metadata={"help": "Packed path: torch.compile the decoder blocks. Unset = decided per run from this "
-                          "rank's tokens and whether the compile cache is warm (compiling pays off only on "
-                          "longer runs); the environment variable TRAINING_COMPILE=1/0 forces it."},
+    step_layout: str = field(
+        default="auto",
+        metadata={"help": "Packed path: how an optimizer step's examples reach the GPU. auto: the step's "
+                          "per_device_train_batch_size x gradient_accumulation_steps examples packed into one row "
+                          "(one micro-batch; split only beyond token_budget), the same examples per step; "
+                          "as_configured: micro-batches of per_device_train_batch_size examples, "
+                          "gradient_accumulation_steps of them. One of auto, as_configured."},
+    )
+    attention: str = field(
+        default="auto",
+        metadata={"help": "Packed path on a GPU: varlen (flash attention over the documents' offsets) or flex "
+                          "(flex attention with a document BlockMask). auto: varlen where this torch has it, else "
+                          "flex. On CPU always packed_sdpa. One of auto, varlen, flex."},
+    )
+    compile_layers: str = field(
+        default="auto",
+        metadata={"help": "Packed path: torch.compile the decoder blocks. auto: decided per run from this rank's "
+                          "tokens and whether the compile cache is warm (compiling pays off only on longer runs). "
+                          "One of auto, true, false."},
+    )
+    cuda_graphs: str = field(
+        default="auto",
+        metadata={"help": "Packed path: replay each single-micro-batch step as a CUDA graph (one process only). "
+                          "auto: on for compiled runs of short (launch-bound) steps. true without a GPU runs the "
+                          "same bucketed steps uncaptured. One of auto, true, false."},
+    )
+    defer_logs: bool = field(
+        default=True,
+        metadata={"help": "Packed path: read a logging step's loss, grad norm and accuracy one step later, so the "
+                          "host never waits for the GPU to log; false: the Trainer's own log (read at once)."},
+    )
+    background_checkpoints: bool = field(
+        default=True,
+        metadata={"help": "Write checkpoints from a host copy of the step's state on a background thread; "
+                          "false: the Trainer writes them on the training thread."},
     )
     compile_cache_dir: str | None = field(
         default=None,
@@ -119,6 +188,15 @@ class TrainConfig(SFTConfig):
     )
 
     def __post_init__(self):
+        for name in ("step_layout", "attention", "compile_layers", "cuda_graphs"):
+            setattr(self, name, choice(name, getattr(self, name)))
+        setting = choice("activation_checkpointing", self.activation_checkpointing)
+        if setting == "auto" and self.gradient_checkpointing is not None:  # the deprecated alias, if given
+            setting = choice("activation_checkpointing", self.gradient_checkpointing)
+        # The Trainer's bool: auto is the seed's (on) until the packed path decides (training/fastpath/layout.py).
+        self.activation_checkpointing_setting = setting
+        self.activation_checkpointing = setting != "false"
+        self.gradient_checkpointing = None
         # The same config runs on GPU nodes and on the CPU-only local cluster: bf16 needs a GPU.
         if not gpu_available():
             if self.bf16:

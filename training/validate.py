@@ -134,6 +134,8 @@ def _number(value, hint):
 
 def check_config(data: dict, source: str) -> None:
     """Raise ConfigProblem naming every bad key of the training config `data` (read from `source`)."""
+    from training.args import CHOICES, choice
+
     known = settings()
     problems = []
     for key, value in data.items():
@@ -144,6 +146,12 @@ def check_config(data: dict, source: str) -> None:
                             "(the settings are the fields of training/args.py and TRL's SFTConfig)")
             continue
         hint, choices = known[key]
+        if key in CHOICES:  # auto/true/false switches and other fixed lists: the parser's own check
+            try:
+                choice(key, value)
+            except ValueError as e:
+                problems.append(str(e))
+            continue
         if not _fits(value, hint):
             problems.append(f"{key}: {value!r} is the wrong type; set {key} to {_describe(hint)}")
             continue

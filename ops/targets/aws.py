@@ -7,7 +7,7 @@ import subprocess
 
 from bootstrap.inventory import Inventory, InventoryError
 from bootstrap.platform import AWS as AWS_PLATFORM
-from ops.targets import CONFIGS, Target, register
+from ops.targets.base import CONFIGS, Target, register
 
 
 class Aws(Target):

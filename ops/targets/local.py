@@ -6,7 +6,7 @@ import json
 
 from bootstrap.inventory import LOCAL_INVENTORY, Inventory, InventoryError
 from bootstrap.platform import LOCAL as LOCAL_PLATFORM
-from ops.targets import CONFIGS, Target, register
+from ops.targets.base import CONFIGS, Target, register
 
 # gres.conf File= prefix: the local hosts' GPUs are plain stand-in files (localcluster creates them).
 GPU_DEVICE_PREFIX = LOCAL_PLATFORM.gpu_device_prefix

@@ -1,30 +1,24 @@
 """CUDA graphs of whole packed training steps: forward, LM head, loss and backward replayed as one graph.
 
-A packed step of Alpaca-length rows (~1,600 tokens) is launch-bound: about 3,000 kernels, and on a GPU
-node's CPU the Python and launch work of the 36 compiled blocks takes longer than the GPU needs for them
-(profiled on an H200: GPU busy 18% of the step, benchmarks/NOTES.md). Replaying a captured graph costs
-one launch. A graph needs fixed shapes and addresses, so each step's packed row is padded to a bucket
-and copied into that bucket's static buffers; the padding is a document of its own (it attends only to
-itself) and its targets weigh 0, so the loss, the gradients and the token accuracy are those of the
-unpadded row. Every bucket costs one capture (about an uncaptured compiled step's host time), so the
-buckets are planned before the run's first step from the steps it will take (StepGraphs.plan: the
-sampler's order is seeded, the rows are tokenized): no more buckets than fixed TOKEN_BUCKET-token ones
-would make of the same steps, sized to pad them least, each scoring its steps' largest count of
-targets. For an epoch of Alpaca rows at 16 a step: 12 buckets either way, padding 7.3% -> 2.6% of the
-tokens, ~1,240 scored positions a step instead of ~1,750 (GPU time of a replayed step -4.4% on an
-H200, benchmarks/NOTES.md). A step the plan did not foresee gets a fixed bucket (TOKEN_BUCKET tokens,
-as many scored positions).
+A packed step of Alpaca-length rows is launch-bound: thousands of kernels, and the Python and launch work of
+the compiled blocks takes longer than the GPU needs for them; replaying a captured graph costs one launch
+(what it gives: BENCHMARKS.md). A graph needs fixed shapes and addresses, so each step's packed row is padded
+to a bucket and copied into that bucket's static buffers; the padding is a document of its own (it attends
+only to itself) and its targets weigh 0, so the loss, the gradients and the token accuracy are those of the
+unpadded row. Every bucket costs one capture (about an uncaptured compiled step's host time), so the buckets
+are planned before the run's first step from the steps it will take (StepGraphs.plan: the sampler's order is
+seeded, the rows are tokenized): no more buckets than fixed TOKEN_BUCKET-token ones would make of the same
+steps, sized to pad them least, each scoring its steps' largest count of targets. A step the plan did not
+foresee gets a fixed bucket (TOKEN_BUCKET tokens, as many scored positions).
 
-The run's first step runs uncaptured (it compiles the blocks and creates the libraries' handles); from
-then on each bucket is captured the first time it occurs and replayed ever after (an uncaptured step
-costs ~3x a replayed one on an H200, benchmarks/NOTES.md). A capture records while the GPU runs the
-steps queued before it (_capture).
-A bucket whose capture fails runs uncaptured and is tried once more at its next occurrence; a second
-failure turns step graphs off for the run. Graphs are used only while a step's activations fit twice
-in the GPU's memory (the graphs keep their own memory pool). The gradients come out of the graph
-(torch.autograd.grad) and are handed to the parameters as `.grad`, so the Trainer's clipping,
-optimizer and zero_grad work as before. One process only: under DDP the gradient all-reduce hooks
-cannot run inside a graph.
+The run's first step runs uncaptured (it compiles the blocks and creates the libraries' handles); from then
+on each bucket is captured the first time it occurs and replayed ever after. A capture records while the GPU
+runs the steps queued before it (_capture). A bucket whose capture fails runs uncaptured and is tried once
+more at its next occurrence; a second failure turns step graphs off for the run. Graphs are used only while
+a step's activations fit twice in the GPU's memory (the graphs keep their own memory pool). The gradients
+come out of the graph (torch.autograd.grad) and are handed to the parameters as `.grad`, so the Trainer's
+clipping, optimizer and zero_grad work as before. One process only: under DDP the gradient all-reduce hooks
+cannot run inside a graph. `cuda_graphs` in the config: auto (decide_graphs), true, false.
 """
 
 from __future__ import annotations
@@ -35,13 +29,13 @@ from typing import Any
 
 import torch
 
+from training.fastpath.attention import PACKED_VARLEN, dense_document_mask, document_block_mask
+
 log = logging.getLogger(__name__)
 
 TOKEN_BUCKET = 256
-# Decided per run (TRAINING_CUDA_GRAPHS unset): graphs for compiled runs whose steps average at most this
-# many tokens. Measured on an H200 (benchmarks/NOTES.md): 1,630-token steps 1.67x faster, 200-token
-# steps 6.1x; at ~4,100 tokens a step the uncaptured path was already GPU-bound (21,956 tokens/s on
-# 2026-12-03) and graphs add bucket padding, so longer steps keep the path measured then.
+# auto: graphs for compiled runs whose steps average at most this many tokens; longer steps are GPU-bound
+# already and graphs would only add bucket padding (BENCHMARKS.md).
 AUTO_MAX_MEAN_STEP_TOKENS = 3072
 # Document id of the bucket padding (larger than any example index of a step).
 PAD_DOCUMENT = 2**30
@@ -65,7 +59,7 @@ def bucket(n: int, quantum: int) -> int:
 
 def step_shape(micro: dict[str, Any]) -> tuple[int, int, int, int]:
     """Host numbers of a packed micro-batch that size its bucket: (row length, scored positions, entries of
-    cu_seqlens, longest document); training.packing.packed_shape computes them without packing."""
+    cu_seqlens, longest document); training.fastpath.batches.packed_shape computes them without packing."""
     return (int(micro["input_ids"].shape[1]), int(micro["num_targets"]), int(micro["cu_seqlens"].numel()),
             int(micro["max_document_length"]))
 
@@ -111,13 +105,6 @@ def plan_buckets(shapes: list[tuple[int, int, int, int]], quantum: int = PLAN_QU
     return keys
 
 
-def graphs_setting(setting: bool | None = None) -> bool | None:
-    """TRAINING_CUDA_GRAPHS=1/0 forces step graphs on/off; otherwise `setting` (None = decide per run)."""
-    from training.packing import env_switch  # packing imports this module lazily: no cycle
-
-    return env_switch("TRAINING_CUDA_GRAPHS", setting)
-
-
 def power_of_two(n: int, least: int) -> int:
     return max(least, 1 << max(n - 1, 0).bit_length())
 
@@ -151,8 +138,6 @@ class StepGraphs:
 
     def __init__(self, model, params: list[torch.nn.Parameter], pad_token_id: int, max_tokens: int,
                  attention: str | None, context=None):
-        from training.packing import PACKED_VARLEN
-
         self.model, self.params, self.pad_token_id, self.max_tokens = model, params, pad_token_id, max_tokens
         self.flex = attention == "flex_attention"
         self.varlen = attention == PACKED_VARLEN
@@ -179,9 +164,8 @@ class StepGraphs:
         Steps that fit none (a shape the plan did not foresee) get the unplanned buckets below."""
         quantum = 128 if self.flex else PLAN_QUANTUM  # flex attention's BlockMask works on 128-token blocks
         shapes = [s for s in shapes if bucket(s[0], quantum) <= self.max_tokens]
-        # No more captures than the fixed buckets would make of the same steps: on short steps (2 rows, ~200
-        # tokens) the GPU time hardly depends on the padding and each capture costs more than it saves
-        # (measured on an H200: 10 planned buckets ran 4,069 tokens/s against 5,744 with the fixed 6).
+        # No more captures than the fixed buckets would make of the same steps: on short steps the GPU time
+        # hardly depends on the padding and each capture costs more than it saves.
         limit = min(MAX_PLANNED, len({self._unplanned_key(s) for s in shapes}))
         self.planned = [k if self.varlen else (*k[:2], 0, 0) for k in plan_buckets(shapes, quantum, limit)]
 
@@ -206,8 +190,6 @@ class StepGraphs:
             b.cu_seqlens[:offsets.numel()].copy_(offsets, non_blocking=True)
             b.cu_seqlens[offsets.numel():].fill_(b.tokens)  # the padding document, then empty ones
         if self.flex:
-            from training.packing import document_block_mask
-
             fresh = document_block_mask(b.document_ids)
             if b.mask is None:
                 b.mask = fresh  # its mask_mod reads b.document_ids, whatever the step
@@ -220,8 +202,6 @@ class StepGraphs:
                     target.copy_(value)
 
     def _run(self, b: _Bucket):
-        from training.packing import dense_document_mask
-
         if self.varlen:
             mask = {layer_type: (b.cu_seqlens, b.max_len) for layer_type in self.layer_types}
         else:
@@ -286,7 +266,7 @@ class StepGraphs:
         self.steps += 1
         if self.stream is None and micro["input_ids"].is_cuda:
             # Made at the run's first step (uncaptured), not at its first capture: creating a stream waits
-            # for the GPU to finish the work queued before it (an H200 waited out a ~2 s spin queued first).
+            # for the GPU to finish the work queued before it.
             self.pool, self.stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
         # Without a GPU (tests) the same bucketed steps run, never captured.
         if b.graph is None and self.warm and micro["input_ids"].is_cuda and b.failed < 2:
@@ -318,3 +298,27 @@ class StepGraphs:
                 p.grad = g
             else:
                 p.grad.add_(g)
+
+
+def decide_graphs(setting: bool | None, compiled: bool, world_size: int, accumulation: int,
+                  mean_step_tokens: float) -> tuple[bool, str]:
+    """(step graphs or not, who decided and why) for the config's `cuda_graphs` (None = auto). One process and
+    one micro-batch a step only; forced without a GPU, the same bucketed steps run uncaptured (how tests
+    check the path)."""
+    if setting is not None:
+        if setting and (world_size > 1 or accumulation > 1):
+            raise ValueError("cuda_graphs=true needs one process and gradient_accumulation_steps 1 on the packed "
+                             f"path (here {world_size} processes, {accumulation} micro-batches a step): set "
+                             "cuda_graphs to auto or false, or step_layout to auto")
+        return setting, "config"
+    if world_size > 1:
+        return False, "auto: several processes (DDP's all-reduce hooks cannot run inside a graph)"
+    if accumulation > 1:
+        return False, "auto: several micro-batches a step"
+    if not torch.cuda.is_available():
+        return False, "auto: no GPU"
+    if not compiled:
+        return False, "auto: eager blocks (a short run would spend its few steps capturing)"
+    if mean_step_tokens > AUTO_MAX_MEAN_STEP_TOKENS:
+        return False, f"auto: ~{mean_step_tokens:.0f} tokens a step (GPU-bound above {AUTO_MAX_MEAN_STEP_TOKENS})"
+    return True, f"auto: compiled, ~{mean_step_tokens:.0f} tokens a step (launch-bound)"

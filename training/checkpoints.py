@@ -13,8 +13,9 @@ checkpoint and the end of training (also by an error) wait for the writer; a wri
 The writer makes no CUDA call (everything it writes is in host memory), so a CUDA graph being captured on the
 training thread meanwhile is not disturbed.
 
-TRAINING_BACKGROUND_CHECKPOINTS=0 keeps the Trainer's own checkpoints; so do the cases this does not cover
-(DeepSpeed, FSDP, best-model tracking, pushing to the Hub, hyperparameter search).
+`background_checkpoints: false` in the config keeps the Trainer's own checkpoints; so do the cases this does
+not cover (DeepSpeed, FSDP, best-model tracking, pushing to the Hub, hyperparameter search). `_save_checkpoint`
+is a private Trainer method: training/fastpath/trainer.py lists it in PRIVATE_OVERRIDES, with why.
 """
 
 from __future__ import annotations
@@ -27,11 +28,7 @@ from pathlib import Path
 
 import torch
 
-from training.packing import env_switch
-
 log = logging.getLogger(__name__)
-
-ENV = "TRAINING_BACKGROUND_CHECKPOINTS"
 
 
 def host_copy(obj):
@@ -53,7 +50,8 @@ class BackgroundCheckpoints:
 
     def _checkpoint_in_background(self, trial) -> bool:
         args = self.args
-        return (env_switch(ENV, True) and trial is None and self.hp_search_backend is None and not args.push_to_hub
+        return (getattr(args, "background_checkpoints", True) and trial is None and self.hp_search_backend is None
+                and not args.push_to_hub
                 and not self.is_deepspeed_enabled and not self.is_fsdp_enabled and not self.state.best_global_step
                 and args.metric_for_best_model is None)
 

@@ -1,0 +1,33 @@
+"""The packed path's memory budget: how many tokens of one micro-batch the GPU can hold activations for."""
+
+from __future__ import annotations
+
+import torch
+
+from training.fastpath.batches import DEFAULT_TOKEN_BUDGET, PAD_MULTIPLE
+from training.fastpath.model import unwrap
+
+# Activation memory kept for the backward pass, per token, per (hidden unit x layer), by how the blocks run:
+# upper bounds of what the benchmark's runs kept (BENCHMARKS.md); eager blocks keep more than compiled ones,
+# and recomputation keeps little beyond each block's input.
+ACTIVATION_BYTES_PER_UNIT = {"compiled": 80.0, "eager": 112.0, "checkpointed": 8.0}
+# The LM head's tiles and fp32 gradient buffers, the allocator's fragmentation, the CUDA context.
+MEMORY_RESERVE_BYTES = 2.5 * 2**30
+
+
+def usable_gpu_bytes() -> float:
+    """Memory the process may still take: free memory, within the per-process fraction if one is set."""
+    free, total = torch.cuda.mem_get_info()
+    cap = total * torch.cuda.get_per_process_memory_fraction()
+    reserved, allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
+    return min(free + reserved, cap) - allocated
+
+
+def token_budget_for(model, mode: str, usable: float | None = None) -> int:
+    """Largest packed micro-batch (tokens, a multiple of PAD_MULTIPLE) whose activations fit."""
+    config = unwrap(model).config
+    per_token = ACTIVATION_BYTES_PER_UNIT[mode] * config.hidden_size * config.num_hidden_layers
+    usable = usable_gpu_bytes() if usable is None else usable
+    budget = int((usable - MEMORY_RESERVE_BYTES) / per_token) // PAD_MULTIPLE * PAD_MULTIPLE
+    return max(0, min(budget, DEFAULT_TOKEN_BUDGET))
+
