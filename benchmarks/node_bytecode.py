@@ -2,10 +2,10 @@
 
 A node installs the training stack with pip (bootstrap's step_training), which byte-compiles every module at
 install time, so each job's imports only load bytecode. Some images ship sources only and set
-PYTHONDONTWRITEBYTECODE=1 (the device machines of benchmarks/NOTES.md): there every process compiles each
-module it imports from source, again and again. On the CI machine that took a training run's imports from
-4.8 s to 11.9 s. So before timing, `ensure_bytecode` finds the modules a run imports that have no bytecode
-and compiles their packages in place, as pip would have, and says what it did.
+PYTHONDONTWRITEBYTECODE=1 (the GPU machines of BENCHMARKS.md): there every process compiles each
+module it imports from source, again and again, which would be timed as the run's own. So before timing,
+`ensure_bytecode` finds the modules a run imports that have no bytecode and compiles their packages in
+place, as pip would have, and says what it did.
 """
 
 from __future__ import annotations

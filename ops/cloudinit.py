@@ -15,6 +15,7 @@ import time
 from fabric import Connection
 
 from bootstrap.render import BOOTSTRAP_PATH, STEPS_DIR
+from ops.remote import HostError, each
 
 STATUS_CMD = "cloud-init status --format json"
 POLL_S = 10.0
@@ -58,6 +59,16 @@ def bootstrap_failure(c: Connection) -> str | None:
     when = status.removeprefix("failed").strip()
     return (f"bootstrap step {step!r} failed ({when}); last lines of {log}:\n{lines}\n"
             f"    fix the cause, then re-run it on the host: sudo {BOOTSTRAP_PATH}")
+
+
+def bootstrap_failures(conns: dict[str, Connection]) -> dict[str, str]:
+    """host -> its failed bootstrap step and the end of that step's log, for the hosts that answer (one
+    that cannot be read is not a failed boot: its caller reports it as unreachable)."""
+    try:
+        found = each("bootstrap status", conns, lambda n, conn: bootstrap_failure(conn))
+    except HostError as exc:
+        found = {n: None for n in conns if n not in exc.failures}
+    return {n: why for n, why in sorted(found.items()) if why}
 
 
 def check_bootstrap(c: Connection) -> None:

@@ -21,9 +21,9 @@ from pathlib import Path
 from fabric import Connection
 
 from bootstrap.inventory import Inventory
-from ops import cloudinit, jobs, munge, power, reconfigure, slurm, stream, summary, targets
-from ops.options import REPO, TrainOptions
-from ops.remote import Cluster, HostError, each, service
+from ops import cloudinit, inventory, jobs, munge, power, reconfigure, slurm, stream, summary, targets
+from ops.options import REPO, TrainOptions, check_against
+from ops.remote import Cluster, HostError, connect, each, service
 
 # Where runs come home; SLURM_GPU_RUNS moves it (the tests keep the repo clean with it).
 RUNS = Path(os.environ.get("SLURM_GPU_RUNS", REPO / "runs"))
@@ -420,3 +420,16 @@ def run(cl: Cluster, opts: TrainOptions, nodes: int, gpus: int, say: Say = print
         raise failure(job_id, followed, log_path)
     return finish(cl, job_id, followed, say, job_dir, log_path)
 
+
+def train(opts: TrainOptions, say: Say = print, raw: bool = False) -> summary.RunSummary:
+    """`fab train`: the options checked against the cluster's inventory (read locally, before any host is
+    touched), then `run` over the cluster's connections."""
+    inv = inventory.load(opts.target, opts.stack)
+    nodes, gpus = check_against(opts, inv)
+    say(f"fab train: {inv.target} cluster {inv.cluster_name!r}, {nodes} node(s) x {gpus} GPU(s) "
+        f"({inv.gpu_type}), config {opts.config.name}")
+    cl = connect(inv, opts.identity)
+    try:
+        return run(cl, opts, nodes, gpus, say=say, raw=raw)
+    finally:
+        cl.close()

@@ -1,7 +1,10 @@
-"""`fab train`'s options, checked before any host is touched.
+"""The options of `fab`'s tasks, checked before any host is touched.
 
-Every error names the flag and says how to fix it. Checks that need the cluster's
-shape (node and GPU counts) run against the inventory, which is read locally.
+Every error names the flag and says how to fix it. The flags every cluster task shares
+(--target, --stack, --identity) are declared here once, help text included (ops/cluster_task.py
+adds them to each task); `parse_cluster` checks them, `parse_train` the rest of `fab train`'s.
+Checks that need the cluster's shape (node and GPU counts) run against the inventory, which is
+read locally.
 """
 
 from __future__ import annotations
@@ -23,6 +26,14 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 class OptionError(ValueError):
     pass
+
+
+# --help of the flags every task that reaches a cluster takes (ops/cluster_task.py adds them).
+CLUSTER_FLAGS_HELP = {
+    "target": "aws (the current Pulumi stack, default) or local (the cluster of `fab local.up`)",
+    "stack": "Pulumi stack to read the inventory from (default: the selected stack)",
+    "identity": "SSH private key (default: `fab -i KEY`, else the inventory's ssh_key_file)",
+}
 
 
 @dataclass(frozen=True)
@@ -128,10 +139,35 @@ def parse_cluster(target=None, stack=None, identity=None) -> ClusterOptions:
     return ClusterOptions(target=tgt.name, stack=stack or None, identity=identity)
 
 
+def parse_job(job) -> str | None:
+    """--job: a Slurm job id, or None for "our latest one"."""
+    if job is None:
+        return None
+    job = str(job).strip()
+    if not job.isdigit() or int(job) == 0:  # Slurm job ids start at 1
+        raise OptionError(f"--job must be a Slurm job id (a number), not {job!r}; see `fab status`")
+    return job
+
+
+def parse_host(host) -> str:
+    """`fab ssh HOST`: a host name must be given (which hosts exist, the inventory says later)."""
+    name = "" if host is None else str(host).strip()
+    if not name:  # checked first: the fix does not depend on the cluster
+        raise OptionError("name the host to open a shell on: `fab ssh controller` or `fab ssh gpu-node-01` "
+                          "(`fab status` lists the GPU nodes)")
+    return name
+
+
 def parse(target=None, stack=None, config=None, nodes=None, gpus_per_node=None, examples=None,
           model=None, data=None, identity=None) -> TrainOptions:
-    """Check the flags on their own (no inventory needed)."""
-    where = parse_cluster(target=target, stack=stack, identity=identity)
+    """Check `fab train`'s flags on their own (no inventory needed)."""
+    return parse_train(parse_cluster(target=target, stack=stack, identity=identity), config=config,
+                       nodes=nodes, gpus_per_node=gpus_per_node, examples=examples, model=model, data=data)
+
+
+def parse_train(where: ClusterOptions, config=None, nodes=None, gpus_per_node=None, examples=None,
+                model=None, data=None) -> TrainOptions:
+    """`fab train`'s own flags, for the cluster `where` names (already checked by `parse_cluster`)."""
     tgt, identity = targets.get(where.target), where.identity
     path, settings = _config(config, tgt)
     model, data = _model_or_data("model", model, tgt), _model_or_data("data", data, tgt)

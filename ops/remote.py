@@ -11,10 +11,11 @@ from __future__ import annotations
 import base64
 import io
 import shlex
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from fabric import Config, Connection
 from fabric.runners import Remote
@@ -22,7 +23,10 @@ from paramiko import PKey, RejectPolicy
 from paramiko.ssh_exception import BadHostKeyException, SSHException
 
 from bootstrap.inventory import Inventory
-from ops import hostkeys
+from ops import hostkeys, inventory
+
+if TYPE_CHECKING:
+    from ops.options import ClusterOptions
 
 T = TypeVar("T")
 CONNECT_TIMEOUT_S = 20
@@ -121,6 +125,18 @@ def connect(inv: Inventory, identity: str | None = None) -> Cluster:
         for n in inv.gpu_nodes
     }
     return Cluster(inv, ctl, nodes)
+
+
+@contextmanager
+def open_cluster(where: ClusterOptions) -> Iterator[Cluster]:
+    """The cluster `where` names, its controller's connection opened (a wrong key or a down host fails
+    here, by its own cause, before a task does anything); every connection closed afterwards."""
+    cl = connect(inventory.load(where.target, where.stack), where.identity)
+    try:
+        cl.controller.open()
+        yield cl
+    finally:
+        cl.close()
 
 
 class WholeInput(io.StringIO):

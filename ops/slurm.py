@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from fabric import Connection
 
-from ops.remote import sudo
+from ops.remote import Cluster, sudo
 
 # Nodes drained with a reason that says "health" were drained by the GPU health check
 # (HealthCheckProgram): they stay drained until someone fixes them.
@@ -40,6 +40,15 @@ def controller_up(ctl: Connection) -> bool:
     """`scontrol ping`: answers at once, also when slurmctld is down (other queries retry ~1 min)."""
     res = ctl.run("scontrol ping", hide=True, warn=True)
     return res.ok and PING_UP in res.stdout
+
+
+def require_controller(cl: Cluster, doing: str) -> None:
+    """slurmctld must answer before `doing`: a down controller is named with its fix, not misread."""
+    if not controller_up(cl.controller):
+        restart = cl.inventory.service_cmd.format(action="restart", service="slurmctld")
+        raise ControllerUnreachable(
+            f"slurmctld is DOWN on the controller (`scontrol ping`), so it cannot {doing}; jobs may still run "
+            f"on the nodes. Restart it there (`{restart}`, log /var/log/slurm/slurmctld.log), then run this again")
 
 
 @dataclass(frozen=True)

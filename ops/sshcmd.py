@@ -1,4 +1,4 @@
-"""`fab ssh`: the OpenSSH command line that opens a shell on a cluster host.
+"""`fab ssh`: OpenSSH opening a shell (or running a command) on a cluster host.
 
 GPU nodes are reached through the controller as a jump host (they have no public address
 on AWS). The jump goes through ProxyCommand rather than -J: options given on the command
@@ -10,10 +10,18 @@ key and the same pinned host keys. Host keys are checked against the cluster's k
 from __future__ import annotations
 
 import shlex
+import subprocess
 from pathlib import Path
 
 from bootstrap.inventory import Inventory
-from ops.options import OptionError
+from ops import hostkeys, inventory
+from ops.options import ClusterOptions, OptionError
+
+SSH_FAILED = 255  # OpenSSH's own exit status (connection refused, authentication, host key)
+
+
+class SshFailed(RuntimeError):
+    """ssh itself failed (its own error is above, on the terminal)."""
 
 
 def _common(known_hosts: Path, identity: str | None) -> list[str]:
@@ -46,3 +54,21 @@ def ssh_argv(inv: Inventory, host: str, known_hosts: Path, identity: str | None 
     if command:
         argv += ["--", command]
     return argv
+
+
+def open_shell(where: ClusterOptions, host: str, command: str | None = None) -> int:
+    """Run ssh to `host` with the terminal attached (interactive, as ssh itself); its exit status.
+
+    The host keys it needs are pinned first (read from the EC2 console output on AWS), so that ssh
+    checks them as fab's own connections do."""
+    inv = inventory.load(where.target, where.stack)
+    pins = hostkeys.Pins(inv)
+    argv = ssh_argv(inv, host, pins.path, identity=where.identity or inv.ssh_key_file, command=command)
+    for needed in {inv.controller.name, host}:
+        pins.keys(needed)
+    rc = subprocess.run(argv).returncode
+    if rc == SSH_FAILED:
+        raise SshFailed(f"ssh to {host} failed (exit 255, ssh's own error above): is {host} up and its sshd "
+                        f"running? `fab status` shows the nodes; restart sshd on {host} from the cloud console "
+                        "(locally: `fab local.down && fab local.up`)")
+    return rc

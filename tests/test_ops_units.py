@@ -186,3 +186,48 @@ def test_text_for_a_commands_stdin_is_handed_over_in_one_piece():
     res = Context().run("cat", in_stream=src, hide=True)
     assert res.stdout == text
     assert [r for r in reads if r] == [text]
+
+
+def test_fine_tune_job_ids_from_log_names():
+    """`fab logs` with no job Slurm still remembers: the newest fine-tune log on /scratch names it."""
+    from ops import finetune_jobs
+
+    names = ["slurm-gpu-finetune-7.out", "slurm-gpu-finetune-12.out", "slurm-gpu-finetune-3.err",
+             "slurm-gpu-sanity-40.out", "slurm-gpu-finetune-.out", "slurm-gpu-finetune-x1.out",
+             "other-slurm-gpu-finetune-99.out", "slurm-gpu-finetune-5.out.bak"]
+    assert finetune_jobs.job_ids_in_log_names(names) == [7, 12]
+    assert finetune_jobs.job_ids_in_log_names([]) == []
+
+
+def test_status_names_the_fix_of_each_node_out_of_service():
+    from ops import status_view
+
+    nodes = slurm.parse_sinfo("gpu-node-01|down*|Not responding\n"
+                              "gpu-node-02|drained|gpu-health: /dev/nvidia1 missing\n"
+                              "gpu-node-03|drained|Kill task failed\n")
+    fixes = {name: status_view.node_fix(n) for name, n in nodes.items()}
+    assert "slurmd does not answer" in fixes["gpu-node-01"]
+    assert "health check drained it" in fixes["gpu-node-02"]
+    assert "scontrol update nodename=gpu-node-02 state=resume" in fixes["gpu-node-02"]
+    assert fixes["gpu-node-03"].startswith("`fab train` resumes it")
+
+
+def test_fab_tasks_share_the_cluster_flags_and_keep_their_menu():
+    """fabfile.py's tasks: the menu of `fab --list`, each with a docstring, its own flags and the
+    common --target/--stack/--identity, declared once (ops/options.py) with one help text."""
+    import fabfile
+    from ops.options import CLUSTER_FLAGS_HELP
+
+    assert sorted(fabfile.ns.task_names) == ["cancel", "local.down", "local.status", "local.up", "logs",
+                                             "reconfigure", "ssh", "status", "train"]
+    own = {"train": {"config", "nodes", "gpus_per_node", "examples", "model", "data", "raw"},
+           "status": set(), "logs": {"job", "progress"}, "cancel": {"job"}, "reconfigure": {"force"},
+           "ssh": {"host", "command"}}
+    for name, flags in own.items():
+        t = fabfile.ns[name]
+        assert t.__doc__ and t.__doc__.strip(), name
+        args = {a.name: a for a in t.get_arguments()}
+        assert set(args) == flags | set(CLUSTER_FLAGS_HELP), name
+        assert all(args[f].help == CLUSTER_FLAGS_HELP[f] for f in CLUSTER_FLAGS_HELP), name
+        assert all(args[f].help for f in flags), f"{name}: a flag without --help text"
+    assert [a.name for a in fabfile.ns["ssh"].get_arguments() if a.positional] == ["host"]

@@ -2,7 +2,7 @@
 kernels against the per-document reference, forward and gradients, with the layouts the trainer makes
 (bucket padding as one more document, empty trailing documents, a max length above the longest), and a
 captured step graph replaying the uncaptured step. Needs CUDA: CI has no GPU, so this module skips there
-with that reason; it runs on the benchmark device."""
+with that reason; it runs on the benchmark's GPU machine."""
 
 from __future__ import annotations
 
