@@ -70,7 +70,7 @@ class Container:
 
     def nspawn_argv(self) -> list[str]:
         return ["systemd-nspawn", "-D", str(self.root), "-M", self.name, "-b", "--register=no",
-                "--keep-unit", "--console=pipe", "--link-journal=no", f"--network-bridge={self.bridge}",
+                "--keep-unit", "--console=read-only", "--link-journal=no", f"--network-bridge={self.bridge}",
                 *self.binds]
 
     def start(self) -> None:
@@ -122,15 +122,16 @@ echo "$rc" > {shlex.quote(str(self.state / 'exit'))}
         return host.run("nsenter", "-t", str(pid), "-a", *INSIDE_ENV, "bash", "-c", cmd,
                         check=check, timeout=timeout)
 
-    def wait_running(self, timeout: float = 120) -> str:
-        """Until `systemctl is-system-running` settles (running or degraded): that state."""
+    def wait_running(self, timeout: float = 120, settled: bool = False) -> str:
+        """Until systemd inside answers (with `settled`: until it is running or degraded,
+        which is after cloud-init's final stage): its state."""
         deadline = time.monotonic() + timeout
         state = "not started"
         while time.monotonic() < deadline:
             if self.pid1() is not None:
                 res = self.run("systemctl is-system-running", check=False, timeout=30)
                 state = res.stdout.strip() or res.stderr.strip()
-                if state in ("running", "degraded"):
+                if state in ("running", "degraded") or (not settled and res.stdout.strip()):
                     return state
             elif (self.state / "exit").exists():
                 raise host.BootError(f"container {self.name} exited ({self.tail()})")

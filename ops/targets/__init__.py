@@ -87,4 +87,4 @@ def of(inv: Inventory) -> Target:
 
 
 # Registered last: the modules subclass Target.
-from ops.targets import aws, local  # noqa: E402, F401
+from ops.targets import aws, boot, local  # noqa: E402, F401
