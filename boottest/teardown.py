@@ -84,3 +84,10 @@ def leftovers(state: Path = cluster.STATE_ROOT / "run") -> list[str]:
             if "systemd-nspawn" in cmd and str(cluster.STATE_ROOT) in cmd:
                 left.append(f"process {pid}: {cmd[:120]}")
     return left
+
+
+if __name__ == "__main__":  # the CI's backstop (scripts/test.sh): python -m boottest.teardown
+    removed = everything()
+    left = leftovers()
+    print(f"boottest.teardown: stopped {removed or 'no container'}; left: {left or 'nothing'}")
+    raise SystemExit(1 if left else 0)

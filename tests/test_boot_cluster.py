@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from bootstrap.platform import BOOT_DEBIAN12, BOOT_DEBIAN13
+from bootstrap.platform import BOOT_DEBIAN12
 from bootstrap.render import STEPS
 
 REPO = Path(__file__).resolve().parent.parent
@@ -31,8 +31,12 @@ TIMINGS = Path(os.environ.get("SLURM_GPU_BOOT_TIMINGS", "/var/cache/slurm-gpu-bo
 
 pytestmark = [pytest.mark.boot, pytest.mark.slow]
 
+# Debian 13 (Python 3.13) waits for its wheelhouse: this machine's index has no CPU torch for
+# cp313 and lacks a CUDA library the cp313 CUDA build needs (docs/BOOTTEST.md).
+BOOT_PLATFORMS = (BOOT_DEBIAN12,)
 
-@pytest.fixture(scope="module", params=[BOOT_DEBIAN12, BOOT_DEBIAN13], ids=lambda p: p.name)
+
+@pytest.fixture(scope="module", params=BOOT_PLATFORMS, ids=lambda p: p.name)
 def booted(request):
     from boottest import cluster, teardown
 
