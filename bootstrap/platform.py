@@ -120,7 +120,8 @@ _BOOT = dict(
     nfs_server=False,
     scratch_source="/srv/cluster-scratch",
     scratch_fstype="none",
-    scratch_options="bind,nofail",
+    # _netdev: systemd treats it as the remote mount it stands in for (ordering, as with NFS).
+    scratch_options="bind,_netdev,nofail",
 )
 BOOT_DEBIAN12 = Platform(name="boot-debian12", os="Debian 12", python="3.11", slurm="22.05",
                          debian_suite="bookworm", **_BOOT)
