@@ -32,6 +32,15 @@ class Platform:
     cgroup: bool
     gpu_device_prefix: str  # gres.conf File= prefix: /dev/nvidia, or stand-in files
     init: str  # "systemd" (units, drop-ins) or "hostctl" (localcluster/hostctl.sh)
+    # The shared /scratch. nfs_server: the controller exports it with the kernel's NFS server.
+    # A GPU node's fstab line mounts scratch_source ("{controller_ip}", "{scratch}" filled in) on /scratch
+    # as scratch_fstype with scratch_options.
+    nfs_server: bool = True
+    scratch_source: str = "{controller_ip}:{scratch}"
+    scratch_fstype: str = "nfs"
+    scratch_options: str = "defaults,_netdev,nofail"
+    # Debian suite the boot test's image is made from (debootstrap); None: not a boot platform.
+    debian_suite: str | None = None
 
     @property
     def real_gpus(self) -> bool:
@@ -84,7 +93,42 @@ LOCAL = Platform(
     init="hostctl",
 )
 
-PLATFORMS = {p.name: p for p in (AWS, LOCAL)}
+# The boot test (boottest/, docs/BOOTTEST.md): the three roles booted for real in
+# systemd-nspawn containers of this machine, cloud-init NoCloud running the stack's own
+# user-data. Two Debian releases bracket the AMI's Slurm 23.11. What differs from the AMI,
+# and what stands in for it:
+# - no NFS in this kernel: the controller runs no NFS server (nfs_server=False); each
+#   container gets the same host directory bound at /srv/cluster-scratch (the controller's
+#   at /scratch itself) and a GPU node's fstab line bind-mounts it on /scratch, so the same
+#   fstab and systemd ordering run;
+# - no GPUs: /dev/nvidiaN are character devices (major 195) the host makes and binds in;
+#   no driver, no nvidia-smi (the rendered scripts call it only where real_gpus);
+# - no EC2 metadata: a NoCloud seed (meta-data with the SSH key, user-data, network-config);
+# - packages from a local apt repository and wheelhouse (CPU torch), bound read-only: the
+#   image's apt sources and pip.conf point at them as the AMI's point at its mirrors;
+# - no cgroup delegation for slurmd (nspawn mounts the v1 controllers read-only): cgroup=False.
+_BOOT = dict(
+    ami_name=None,
+    wheel_platforms=MANYLINUX_X86_64,
+    nvidia_driver=None,
+    cuda=None,
+    efa_dir=None,
+    ofi_nccl_dir=None,
+    cgroup=False,
+    gpu_device_prefix="/dev/nvidia",
+    init="systemd",
+    nfs_server=False,
+    scratch_source="/srv/cluster-scratch",
+    scratch_fstype="none",
+    # _netdev: systemd treats it as the remote mount it stands in for (ordering, as with NFS).
+    scratch_options="bind,_netdev,nofail",
+)
+BOOT_DEBIAN12 = Platform(name="boot-debian12", os="Debian 12", python="3.11", slurm="22.05",
+                         debian_suite="bookworm", **_BOOT)
+BOOT_DEBIAN13 = Platform(name="boot-debian13", os="Debian 13", python="3.13", slurm="24.11",
+                         debian_suite="trixie", **_BOOT)
+
+PLATFORMS = {p.name: p for p in (AWS, LOCAL, BOOT_DEBIAN12, BOOT_DEBIAN13)}
 
 
 def platform(name: str) -> Platform:

@@ -157,6 +157,9 @@ def _context(facts: ClusterFacts) -> dict:
         # Memory per CPU for jobs that do not ask (keeps small jobs sharing a node).
         "def_mem_per_cpu": max(1, shape.real_memory_mib // shape.cpus),
         "scratch": facts.scratch.rstrip("/") or "/",
+        # What a GPU node mounts on /scratch (the controller's NFS export on AWS).
+        "scratch_source": facts.platform.scratch_source.format(
+            controller_ip=facts.controller.ip, scratch=facts.scratch.rstrip("/") or "/"),
         "subnet_cidr": facts.subnet_cidr,
         "paths": {
             "slurm_conf": SLURM_CONF,

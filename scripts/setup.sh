@@ -17,7 +17,10 @@ if [ ! -e /usr/sbin/policy-rc.d ]; then
 fi
 
 pkgs=(slurm-wlm munge openssh-server openssh-client shellcheck cloud-init iproute2 procps
-      psmisc util-linux python3 python3-venv python3-pip)
+      psmisc util-linux python3 python3-venv python3-pip
+      # The boot test (boottest/): images, containers (systemd-container must match the
+      # host's systemd, which apt picks from the same release), the local apt repository.
+      debootstrap systemd-container dpkg-dev)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -24,5 +24,5 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason="needs root (network namespaces, root-owned files); run scripts/test.sh as root")
     for item in items:
-        if "cluster" in item.keywords or "root" in item.keywords:
+        if "cluster" in item.keywords or "root" in item.keywords or "boot" in item.keywords:
             item.add_marker(skip)

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 # The project's layers: packages, plus the two entry-point modules at the root.
 LAYERS = ("bootstrap", "infra", "ops", "localcluster", "training", "policy", "benchmarks",
-          "fabfile", "__main__")
+          "boottest", "fabfile", "__main__")
 # Outside libraries that decide a layer: Pulumi is the cloud side, Fabric the SSH side.
 GUARDED = ("pulumi", "pulumi_aws", "fabric", "invoke")
 
@@ -29,6 +29,7 @@ ALLOWED: dict[str, set[str]] = {
     "training": set(),  # runs on the GPU nodes: nothing of the cluster side
     "policy": {"pulumi"},  # a separate Pulumi policy pack: nothing from the repo
     "benchmarks": {"training", "ops"},
+    "boottest": {"bootstrap", "ops"},  # the boot test's harness: rendered user-data, host keys
     "fabfile": {"ops", "localcluster", "bootstrap", "fabric", "invoke"},
     "__main__": {"infra"},
 }

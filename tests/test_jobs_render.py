@@ -77,7 +77,10 @@ def test_common_directives_and_launch(nodes):
     assert 'first_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in s
     # By address: GPU nodes resolve only the controller's name and their own.
     assert 'MASTER_ADDR=$(scontrol show node -o "$first_node" | sed -n' in s
-    assert "srun -K1 -l --gres=gpu:4 /opt/slurm-gpu/venv/bin/python -m torch.distributed.run" in s
+    assert "srun -K1 -l --gres=gpu:4 bash -c" in s and '"$0" -m torch.distributed.run' in s
+    assert "\n  /opt/slurm-gpu/venv/bin/python \\\n" in s
+    # Each node's agent publishes its own address, not a host name the other nodes cannot resolve.
+    assert '${addr:+--local_addr="$addr"}' in s and 'getent ahostsv4 "$(hostname)"' in s
     assert '--rdzv_backend=c10d' in s and '--rdzv_id="$SLURM_JOB_ID"' in s
     assert '--rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT"' in s and "MASTER_PORT=29500" in s
     assert "-m training.train" in s and "--config /scratch/slurm-gpu/jobs/20260101-abc/config.yaml" in s

@@ -26,7 +26,7 @@ def test_no_target_name_comparisons_outside_the_targets():
 
 
 def test_registry_and_default():
-    assert set(targets.names()) == {"aws", "local"}
+    assert set(targets.names()) == {"aws", "boot", "local"}
     assert targets.get(None).name == "aws" and targets.get(" Local ").name == "local"
     assert targets.get("stack").name == "aws"
     with pytest.raises(targets.TargetError, match=r"--target must be 'aws' .* or 'local' .*not 'gcp'"):

@@ -7,8 +7,8 @@ hosts boot through cloud-init. A third target is one new module registered here.
 """
 
 # The targets (aws, local) register themselves on import; base holds what they subclass and register with.
-from ops.targets import aws, local
+from ops.targets import aws, boot, local
 from ops.targets.base import CONFIGS, DEFAULT, Target, TargetError, get, names, of, register, with_stacks
 
-__all__ = ["CONFIGS", "DEFAULT", "Target", "TargetError", "aws", "get", "local", "names", "of", "register",
+__all__ = ["CONFIGS", "DEFAULT", "Target", "TargetError", "aws", "boot", "get", "local", "names", "of", "register",
            "with_stacks"]
