@@ -22,11 +22,10 @@ from bootstrap.facts import ClusterFacts, NodeShape, plan_hosts
 from bootstrap.inventory import Inventory, from_facts
 from bootstrap.platform import Platform
 from bootstrap.render import STEPS_DIR, TRAINING_PYTHON, user_data
-from boottest import aptrepo, host, images, net, nspawn, wheelhouse
+from boottest import aptrepo, host, images, net, nspawn, paths, wheelhouse
 from ops import cloudinit, hostkeys
 
-STATE_ROOT = Path(os.environ.get("SLURM_GPU_BOOT_STATE", "/var/lib/slurm-gpu-boot"))
-INVENTORY = STATE_ROOT / "inventory.json"  # what ops/targets/boot.py loads
+STATE_ROOT, INVENTORY = paths.STATE_ROOT, paths.INVENTORY
 CLUSTER_NAME = "boot"
 GPUS_PER_NODE = 2
 GPU_TYPE = "l4"
