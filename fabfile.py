@@ -15,7 +15,7 @@ from invoke.exceptions import Exit
 from paramiko.ssh_exception import AuthenticationException, NoValidConnectionsError, SSHException
 
 from localcluster.tasks import ns as local_ns
-from ops import cloudinit, hostkeys, inventory, jobs, munge, options, power, slurm, sshcmd, stream
+from ops import cloudinit, hostkeys, inventory, jobs, munge, options, power, slurm, sshcmd, stream, timeline
 from ops import finetune as flow
 from ops import reconfigure as reconf
 from ops.cloudinit import CloudInitFailed
@@ -91,16 +91,18 @@ def train(c, target=None, stack=None, config=None, nodes=None, gpus_per_node=Non
     accuracy, tokens/s, NCCL transports) and downloads adapters, trainer state and a loss curve.
     Ctrl-C stops following; the job keeps running (`fab logs --job JOB` reattaches).
     """
-    opts = options.parse(target=target, stack=stack, config=config, nodes=nodes,
-                         gpus_per_node=gpus_per_node, examples=examples, model=model, data=data,
-                         identity=_identity(c, identity))
-    inv = inventory.load(opts.target, opts.stack)
-    n_nodes, gpus = options.check_against(opts, inv)
-    print(f"fab train: {inv.target} cluster {inv.cluster_name!r}, {n_nodes} node(s) x {gpus} GPU(s) "
-          f"({inv.gpu_type}), config {opts.config.name}")
-    cl = connect(inv, opts.identity)
+    tl = timeline.Timeline()  # the run's wall time starts here
+    with tl.phase("setup"):
+        opts = options.parse(target=target, stack=stack, config=config, nodes=nodes,
+                             gpus_per_node=gpus_per_node, examples=examples, model=model, data=data,
+                             identity=_identity(c, identity))
+        inv = inventory.load(opts.target, opts.stack)
+        n_nodes, gpus = options.check_against(opts, inv)
+        print(f"fab train: {inv.target} cluster {inv.cluster_name!r}, {n_nodes} node(s) x {gpus} GPU(s) "
+              f"({inv.gpu_type}), config {opts.config.name}")
+        cl = connect(inv, opts.identity)
     try:
-        flow.run(cl, opts, n_nodes, gpus, raw=raw)
+        flow.run(cl, opts, n_nodes, gpus, raw=raw, tl=tl)
     finally:
         cl.close()
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from fabric import Connection
 
 from bootstrap.inventory import Inventory
-from ops import cloudinit, jobs, munge, power, reconfigure, slurm, stream, summary, targets
+from ops import cloudinit, jobs, munge, power, reconfigure, slurm, stream, summary, targets, timeline
 from ops.options import REPO, TrainOptions
 from ops.remote import Cluster, HostError, each, service
 
@@ -396,20 +396,26 @@ def controller_lost(exc: slurm.ControllerUnreachable, job_id: str, target: str) 
 
 
 def run(cl: Cluster, opts: TrainOptions, nodes: int, gpus: int, say: Say = print,
-        raw: bool = False) -> summary.RunSummary:
-    power.wake(cl, say)  # every later step reaches the nodes over SSH
-    wait_cloud_init(cl, say)
-    check_inputs(cl, opts, say)
-    changed = sync_munge_key(cl, say)
+        raw: bool = False, tl: timeline.Timeline | None = None,
+        predicted: dict[str, float] | None = None) -> summary.RunSummary:
+    tl = tl or timeline.Timeline()  # every step below is one phase of the run's timeline
+    with tl.phase("wake"):
+        power.wake(cl, say)  # every later step reaches the nodes over SSH
+        wait_cloud_init(cl, say)
+    tl.timed("inputs", check_inputs, cl, opts, say)
+    changed = tl.timed("keys", sync_munge_key, cl, say)
     if cl.inventory.facts:  # older inventories carry no facts: their slurm.conf came with the stack
         # The stack's node list, after `pulumi up` changed it (a no-op when nothing changed).
-        reconfigure.apply(cl, say=lambda s: say("      " + s))
-    nodes_to_service(cl, changed, say)
-    sanity(cl, say)
+        tl.timed("reconfigure", reconfigure.apply, cl, say=lambda s: say("      " + s))
+    tl.timed("service", nodes_to_service, cl, changed, say)
+    tl.timed("sanity", sanity, cl, say)
     submitted: list[str] = []
     try:
-        job_id, job_dir, log_path = launch(cl, opts, nodes, gpus, say, submitted)
-        followed = stream.follow(cl.controller, job_id, log_path, say=lambda s: say("      " + s), raw=raw)
+        with tl.phase("staging"):
+            tl.clock_offset_s = timeline.clock_offset(cl.controller)
+            job_id, job_dir, log_path = launch(cl, opts, nodes, gpus, say, submitted)
+        with tl.phase("queue") as follow:  # split into the job's own phases once it has ended
+            followed = stream.follow(cl.controller, job_id, log_path, say=lambda s: say("      " + s), raw=raw)
     except KeyboardInterrupt:
         if submitted:
             say(reattach_hint(submitted[0], cl.inventory.target))
@@ -418,5 +424,17 @@ def run(cl: Cluster, opts: TrainOptions, nodes: int, gpus: int, say: Say = print
         raise controller_lost(exc, job_id, cl.inventory.target) from None
     if not outcome(cl, job_id, followed, job_dir, lambda s: say("      " + s)):
         raise failure(job_id, followed, log_path)
-    return finish(cl, job_id, followed, say, job_dir, log_path)
+    result = tl.timed("download", finish, cl, job_id, followed, say, job_dir, log_path)
+    record_timeline(tl, follow, result, run_dir(job_id, job_dir), say, predicted)
+    return result
 
+
+def record_timeline(tl: timeline.Timeline, follow: timeline.Phase, result: summary.RunSummary, dest: Path,
+                    say: Say, predicted: dict[str, float] | None) -> None:
+    """The job's phases into the timeline; print it (beside the estimate) and keep runs/<job>/timeline.json."""
+    log = dest / "job.log"
+    tl.job_id = result.job_id
+    timeline.add_job(tl, follow, result.metrics, log.read_text() if log.exists() else "")
+    for line in tl.table(predicted):
+        say(line)
+    tl.save(dest / "timeline.json", predicted)
