@@ -16,6 +16,7 @@ from paramiko.ssh_exception import AuthenticationException, NoValidConnectionsEr
 
 from localcluster.tasks import ns as local_ns
 from ops import cloudinit, hostkeys, inventory, jobs, munge, options, power, slurm, sshcmd, stream, timeline
+from ops import estimate as est
 from ops import finetune as flow
 from ops import reconfigure as reconf
 from ops.cloudinit import CloudInitFailed
@@ -23,7 +24,7 @@ from ops.remote import Cluster, HostError, connect, each
 
 _USER_ERRORS = (options.OptionError, inventory.InventoryError, HostError, slurm.SlurmError,
                 munge.MungeKeyError, CloudInitFailed, flow.TrainError, reconf.ReconfigureError,
-                hostkeys.HostKeyError)
+                hostkeys.HostKeyError, est.EstimateError)
 
 
 def _clean_errors(fn):
@@ -80,10 +81,11 @@ def _cluster(c, target, stack, identity) -> tuple[Cluster, str]:
     "data": "Hub data set ID or absolute path on the cluster (JSON/JSONL/Parquet, Alpaca columns)",
     "identity": "SSH private key (default: the inventory's ssh_key_file)",
     "raw": "stream the raw job log instead of compact progress lines",
+    "estimate": "print each phase's predicted time and the run's cost, then stop (no host is touched)",
 })
 @_clean_errors
 def train(c, target=None, stack=None, config=None, nodes=None, gpus_per_node=None, examples=None,
-          model=None, data=None, identity=None, raw=False):
+          model=None, data=None, identity=None, raw=False, estimate=False):
     """Fine-tune with LoRA across the cluster and bring the adapters home to runs/<job-id>/.
 
     Waits for cloud-init, shares the controller's munge key, returns nodes to service, runs a
@@ -96,15 +98,56 @@ def train(c, target=None, stack=None, config=None, nodes=None, gpus_per_node=Non
         opts = options.parse(target=target, stack=stack, config=config, nodes=nodes,
                              gpus_per_node=gpus_per_node, examples=examples, model=model, data=data,
                              identity=_identity(c, identity))
+        if estimate:  # from the stack's settings where its inventory cannot be read: no host is touched
+            est.print_for_run(opts, est.load_inventory(opts.target, opts.stack))
+            return
         inv = inventory.load(opts.target, opts.stack)
         n_nodes, gpus = options.check_against(opts, inv)
         print(f"fab train: {inv.target} cluster {inv.cluster_name!r}, {n_nodes} node(s) x {gpus} GPU(s) "
               f"({inv.gpu_type}), config {opts.config.name}")
+        tl.cluster = inv.cluster_name
+    predicted = None
+    with tl.phase("estimate"):
+        try:  # the prediction beside the timeline; a cluster the estimate cannot price still trains
+            scenario = est.scenario_for(flow.RUNS, inv.cluster_name)
+            predicted = est.for_run(opts, inv).predicted(scenario)
+        except est.EstimateError as exc:
+            print(f"note: no estimate for this run ({exc})")
+    with tl.phase("setup"):
         cl = connect(inv, opts.identity)
     try:
-        flow.run(cl, opts, n_nodes, gpus, raw=raw, tl=tl)
+        flow.run(cl, opts, n_nodes, gpus, raw=raw, tl=tl, predicted=predicted)
     finally:
         cl.close()
+
+
+@task(help={
+    "target": "aws (the stack's settings, default) or local",
+    "stack": "Pulumi stack whose Pulumi.<stack>.yaml is read (default: the only one)",
+    "config": "training YAML (as `fab train`)", "nodes": "GPU nodes (default: the stack's)",
+    "gpus-per-node": "ranks per node (default: every GPU)", "examples": "rows to train on (default: the config's)",
+    "model": "base model (Hub ID or path, as `fab train`)", "data": "data set (as `fab train`)",
+    "gpu-instance-type": "price another GPU type (with --region: no stack needed)",
+    "region": "AWS region of the prices (default: the stack's aws:region)",
+    "model-gb": "size of the model's weights in GB (for a model the estimate does not know)",
+    "tokens-per-row": "mean tokens per training row (default: the benchmark's Alpaca rows)",
+    "scratch-mbps": "throughput of the shared /scratch gp3 volume, MB/s (125 is free, above is billed)",
+})
+@_clean_errors
+def estimate(c, target=None, stack=None, config=None, nodes=None, gpus_per_node=None, examples=None, model=None,
+             data=None, gpu_instance_type=None, region=None, model_gb=None, tokens_per_row=None, scratch_mbps=None):
+    """Predict `fab train`'s phases and cost for the stack's cluster, model, data and config; touches no host.
+
+    Three columns: a new stack (`pulumi up` to adapters home), the first `fab train` on a cluster
+    (model and data downloaded), and `fab train` again (the nodes' page cache holds the weights).
+    Cost: instances by the second at on-demand prices, NAT gateway hours and GB, EBS (ops/data/prices.json).
+    """
+    opts = options.parse(target=target, stack=stack, config=config, nodes=nodes, gpus_per_node=gpus_per_node,
+                         examples=examples, model=model, data=data)
+    inv = est.load_inventory(opts.target, opts.stack) if not (gpu_instance_type and region) else None
+    if inv is not None:
+        options.check_against(opts, inv)
+    est.print_for_run(opts, inv, gpu_instance_type, region, model_gb, tokens_per_row, scratch_mbps)
 
 
 @task(help={"target": "aws (default) or local", "stack": "Pulumi stack", "identity": "SSH private key"})
@@ -333,5 +376,5 @@ def ssh(c, host=None, command=None, target=None, stack=None, identity=None):
         raise Exit(code=rc)
 
 
-ns = Collection(train, status, logs, cancel, reconfigure, ssh)
+ns = Collection(train, estimate, status, logs, cancel, reconfigure, ssh)
 ns.add_collection(local_ns, "local")

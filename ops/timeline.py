@@ -42,6 +42,7 @@ LABELS: dict[str, str] = {
     "steps": "training steps",
     "save": "saving adapters and state",
     "exit": "job exit, seen by fab",
+    "seen": "job end seen by fab",
     "download": "download and summary",
 }
 
@@ -76,6 +77,7 @@ class Timeline:
     phases: list[Phase] = field(default_factory=list)
     clock_offset_s: float = 0.0  # cluster clock minus this machine's
     job_id: str | None = None
+    cluster: str | None = None  # the inventory's cluster_name (ops/estimate.py's scenario_for reads it)
 
     @contextmanager
     def phase(self, key: str, note: str = "") -> Iterator[Phase]:
@@ -116,7 +118,7 @@ class Timeline:
 
     def to_dict(self, predicted: dict[str, float] | None = None) -> dict:
         return {
-            "job_id": self.job_id, "started": self.started, "ended": self.ended,
+            "job_id": self.job_id, "cluster": self.cluster, "started": self.started, "ended": self.ended,
             "wall_s": round(self.wall_s, 3), "clock_offset_s": round(self.clock_offset_s, 3),
             "phases": [{**asdict(p), "seconds": round(p.seconds, 3),
                         "offset_s": round(p.start - self.started, 3)} for p in self.rows()],
@@ -241,5 +243,5 @@ def add_job(tl: Timeline, follow: Phase, metrics: dict, log_text: str) -> None:
         tl.phases.append(Phase("exit", at, local(end), "job log", label="job exit (batch script ends)"))
         at = local(end)
     tl.phases.append(Phase("exit" if end is None else "seen", at, hi, "fab",
-                           label=LABELS["exit"] if end is None else "job end seen by fab"))
+                           label=LABELS["exit"] if end is None else LABELS["seen"]))
 
