@@ -15,7 +15,7 @@ from invoke.exceptions import Exit
 from paramiko.ssh_exception import AuthenticationException, NoValidConnectionsError, SSHException
 
 from localcluster.tasks import ns as local_ns
-from ops import cloudinit, hostkeys, inventory, jobs, munge, options, power, slurm, sshcmd, stream, timeline
+from ops import cloudinit, hostkeys, inventory, jobs, munge, options, power, prefetch, slurm, sshcmd, stream, timeline
 from ops import estimate as est
 from ops import finetune as flow
 from ops import reconfigure as reconf
@@ -24,7 +24,8 @@ from ops.remote import Cluster, HostError, connect, each
 
 _USER_ERRORS = (options.OptionError, inventory.InventoryError, HostError, slurm.SlurmError,
                 munge.MungeKeyError, CloudInitFailed, flow.TrainError, reconf.ReconfigureError,
-                hostkeys.HostKeyError, est.EstimateError)
+                hostkeys.HostKeyError, est.EstimateError,
+                prefetch.PrefetchError)
 
 
 def _clean_errors(fn):

@@ -248,7 +248,6 @@ def _aws(cl: Cluster, job: Job) -> Estimate:
     disk_reads = 1 if fits else n
     nfs_s = max(disk_reads * model / (cl.scratch_mbps * mb), n * model / (net_ctl * mb))
     warm_s = model / (PAGE_CACHE_MBPS * mb) * cl.ranks_per_node
-    hub_s = model / (HUB_MBPS * mb)
     gpu_load_s = 1.6  # measured: model_loaded - data_ready of the benchmark (weights already in memory)
     ph = est.phases
 
@@ -266,6 +265,9 @@ def _aws(cl: Cluster, job: Job) -> Estimate:
     add("wake", "cloud-init done on every host: one SSH round (nodes on; a stopped node adds 2-4 min)",
         SSH_STEP_S)
     add("inputs", "model and data paths checked on the cluster", SSH_STEP_S)
+    add("prefetch", (f"the controller fetches model and data ({(model + job.data_bytes) / 1e9:.1f} GB) from the "
+                     f"hub at {HUB_MBPS:.0f} MB/s into /scratch (public subnet: no NAT); again: complete, skipped"),
+        (model + job.data_bytes) / (HUB_MBPS * mb) + SSH_STEP_S, None, SSH_STEP_S)
     add("keys", "munge key read and compared on every node", 2 * SSH_STEP_S)
     add("reconfigure", "slurm.conf compared (no change: no restart)", SSH_STEP_S)
     add("service", "every node idle in sinfo", SSH_STEP_S)
@@ -273,13 +275,12 @@ def _aws(cl: Cluster, job: Job) -> Estimate:
     add("staging", "training/ as a tarball, config and script uploaded, sbatch", 2 * SSH_STEP_S)
     add("queue", "an idle cluster schedules the job within a scheduler pass", 1.0)
     add("startup", f"srun, torchrun rendezvous, Python imports: measured {startup_s:.1f} s (benchmark)", startup_s)
-    add("data", f"hub download {job.data_bytes / 1e6:.0f} MB (first run), tokenizing {job.rows:,} rows "
-        "(measured 1.2 s)", 1.2 + job.data_bytes / (HUB_MBPS * mb), None, 1.2)
-    add("model", (f"{model / 1e9:.1f} GB: first run hub download at {HUB_MBPS:.0f} MB/s then {n} node(s) read it "
-                  f"over NFS ({disk_reads} read(s) of gp3 at {cl.scratch_mbps:.0f} MB/s; controller page cache "
-                  f"{'holds' if fits else 'cannot hold'} it); again: the nodes' page cache at "
-                  f"{PAGE_CACHE_MBPS:.0f} MB/s x {cl.ranks_per_node} ranks; + {gpu_load_s} s to the GPU"),
-        hub_s + nfs_s + gpu_load_s, None, warm_s + gpu_load_s)
+    add("data", f"tokenizing {job.rows:,} rows (measured 1.2 s)", 1.2)
+    add("model", (f"{model / 1e9:.1f} GB: first run {n} node(s) read it over NFS ({disk_reads} read(s) of gp3 at "
+                  f"{cl.scratch_mbps:.0f} MB/s; controller page cache {'holds' if fits else 'cannot hold'} it); "
+                  f"again: the nodes' page cache at {PAGE_CACHE_MBPS:.0f} MB/s x {cl.ranks_per_node} ranks; "
+                  f"+ {gpu_load_s} s to the GPU"),
+        nfs_s + gpu_load_s, None, warm_s + gpu_load_s)
     add("build", "trainer build (measured 0.8 s, benchmark)", 0.8)
     step_s = tokens_rank / tok_s / steps
     world = n * cl.ranks_per_node
@@ -297,7 +298,8 @@ def _aws(cl: Cluster, job: Job) -> Estimate:
     add("seen", "fab's next poll", 1.0)
     add("download", f"adapters and state ({job.trainable * 4 / 1e6 + 12:.0f} MB) at 12.5 MB/s (100 Mbit/s home)",
         1 + (job.trainable * 4 + 12e6) / 12.5e6)
-    est.nat_bytes = {"new": WHEELS_BYTES * n + model + job.data_bytes, "first": model + job.data_bytes, "again": 0.0}
+    # The controller (public subnet) fetches model and data: only the GPU nodes' boot crosses the NAT.
+    est.nat_bytes = {"new": WHEELS_BYTES * cl.billed_nodes, "first": 0.0, "again": 0.0}
     return est
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from fabric import Connection
 
 from bootstrap.inventory import Inventory
-from ops import cloudinit, jobs, munge, power, reconfigure, slurm, stream, summary, targets, timeline
+from ops import cloudinit, jobs, munge, power, prefetch, reconfigure, slurm, stream, summary, targets, timeline
 from ops.options import REPO, TrainOptions
 from ops.remote import Cluster, HostError, each, service
 
@@ -403,6 +403,7 @@ def run(cl: Cluster, opts: TrainOptions, nodes: int, gpus: int, say: Say = print
         power.wake(cl, say)  # every later step reaches the nodes over SSH
         wait_cloud_init(cl, say)
     tl.timed("inputs", check_inputs, cl, opts, say)
+    opts = tl.timed("prefetch", prefetch.fetch_inputs, cl, opts, say)  # Hub IDs -> copies on /scratch
     changed = tl.timed("keys", sync_munge_key, cl, say)
     if cl.inventory.facts:  # older inventories carry no facts: their slurm.conf came with the stack
         # The stack's node list, after `pulumi up` changed it (a no-op when nothing changed).

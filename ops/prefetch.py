@@ -32,18 +32,54 @@ def manifest_of_dir(source: str, dest: str, sizes: dict[str, int], sha256: dict[
     return {"source": source, "dest": dest, "files": files}
 
 
-def hub_manifest(repo_id: str, dest: str, revision: str = "main", endpoint: str = "https://huggingface.co",
-                 kind: str = "models") -> dict:
-    """The manifest of a Hub repository's files (sizes and LFS sha256 from the Hub's API), read from here."""
+def hub_endpoint() -> str:
+    """The Hub's address: HF_ENDPOINT, as huggingface_hub reads it."""
+    import os
+
+    return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+
+
+def hub_manifest(repo_id: str, dest_root: str, kind: str = "models", revision: str = "main",
+                 endpoint: str | None = None) -> dict:
+    """The manifest of a Hub repository's files at `revision` (sizes and LFS sha256 from the Hub's
+    API, read from here) into <dest_root>/<kind>/<repo>@<commit>: a new commit is a new directory."""
+    import urllib.error
     import urllib.request
 
+    endpoint = endpoint or hub_endpoint()
     url = f"{endpoint}/api/{kind}/{repo_id}/revision/{revision}?blobs=true"
-    with urllib.request.urlopen(url, timeout=30) as resp:  # noqa: S310 (the Hub's API)
-        info = json.load(resp)
-    sizes = {s["rfilename"]: s["size"] for s in info.get("siblings", []) if s.get("size") is not None}
-    sha = {s["rfilename"]: s["lfs"]["sha256"] for s in info.get("siblings", []) if s.get("lfs")}
+    try:
+        with urllib.request.urlopen(url, timeout=30) as resp:  # noqa: S310 (the Hub's API)
+            info = json.load(resp)
+    except (urllib.error.URLError, ValueError) as exc:
+        raise PrefetchError(f"{repo_id}: the Hub's file list ({url}) could not be read: {exc}; check the ID "
+                            "and this machine's network (or HF_ENDPOINT)") from None
+    sha = info.get("sha") or revision
+    siblings = info.get("siblings") or []
+    sizes = {s["rfilename"]: s["size"] for s in siblings if s.get("size") is not None}
+    sums = {s["rfilename"]: s["lfs"]["sha256"] for s in siblings if s.get("lfs", {}).get("sha256")}
     prefix = "" if kind == "models" else f"{kind}/"
-    return manifest_of_dir(f"{endpoint}/{prefix}{repo_id}/resolve/{info.get('sha', revision)}", dest, sizes, sha)
+    return manifest_of_dir(f"{endpoint}/{prefix}{repo_id}/resolve/{sha}", f"{dest_root}/{kind}/{repo_id}@{sha}",
+                           sizes, sums)
+
+
+def fetch_inputs(cl, opts, say: Say):
+    """Fetch the run's Hub model and data set (flags or config) once into the shared /scratch, on the
+    controller, before anything is submitted; return the options naming the local copies, which
+    every rank reads offline. Absolute paths are left as they are."""
+    import dataclasses
+
+    changes = {}
+    for flag, kind, value in (("model", "models", opts.model_path), ("data", "datasets", opts.data_path)):
+        if not value or value.startswith("/"):
+            continue
+        manifest = hub_manifest(value, f"{cl.inventory.scratch}/hub", kind)
+        run(cl.controller, "python3", manifest, f"{flag} {value}", lambda s: say("      " + s))
+        path = manifest["dest"]
+        if kind == "datasets" and any(f["path"].startswith("data/") for f in manifest["files"]):
+            path += "/data"  # the data files of a Hub data set (training/data.py reads a directory of them)
+        changes[flag] = path
+    return dataclasses.replace(opts, **changes) if changes else opts
 
 
 def describe(event: dict, what: str) -> str:

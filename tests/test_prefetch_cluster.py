@@ -4,9 +4,11 @@ then sees the files; a second fetch reads nothing; a wrong checksum fails before
 
 import hashlib
 import http.server
+import json
 import os
 import shutil
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -65,3 +67,46 @@ def test_a_failed_fetch_is_a_clear_error(cluster_and_source):
                                         {"config.json": "0" * 64})
     with pytest.raises(prefetch.PrefetchError, match="config.json: sha256 differs"):
         prefetch.run(cl.controller, "python3", manifest, "model", lambda s: None)
+
+
+def test_fab_train_fetches_hub_ids_into_scratch_and_names_the_copies(cluster_and_source, monkeypatch, tmp_path):
+    """fetch_inputs, as `fab train` calls it: a Hub model and data set (here a Hub on the bridge
+    address, HF_ENDPOINT, serving the Hub's file-list API and resolve URLs) become /scratch paths."""
+    from localcluster import layout
+    from ops.options import TrainOptions
+
+    cl, _url, _files = cluster_and_source
+    hub = tmp_path / "hub"
+    blobs = {("models", "org/tiny", "abc123"): {"config.json": b'{"model_type": "qwen3"}', "w.bin": os.urandom(1 << 20)},
+             ("datasets", "org/rows", "def456"): {"data/train.jsonl": b'{"instruction": "a", "output": "b"}\n',
+                                                   "README.md": b"# rows\n"}}
+    for (kind, repo, sha), files in blobs.items():
+        api = hub / "api" / kind / repo / "revision" / "main"
+        api.parent.mkdir(parents=True)
+        api.write_text(json.dumps({"sha": sha, "siblings": [
+            {"rfilename": n, "size": len(d), "lfs": {"sha256": hashlib.sha256(d).hexdigest()}} for n, d in files.items()]}))
+        base = hub / ("" if kind == "models" else kind) / repo / "resolve" / sha
+        for name, data in files.items():
+            (base / name).parent.mkdir(parents=True, exist_ok=True)
+            (base / name).write_bytes(data)
+    handler = lambda *a, **kw: RangeHandler(*a, directory=str(hub), **kw)  # noqa: E731
+    server = http.server.ThreadingHTTPServer((layout.BRIDGE_IP, 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("HF_ENDPOINT", f"http://{layout.BRIDGE_IP}:{server.server_port}")
+    opts = TrainOptions(target="local", stack=None, config=Path("x.yaml"), nodes=None, gpus_per_node=None,
+                        examples=None, model="org/tiny", data="org/rows", identity=None)
+    said: list[str] = []
+    try:
+        got = prefetch.fetch_inputs(cl, opts, said.append)
+    finally:
+        server.shutdown()
+    scratch = cl.inventory.scratch
+    assert got.model == f"{scratch}/hub/models/org/tiny@abc123"
+    assert got.data == f"{scratch}/hub/datasets/org/rows@def456/data"
+    local = layout.SCRATCH / "hub"
+    try:
+        assert (local / "models/org/tiny@abc123/w.bin").read_bytes() == blobs[("models", "org/tiny", "abc123")]["w.bin"]
+        assert (local / "datasets/org/rows@def456/data/train.jsonl").is_file()
+        assert any("verified" in s for s in said), said
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
