@@ -50,7 +50,7 @@ class EstimateError(ValueError):
 
 @dataclass(frozen=True)
 class Cluster:
-    target: str  # "aws" or "local"
+    target: str  # a key of ops.targets
     region: str
     gpu_type: str  # instance type ("local" for the local cluster)
     controller_type: str
@@ -61,6 +61,8 @@ class Cluster:
     scratch_mbps: float = GP3_BASE_MBPS  # the shared volume's throughput (provisioned above 125 MB/s is billed)
     source: str = ""
     stack_nodes: int = 0  # GPU nodes the stack runs (and bills), of which the job uses `nodes`
+    # No real GPUs (the local cluster): phase times calibrated on the CI machine, nothing billed.
+    calibrated: bool = False
 
     @property
     def billed_nodes(self) -> int:
@@ -220,7 +222,7 @@ def estimate(cl: Cluster, job: Job) -> Estimate:
     if cl.nodes < 1 or cl.ranks_per_node < 1:
         raise EstimateError(f"the cluster needs at least one node and one rank per node, not "
                             f"{cl.nodes} x {cl.ranks_per_node}")
-    return _local(cl, job) if cl.target == "local" else _aws(cl, job)
+    return _local(cl, job) if cl.calibrated else _aws(cl, job)
 
 
 def _steps(cl: Cluster, job: Job) -> tuple[int, float]:
@@ -331,7 +333,7 @@ class CostLine:
 def cost(est: Estimate, scenario: str) -> list[CostLine]:
     """The run's bill: instances by the second, NAT gateway hours and GB, EBS GB-months (aws only)."""
     cl = est.cluster
-    if cl.target == "local":
+    if cl.calibrated:
         return []
     p = prices(cl.region)
     wall = est.total(scenario)
@@ -357,7 +359,7 @@ def cost(est: Estimate, scenario: str) -> list[CostLine]:
 def idle_tail(est: Estimate) -> CostLine | None:
     """What the GPU nodes cost while they wait idle for power saving to stop them after the job."""
     cl = est.cluster
-    if cl.target == "local" or not cl.idle_stop_min:
+    if cl.calibrated or not cl.idle_stop_min:
         return None
     h = price_per_h(cl.region, cl.gpu_type)
     return CostLine(f"then {cl.billed_nodes} idle node(s) until power saving stops them ({cl.idle_stop_min} min, "
@@ -375,7 +377,7 @@ def lines(est: Estimate, scenarios: tuple[str, ...] = SCENARIOS) -> list[str]:
     labels = {**LABELS, "pulumi": "pulumi up", "boot": "first boot: packages, Slurm",
               "boot_stack": "first boot: training stack"}
     out = [f"estimate: {cl.target} cluster, {cl.nodes} x {cl.gpu_type} ({cl.ranks_per_node} rank(s) each)"
-           + (f", {cl.region}" if cl.target != "local" else "") + (f" [{cl.source}]" if cl.source else ""),
+           + ("" if cl.calibrated else f", {cl.region}") + (f" [{cl.source}]" if cl.source else ""),
            f"  job: {job.model} ({job.model_bytes / 1e9:.2f} GB), {job.rows:,} rows x ~{job.tokens_per_row:.0f} "
            f"tokens, {steps} optimizer steps, {tokens_rank:,.0f} tokens per rank",
            f"  GPU throughput: {est.throughput}"]
@@ -396,7 +398,7 @@ def lines(est: Estimate, scenarios: tuple[str, ...] = SCENARIOS) -> list[str]:
     tail = idle_tail(est)
     if tail:
         out.append(f"  ${tail.usd:.2f} {tail.what}: `fab` does not stop them sooner")
-    if cl.target != "local":
+    if not cl.calibrated:
         table = _json("prices.json")
         out.append(f"  prices: ops/data/prices.json ({table['date']}, {table['source'].split(',')[0]}); "
                    "instances bill per second (60 s minimum)")
@@ -457,10 +459,12 @@ def cluster_for(target: str, stack: str | None, inv=None, nodes: int | None = No
     scratch = _positive("scratch-mbps", scratch_mbps, float) or GP3_BASE_MBPS
     if scratch > 1000:
         raise EstimateError(f"--scratch-mbps {scratch:.0f}: gp3 provisions at most 1000 MB/s")
-    if target == "local":
+    from ops import targets
+
+    if not targets.get(target).real_gpus:  # the local cluster: no prices, its calibrated figures
         n = nodes or (len(inv.gpu_nodes) if inv else 2)
         g = gpus or (inv.gpus_per_node if inv else 2)
-        return Cluster("local", "local", "local", "local", n, g, source="local cluster")
+        return Cluster(target, "-", target, "-", n, g, source=f"{target} cluster", calibrated=True)
     settings, source = ({}, "flags") if (gpu_instance_type and region) else stack_settings(stack)
     settings = {**STACK_DEFAULTS, **settings}
     itype = gpu_instance_type or settings["gpuInstanceType"]
@@ -474,7 +478,7 @@ def cluster_for(target: str, stack: str | None, inv=None, nodes: int | None = No
     idle = int(settings.get("idleStopMinutes", 30))
     if inv and inv.extra.get("idle_stop_s") is not None:
         idle = int(inv.extra["idle_stop_s"]) // 60
-    cl = Cluster("aws", reg, itype, settings["controllerInstanceType"], n, g,
+    cl = Cluster(target, reg, itype, settings["controllerInstanceType"], n, g,
                  root_volume_gib=int(settings["rootVolumeGiB"]), idle_stop_min=idle, scratch_mbps=scratch,
                  source=source + (" + inventory" if inv else ""), stack_nodes=stack_nodes)
     prices(reg)  # an unknown region or type fails here, naming the price table
@@ -503,7 +507,7 @@ def for_run(opts, inv, gpu_instance_type=None, region=None, model_gb=None, token
     cl = cluster_for(opts.target, opts.stack, inv, opts.nodes, opts.gpus_per_node, gpu_instance_type, region,
                      scratch_mbps)
     tokens = _positive("tokens-per-row", tokens_per_row, float)
-    if tokens is None and cl.target == "local":
+    if tokens is None and cl.calibrated:
         tokens = _json("local.json")["tokens_per_row"]  # training.make_tiny's rows, not Alpaca's
     job = job_from_config(opts.config, opts.model_path, opts.data_path, opts.examples,
                           _positive("model-gb", model_gb, float), tokens)
@@ -513,7 +517,7 @@ def for_run(opts, inv, gpu_instance_type=None, region=None, model_gb=None, token
 def print_for_run(opts, inv, *args, say=print) -> Estimate:
     """`fab estimate` / `fab train --estimate`: the table for this run (one column locally)."""
     result = for_run(opts, inv, *args)
-    for line in lines(result, ("again",) if result.cluster.target == "local" else SCENARIOS):
+    for line in lines(result, ("again",) if result.cluster.calibrated else SCENARIOS):
         say(line)
     return result
 

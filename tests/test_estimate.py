@@ -123,5 +123,5 @@ def test_fab_estimate_bad_flag_is_a_clean_error_and_good_flags_print_the_table(t
 def test_options_and_estimate_agree_on_the_local_job():
     opts = options.parse(target="local")
     e = est.for_run(opts, None)
-    assert e.cluster.target == "local" and e.job.rows == 400
+    assert e.cluster.calibrated and e.job.rows == 400
     assert e.total("again") > 0 and est.cost(e, "again") == []
