@@ -12,6 +12,7 @@ from invoke.exceptions import Exit
 
 from localcluster.tasks import ns as local_ns
 from ops import finetune, finetune_jobs, options, slurm, sshcmd, status_view
+from ops import estimate as est
 from ops import reconfigure as reconf
 from ops.cluster_task import cluster_task
 from ops.remote import open_cluster
@@ -25,8 +26,10 @@ from ops.remote import open_cluster
     "model": "Hugging Face Hub ID or absolute path on the cluster of the base model",
     "data": "Hub data set ID or absolute path on the cluster (JSON/JSONL/Parquet, Alpaca columns)",
     "raw": "stream the raw job log instead of compact progress lines",
+    "estimate": "print each phase's predicted time and the run's cost, then stop (no host is touched)",
 })
-def train(c, where, config=None, nodes=None, gpus_per_node=None, examples=None, model=None, data=None, raw=False):
+def train(c, where, config=None, nodes=None, gpus_per_node=None, examples=None, model=None, data=None, raw=False,
+          estimate=False):
     """Fine-tune with LoRA across the cluster and bring the adapters home to runs/<job-id>/.
 
     Waits for cloud-init, shares the controller's munge key, returns nodes to service, runs a
@@ -36,7 +39,34 @@ def train(c, where, config=None, nodes=None, gpus_per_node=None, examples=None, 
     """
     opts = options.parse_train(where, config=config, nodes=nodes, gpus_per_node=gpus_per_node,
                                examples=examples, model=model, data=data)
-    finetune.train(opts, raw=raw)
+    finetune.train(opts, raw=raw, estimate=estimate)
+
+
+@cluster_task(help={
+    "config": "training YAML (as `fab train`)", "nodes": "GPU nodes (default: the stack's)",
+    "gpus-per-node": "ranks per node (default: all GPUs of a node)",
+    "examples": "the first N examples of the data set (default: from the config)",
+    "model": "base model (as `fab train`)", "data": "data set (as `fab train`)",
+    "gpu-instance-type": "price another GPU type (with --region: no stack needed)",
+    "region": "AWS region of the prices (default: the stack's aws:region)",
+    "model-gb": "size of the model's weights in GB (for a model the estimate does not know)",
+    "tokens-per-row": "mean tokens per training row (default: the benchmark's Alpaca rows)",
+    "scratch-mbps": "throughput of the shared /scratch gp3 volume, MB/s (125 is free, above is billed)",
+})
+def estimate(c, where, config=None, nodes=None, gpus_per_node=None, examples=None, model=None, data=None,
+             gpu_instance_type=None, region=None, model_gb=None, tokens_per_row=None, scratch_mbps=None):
+    """Predict `fab train`'s phases and cost for the stack's cluster, model, data and config; touches no host.
+
+    Three columns: a new stack (`pulumi up` to adapters home), the first `fab train` on a cluster
+    (model and data downloaded), and `fab train` again (the nodes' page cache holds the weights).
+    Cost: instances by the second at on-demand prices, NAT gateway hours and GB, EBS (ops/data/prices.json).
+    """
+    opts = options.parse_train(where, config=config, nodes=nodes, gpus_per_node=gpus_per_node,
+                               examples=examples, model=model, data=data)
+    inv = est.load_inventory(opts.target, opts.stack) if not (gpu_instance_type and region) else None
+    if inv is not None:
+        options.check_against(opts, inv)
+    est.print_for_run(opts, inv, gpu_instance_type, region, model_gb, tokens_per_row, scratch_mbps)
 
 
 @cluster_task()
@@ -98,5 +128,5 @@ def ssh(c, where, host=None, command=None):
         raise Exit(code=rc)  # the remote command's own exit status
 
 
-ns = Collection(train, status, logs, cancel, reconfigure, ssh)
+ns = Collection(train, estimate, status, logs, cancel, reconfigure, ssh)
 ns.add_collection(local_ns, "local")

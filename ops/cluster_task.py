@@ -19,7 +19,7 @@ from invoke import task
 from invoke.exceptions import Exit
 from paramiko.ssh_exception import AuthenticationException, NoValidConnectionsError, SSHException
 
-from ops import finetune, hostkeys, inventory, munge, options, reconfigure, slurm, sshcmd, status_view
+from ops import estimate, finetune, hostkeys, inventory, munge, options, prefetch, reconfigure, slurm, sshcmd, status_view
 from ops.cloudinit import CloudInitFailed
 from ops.remote import HostError
 
@@ -27,7 +27,8 @@ COMMON_FLAGS = tuple(options.CLUSTER_FLAGS_HELP)  # target, stack, identity
 FLAG_PARSERS: dict[str, Callable] = {"job": options.parse_job, "host": options.parse_host}
 USER_ERRORS = (options.OptionError, inventory.InventoryError, HostError, slurm.SlurmError,
                munge.MungeKeyError, CloudInitFailed, finetune.TrainError, reconfigure.ReconfigureError,
-               hostkeys.HostKeyError, status_view.StatusProblem, sshcmd.SshFailed)
+               hostkeys.HostKeyError, status_view.StatusProblem, sshcmd.SshFailed, estimate.EstimateError,
+               prefetch.PrefetchError)
 
 
 def identity_of(c, identity: str | None) -> str | None:

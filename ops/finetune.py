@@ -21,7 +21,9 @@ from pathlib import Path
 from fabric import Connection
 
 from bootstrap.inventory import Inventory
-from ops import cloudinit, inventory, jobs, munge, power, reconfigure, slurm, stream, summary, targets
+from ops import cloudinit, inventory, jobs, munge, power, prefetch, reconfigure, slurm, stream, summary, targets
+from ops import estimate as est
+from ops import timeline
 from ops.options import REPO, TrainOptions, check_against
 from ops.remote import Cluster, HostError, connect, each, service
 
@@ -396,20 +398,27 @@ def controller_lost(exc: slurm.ControllerUnreachable, job_id: str, target: str) 
 
 
 def run(cl: Cluster, opts: TrainOptions, nodes: int, gpus: int, say: Say = print,
-        raw: bool = False) -> summary.RunSummary:
-    power.wake(cl, say)  # every later step reaches the nodes over SSH
-    wait_cloud_init(cl, say)
-    check_inputs(cl, opts, say)
-    changed = sync_munge_key(cl, say)
+        raw: bool = False, tl: timeline.Timeline | None = None,
+        predicted: dict[str, float] | None = None) -> summary.RunSummary:
+    tl = tl or timeline.Timeline()  # every step below is one phase of the run's timeline
+    with tl.phase("wake"):
+        power.wake(cl, say)  # every later step reaches the nodes over SSH
+        wait_cloud_init(cl, say)
+    tl.timed("inputs", check_inputs, cl, opts, say)
+    opts = tl.timed("prefetch", prefetch.fetch_inputs, cl, opts, say)  # Hub IDs -> copies on /scratch
+    changed = tl.timed("keys", sync_munge_key, cl, say)
     if cl.inventory.facts:  # older inventories carry no facts: their slurm.conf came with the stack
         # The stack's node list, after `pulumi up` changed it (a no-op when nothing changed).
-        reconfigure.apply(cl, say=lambda s: say("      " + s))
-    nodes_to_service(cl, changed, say)
-    sanity(cl, say)
+        tl.timed("reconfigure", reconfigure.apply, cl, say=lambda s: say("      " + s))
+    tl.timed("service", nodes_to_service, cl, changed, say)
+    tl.timed("sanity", sanity, cl, say)
     submitted: list[str] = []
     try:
-        job_id, job_dir, log_path = launch(cl, opts, nodes, gpus, say, submitted)
-        followed = stream.follow(cl.controller, job_id, log_path, say=lambda s: say("      " + s), raw=raw)
+        with tl.phase("staging"):
+            tl.clock_offset_s = timeline.clock_offset(cl.controller)
+            job_id, job_dir, log_path = launch(cl, opts, nodes, gpus, say, submitted)
+        with tl.phase("queue") as follow:  # split into the job's own phases once it has ended
+            followed = stream.follow(cl.controller, job_id, log_path, say=lambda s: say("      " + s), raw=raw)
     except KeyboardInterrupt:
         if submitted:
             say(reattach_hint(submitted[0], cl.inventory.target))
@@ -418,18 +427,46 @@ def run(cl: Cluster, opts: TrainOptions, nodes: int, gpus: int, say: Say = print
         raise controller_lost(exc, job_id, cl.inventory.target) from None
     if not outcome(cl, job_id, followed, job_dir, lambda s: say("      " + s)):
         raise failure(job_id, followed, log_path)
-    return finish(cl, job_id, followed, say, job_dir, log_path)
+    result = tl.timed("download", finish, cl, job_id, followed, say, job_dir, log_path)
+    record_timeline(tl, follow, result, run_dir(job_id, job_dir), say, predicted)
+    return result
 
 
-def train(opts: TrainOptions, say: Say = print, raw: bool = False) -> summary.RunSummary:
+def train(opts: TrainOptions, say: Say = print, raw: bool = False,
+          estimate: bool = False) -> summary.RunSummary | None:
     """`fab train`: the options checked against the cluster's inventory (read locally, before any host is
-    touched), then `run` over the cluster's connections."""
-    inv = inventory.load(opts.target, opts.stack)
-    nodes, gpus = check_against(opts, inv)
-    say(f"fab train: {inv.target} cluster {inv.cluster_name!r}, {nodes} node(s) x {gpus} GPU(s) "
-        f"({inv.gpu_type}), config {opts.config.name}")
-    cl = connect(inv, opts.identity)
+    touched), then `run` over the cluster's connections, every phase in the run's timeline. `estimate`:
+    print the predicted phases and cost and stop (from the stack's settings; no host is touched)."""
+    tl = timeline.Timeline()  # the run's wall time starts here
+    with tl.phase("setup"):
+        if estimate:
+            est.print_for_run(opts, est.load_inventory(opts.target, opts.stack))
+            return None
+        inv = inventory.load(opts.target, opts.stack)
+        nodes, gpus = check_against(opts, inv)
+        say(f"fab train: {inv.target} cluster {inv.cluster_name!r}, {nodes} node(s) x {gpus} GPU(s) "
+            f"({inv.gpu_type}), config {opts.config.name}")
+        tl.cluster = inv.cluster_name
+    predicted = None
+    with tl.phase("estimate"):
+        try:  # the prediction beside the timeline; a cluster the estimate cannot price still trains
+            predicted = est.for_run(opts, inv).predicted(est.scenario_for(RUNS, inv.cluster_name))
+        except est.EstimateError as exc:
+            say(f"note: no estimate for this run ({exc})")
+    with tl.phase("setup"):
+        cl = connect(inv, opts.identity)
     try:
-        return run(cl, opts, nodes, gpus, say=say, raw=raw)
+        return run(cl, opts, nodes, gpus, say=say, raw=raw, tl=tl, predicted=predicted)
     finally:
         cl.close()
+
+
+def record_timeline(tl: timeline.Timeline, follow: timeline.Phase, result: summary.RunSummary, dest: Path,
+                    say: Say, predicted: dict[str, float] | None) -> None:
+    """The job's phases into the timeline; print it (beside the estimate) and keep runs/<job>/timeline.json."""
+    log = dest / "job.log"
+    tl.job_id = result.job_id
+    timeline.add_job(tl, follow, result.metrics, log.read_text() if log.exists() else "")
+    for line in tl.table(predicted):
+        say(line)
+    tl.save(dest / "timeline.json", predicted)

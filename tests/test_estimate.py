@@ -1,0 +1,127 @@
+"""The estimate (ops/estimate.py): its inputs, its formulas, its bill, and its errors before any host."""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from ops import estimate as est
+from ops import options
+
+REPO = Path(__file__).resolve().parent.parent
+FAB = str(REPO / ".venv" / "bin" / "fab")
+SEED_CONFIG = REPO / "training" / "configs" / "qwen3-4b-lora.yaml"
+
+
+def _seed(**kw) -> est.Estimate:
+    cl = est.cluster_for("aws", "dev", None, **kw)
+    return est.estimate(cl, est.job_from_config(SEED_CONFIG, None, None, None))
+
+
+def test_stack_defaults_are_infra_configs():
+    from infra.config import SETTINGS
+
+    for key, value in est.STACK_DEFAULTS.items():
+        assert SETTINGS[key][0] == value, key
+
+
+def test_seed_cluster_reads_the_stack_file_and_the_seed_job():
+    e = _seed()
+    cl, job = e.cluster, e.job
+    assert (cl.region, cl.gpu_type, cl.controller_type, cl.nodes, cl.ranks_per_node) == \
+        ("ap-northeast-2", "g6.12xlarge", "c6i.xlarge", 2, 4)
+    assert job.rows == 2000 and job.model_bytes == est.MODELS["Qwen/Qwen3-4B"]["bytes"]
+    steps, tokens_rank = est._steps(cl, job)
+    assert steps == 16  # 2,000 rows / (2 x 8 x 8 ranks), as the seed's run
+    assert tokens_rank == pytest.approx(2000 * job.tokens_per_row / 8)
+    keys = [p.key for p in e.phases]
+    from ops.timeline import LABELS
+
+    assert [k for k in keys if k in LABELS] == [k for k in LABELS if k in keys]  # the timeline's order
+
+
+def test_throughput_is_measured_for_the_benchmark_gpu_and_scaled_by_flops_for_others():
+    h200, _, basis = est.gpu_throughput("H200")
+    assert "measured" in basis
+    l4, _, basis = est.gpu_throughput("L4")
+    gpus = json.loads((est.DATA / "instances.json").read_text())["gpus"]
+    assert l4 == pytest.approx(h200 * gpus["L4"]["bf16_tflops"] / gpus["H200"]["bf16_tflops"])
+    assert "scaled from H200" in basis
+
+
+def test_model_load_follows_where_the_weights_are():
+    e = _seed()
+    model = next(p for p in e.phases if p.key == "model")
+    assert model.seconds["first"] > 10 * model.seconds["again"]  # NFS from gp3 vs the nodes' page cache
+    faster = next(p for p in _seed(scratch_mbps=1000).phases if p.key == "model")
+    assert faster.seconds["first"] < model.seconds["first"]  # provisioned gp3 throughput reads faster ...
+    bill = {c.what.split(" at ")[0]: c.usd for c in est.cost(_seed(scratch_mbps=1000), "first")}
+    assert any(k.startswith("gp3 throughput +875 MB/s") for k in bill)  # ... and is billed
+
+
+def test_cost_is_instances_by_the_second_plus_nat_and_ebs():
+    e = _seed()
+    p = est.prices("ap-northeast-2")
+    for scenario in est.SCENARIOS:
+        wall = e.total(scenario)
+        bill = est.cost(e, scenario)
+        assert bill[0].usd == pytest.approx(2 * p["instance_per_h"]["g6.12xlarge"] * wall / 3600)
+        nat = p["nat_per_h"] * wall / 3600 + e.nat_bytes[scenario] / 1e9 * p["nat_per_gb"]
+        assert bill[2].usd == pytest.approx(nat)
+        assert bill[3].usd == pytest.approx(600 * p["gp3_per_gb_month"] * wall / (730 * 3600))
+    assert e.nat_bytes["again"] == e.nat_bytes["first"] == 0  # the controller fetches outside the NAT
+    assert e.nat_bytes["new"] == 2 * est.WHEELS_BYTES
+    assert est.idle_tail(e).usd == pytest.approx(2 * p["instance_per_h"]["g6.12xlarge"] * 0.5)
+
+
+def test_readme_figures_are_the_estimates():
+    e = _seed()
+    text = (REPO / "README.md").read_text()
+    for scenario in ("new", "again"):
+        minutes = f"{e.total(scenario) / 60:.1f} min"
+        dollars = f"${sum(c.usd for c in est.cost(e, scenario)):.2f}"
+        assert minutes in text and dollars in text, (scenario, minutes, dollars)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"gpu_instance_type": "g9.huge", "region": "us-east-1"}, "ops/data/instances.json"),
+    ({"gpu_instance_type": "g6.12xlarge", "region": "mars-1"}, "ops/data/prices.json"),
+    ({"gpu_instance_type": "p5.48xlarge", "region": "ap-northeast-2"}, "no on-demand price"),
+    ({"scratch_mbps": "0"}, "--scratch-mbps must be positive"),
+    ({"scratch_mbps": "2000"}, "at most 1000 MB/s"),
+    ({"scratch_mbps": "fast"}, "--scratch-mbps must be a number"),
+])
+def test_bad_inputs_name_the_setting(kwargs, words):
+    with pytest.raises(est.EstimateError, match=words.replace("+", r"\+").replace(".", r"\.")):
+        est.cluster_for("aws", "dev", None, **kwargs)
+
+
+def test_unknown_model_needs_its_size_and_stack_needs_its_file():
+    with pytest.raises(est.EstimateError, match="--model-gb"):
+        est.job_from_config(SEED_CONFIG, "someone/unknown-model", None, None)
+    assert est.job_from_config(SEED_CONFIG, "someone/unknown-model", None, None, model_gb=3).model_bytes == 3e9
+    with pytest.raises(est.EstimateError, match="no Pulumi.nope.yaml"):
+        est.stack_settings("nope")
+
+
+def test_fab_estimate_bad_flag_is_a_clean_error_and_good_flags_print_the_table(tmp_path):
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}  # no inventory reachable: stack file only
+    bad = subprocess.run([FAB, "estimate", "--tokens-per-row", "-5"], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 1 and "fab estimate: --tokens-per-row must be positive" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    ok = subprocess.run([FAB, "train", "--estimate", "--gpu-instance-type", "x"], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode != 0  # train has no --gpu-instance-type: invoke says so
+    ok = subprocess.run([FAB, "train", "--estimate"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert "estimate: aws cluster, 2 x g6.12xlarge" in ok.stdout and "cost, new stack" in ok.stdout
+
+
+def test_options_and_estimate_agree_on_the_local_job():
+    opts = options.parse(target="local")
+    e = est.for_run(opts, None)
+    assert e.cluster.calibrated and e.job.rows == 400
+    assert e.total("again") > 0 and est.cost(e, "again") == []
