@@ -11,8 +11,8 @@ from invoke import Collection
 from invoke.exceptions import Exit
 
 from localcluster.tasks import ns as local_ns
-from ops import finetune, finetune_jobs, options, slurm, sshcmd, status_view
 from ops import estimate as est
+from ops import finetune, finetune_jobs, options, slurm, sshcmd, status_view
 from ops import reconfigure as reconf
 from ops.cluster_task import cluster_task
 from ops.remote import open_cluster

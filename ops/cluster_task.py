@@ -19,7 +19,19 @@ from invoke import task
 from invoke.exceptions import Exit
 from paramiko.ssh_exception import AuthenticationException, NoValidConnectionsError, SSHException
 
-from ops import estimate, finetune, hostkeys, inventory, munge, options, prefetch, reconfigure, slurm, sshcmd, status_view
+from ops import (
+    estimate,
+    finetune,
+    hostkeys,
+    inventory,
+    munge,
+    options,
+    prefetch,
+    reconfigure,
+    slurm,
+    sshcmd,
+    status_view,
+)
 from ops.cloudinit import CloudInitFailed
 from ops.remote import HostError
 

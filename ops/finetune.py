@@ -21,9 +21,21 @@ from pathlib import Path
 from fabric import Connection
 
 from bootstrap.inventory import Inventory
-from ops import cloudinit, inventory, jobs, munge, power, prefetch, reconfigure, slurm, stream, summary, targets
+from ops import (
+    cloudinit,
+    inventory,
+    jobs,
+    munge,
+    power,
+    prefetch,
+    reconfigure,
+    slurm,
+    stream,
+    summary,
+    targets,
+    timeline,
+)
 from ops import estimate as est
-from ops import timeline
 from ops.options import REPO, TrainOptions, check_against
 from ops.remote import Cluster, HostError, connect, each, service
 
