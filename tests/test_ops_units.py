@@ -218,9 +218,11 @@ def test_fab_tasks_share_the_cluster_flags_and_keep_their_menu():
     import fabfile
     from ops.options import CLUSTER_FLAGS_HELP
 
-    assert sorted(fabfile.ns.task_names) == ["cancel", "local.down", "local.status", "local.up", "logs",
-                                             "reconfigure", "ssh", "status", "train"]
-    own = {"train": {"config", "nodes", "gpus_per_node", "examples", "model", "data", "raw"},
+    assert sorted(fabfile.ns.task_names) == ["cancel", "estimate", "local.down", "local.status", "local.up",
+                                             "logs", "reconfigure", "ssh", "status", "train"]
+    own = {"train": {"config", "nodes", "gpus_per_node", "examples", "model", "data", "raw", "estimate"},
+           "estimate": {"config", "nodes", "gpus_per_node", "examples", "model", "data", "gpu_instance_type",
+                        "region", "model_gb", "tokens_per_row", "scratch_mbps"},
            "status": set(), "logs": {"job", "progress"}, "cancel": {"job"}, "reconfigure": {"force"},
            "ssh": {"host", "command"}}
     for name, flags in own.items():
