@@ -324,8 +324,9 @@ def free_port() -> int:
 
 
 def torchrun_command(nproc: int, port: int, worker_args: list[str]) -> list[str]:
-    """jobs/finetune.sbatch.j2's torchrun line for one node, rendezvous on loopback."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
+    """jobs/finetune.sbatch.j2's torchrun line for one node, rendezvous and store on loopback."""
+    return [sys.executable, "-m", "torch.distributed.run", "--local_addr=127.0.0.1",
+            "--nnodes=1", f"--nproc_per_node={nproc}",
             "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
             f"--rdzv_id=bench-scaling-{nproc}-{os.getpid()}", "--max_restarts=0",
             "-m", "benchmarks.bench_scaling", "--worker", *worker_args]
