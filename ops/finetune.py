@@ -449,8 +449,8 @@ def train(opts: TrainOptions, say: Say = print, raw: bool = False,
     """`fab train`: the options checked against the cluster's inventory (read locally, before any host is
     touched), then `run` over the cluster's connections, every phase in the run's timeline. `estimate`:
     print the predicted phases and cost and stop (from the stack's settings; no host is touched)."""
-    tl = timeline.Timeline()  # the run's wall time starts here
-    with tl.phase("setup"):
+    tl = timeline.Timeline(started=timeline.process_started())  # the run's wall time: from fab's start
+    with tl.phase("setup", start=tl.started):
         if estimate:
             est.print_for_run(opts, est.load_inventory(opts.target, opts.stack))
             return None

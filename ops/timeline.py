@@ -14,6 +14,7 @@ they add up to the wall time, and what no phase explains is shown as a gap.
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from collections.abc import Iterator
@@ -54,6 +55,21 @@ _STAMP = re.compile(r"\b(?P<tag>SLURM_GPU_JOB|SLURM_GPU_END) (?P<body>\{.*\})\s*
 GAP = "gap"  # a span no phase covers
 
 
+def process_started() -> float:
+    """When this process began (epoch seconds): the interpreter's start and fab's imports belong
+    to the run's wall time. Linux tells it (/proc/self/stat: clock ticks since boot, as
+    CLOCK_BOOTTIME counts); elsewhere, the first import of this module stands in."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return _IMPORTED
+    return min(time.time() - max(age, 0.0), _IMPORTED)
+
+
+_IMPORTED = time.time()
+
+
 @dataclass
 class Phase:
     key: str
@@ -80,9 +96,9 @@ class Timeline:
     cluster: str | None = None  # the inventory's cluster_name (ops/estimate.py's scenario_for reads it)
 
     @contextmanager
-    def phase(self, key: str, note: str = "") -> Iterator[Phase]:
-        """Time a fab-side phase (it is recorded even when it raises)."""
-        ph = Phase(key, time.time(), 0.0, "fab", note=note)
+    def phase(self, key: str, note: str = "", start: float | None = None) -> Iterator[Phase]:
+        """Time a fab-side phase (it is recorded even when it raises); `start`: it began earlier."""
+        ph = Phase(key, time.time() if start is None else start, 0.0, "fab", note=note)
         try:
             yield ph
         finally:

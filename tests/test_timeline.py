@@ -74,3 +74,17 @@ def test_training_sides_own_phases_are_used_when_metrics_has_them(tmp_path):
     saved = json.loads(tl.save(tmp_path / "timeline.json", pred).read_text())
     assert saved["wall_s"] == 62 and saved["predicted_s"] == pred
     assert [p["key"] for p in saved["phases"]] == keys
+
+
+def test_the_wall_time_counts_from_the_process_start_not_from_the_first_import():
+    """Time an interpreter spends before ops.timeline is imported (fab's own imports) is in the run."""
+    import subprocess
+    import sys
+
+    code = ("import time; t0 = time.time(); time.sleep(1.0)\n"
+            "from ops import timeline\n"
+            "print(t0 - timeline.process_started())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=timeline.Path(timeline.__file__).parent.parent)
+    early = float(out.stdout)
+    assert 0.0 <= early < 1.0, early  # started before t0 (interpreter start), and not the import's time
