@@ -14,10 +14,18 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class MachineImage:
+    """An EC2 image a role boots, found by name pattern and owner (the newest match)."""
+    name: str  # get_ami's name filter
+    owner: str  # get_ami's owners: an account id or alias
+    gpu_stack: bool  # ships the NVIDIA driver, CUDA and EFA (the platform's nvidia_driver, efa_dir)
+
+
+@dataclass(frozen=True)
 class Platform:
     name: str  # short key: "aws", "local"
     os: str  # distribution and release, e.g. "Ubuntu 24.04"
-    # EC2 image name pattern (get_ami's name filter, owner amazon); None: not an AMI.
+    # The GPU nodes' EC2 image: get_ami's name filter; None: not an AMI (owner: ami_owner).
     ami_name: str | None
     python: str  # the OS's python3 ("3.12"): the training venv's interpreter
     slurm: str  # major.minor of the OS's slurm-wlm package ("23.11")
@@ -41,6 +49,24 @@ class Platform:
     scratch_options: str = "defaults,_netdev,nofail"
     # Debian suite the boot test's image is made from (debootstrap); None: not a boot platform.
     debian_suite: str | None = None
+    # Who publishes the GPU nodes' image (get_ami's owners).
+    ami_owner: str | None = None
+    # The controller's image: the same OS release (so the same Python and Slurm from its apt)
+    # without the GPU stack, on instance types the GPU image does not list (C6i...).
+    # None: the controller boots the GPU nodes' image.
+    controller_ami_name: str | None = None
+    controller_ami_owner: str | None = None
+
+    @property
+    def images(self) -> dict[str, MachineImage]:
+        """Role ("controller", "gpu") -> the EC2 image it boots; empty where not an AMI."""
+        if self.ami_name is None or self.ami_owner is None:
+            return {}
+        gpu = MachineImage(self.ami_name, self.ami_owner, gpu_stack=True)
+        if self.controller_ami_name is None or self.controller_ami_owner is None:
+            return {"controller": gpu, "gpu": gpu}
+        return {"controller": MachineImage(self.controller_ami_name, self.controller_ami_owner,
+                                           gpu_stack=False), "gpu": gpu}
 
     @property
     def real_gpus(self) -> bool:
@@ -59,10 +85,18 @@ MANYLINUX_X86_64 = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux
 # 595.x, CUDA 13.x, EFA 1.47+, aws-ofi-nccl 1.18+; G4dn, G5, G6, G6e, P4d, P5).
 # Ubuntu 24.04's slurm-wlm is 23.11. The ARM64 build has "ARM64" in its name and is
 # excluded by the architecture filter.
+# The controller boots Canonical's plain Ubuntu 24.04 server image (owner 099720109477, the
+# account Canonical publishes from): the same release, so the same Python 3.12 and Slurm 23.11
+# from its apt, no NVIDIA driver or EFA (its bootstrap needs neither), and it supports every
+# x86_64 type (the GPU image does not list C6i).
+CANONICAL = "099720109477"
 AWS = Platform(
     name="aws",
     os="Ubuntu 24.04",
     ami_name="Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 24.04) *",
+    ami_owner="amazon",
+    controller_ami_name="ubuntu/images/hvm-ssd-gp3/ubuntu-noble-24.04-amd64-server-*",
+    controller_ami_owner=CANONICAL,
     python="3.12",
     slurm="23.11",
     wheel_platforms=MANYLINUX_X86_64,

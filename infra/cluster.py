@@ -9,7 +9,9 @@ import pulumi
 from bootstrap.facts import ClusterFacts
 from bootstrap.inventory import from_facts
 from bootstrap.render import TRAINING_PYTHON
+from infra.ami import Ami, ImagesComponent
 from infra.config import StackConfig
+from infra.kms import EbsKey
 from infra.network import NetworkComponent
 from infra.nodes import NodesComponent
 from infra.power import PowerSaveComponent
@@ -44,9 +46,9 @@ def _extra(facts: ClusterFacts, region: str | None, instance_ids: dict[str, str]
 
 
 class ClusterComponent(pulumi.ComponentResource):
-    def __init__(self, name: str, *, cfg: StackConfig, facts: ClusterFacts, ami_id: str,
+    def __init__(self, name: str, *, cfg: StackConfig, facts: ClusterFacts, images: dict[str, Ami],
                  availability_zone: str, user_data: dict[str, str], efa_interfaces: int,
-                 region: str | None = None,
+                 region: str | None = None, ebs_key: EbsKey | None = None,
                  opts: pulumi.ResourceOptions | None = None):
         super().__init__("slurm-gpu:infra:Cluster", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
@@ -60,15 +62,21 @@ class ClusterComponent(pulumi.ComponentResource):
             f"{name}-sec", cluster_name=facts.cluster_name, vpc_id=self.network.vpc.id,
             admin_cidr=cfg.admin_cidr, opts=child,
         )
+        ebs_key_arn = ebs_key.arn if ebs_key else None
         # The controller's role to stop/start idle GPU nodes (none when they never stop).
         self.power = PowerSaveComponent(
-            f"{name}-power", cluster_name=facts.cluster_name, region=region, opts=child,
+            f"{name}-power", cluster_name=facts.cluster_name, region=region, ebs_key_arn=ebs_key_arn,
+            opts=child,
         ) if facts.power_save is not None else None
+        # The image ids the instances take, kept with the stack (infra/ami.py).
+        self.images = ImagesComponent(f"{name}-images", images=images, opts=child)
         self.nodes = NodesComponent(
             f"{name}-nodes",
             facts=facts,
             ssh_public_key=cfg.ssh_public_key,
-            ami_id=ami_id,
+            ami=self.images.ami,
+            follow_ami=self.images.follow,
+            ebs_key_arn=ebs_key_arn,
             controller_instance_type=cfg.controller_instance_type,
             gpu_instance_type=cfg.gpu_instance_type,
             root_volume_gib=cfg.root_volume_gib,
@@ -93,8 +101,14 @@ class ClusterComponent(pulumi.ComponentResource):
             self.nodes.controller.public_ip, self.nodes.controller.id, *[n.id for n in self.nodes.gpu_nodes]
         ).apply(lambda v: build_inventory(facts, v[0], region, dict(zip(names, v[1:], strict=True))))
 
+        hosts = [(facts.controller.name, self.nodes.controller)] + \
+            [(h.name, n) for h, n in zip(facts.gpu_nodes, self.nodes.gpu_nodes, strict=True)]
+        # Read from each instance's state, which keeps its image while `ami` changes are ignored.
+        self.images_running = pulumi.Output.all(**{h: inst.ami for h, inst in hosts})
+
         self.register_outputs({
             "controllerPublicIp": self.controller_public_ip,
+            "images": self.images_running,
             "nodes": self.node_list,
             "inventory": self.inventory,
         })

@@ -31,6 +31,10 @@ MAX_ROOT_VOLUME_GIB = 16384
 CLUSTER_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,30}[a-z0-9]$|^[a-z]$")
 INSTANCE_TYPE_RE = re.compile(r"^[a-z][a-z0-9-]*\.[a-z0-9-]+$")
 AMI_ID_RE = re.compile(r"^ami-[0-9a-f]{8,17}$")
+# A KMS key as IAM policies name it: the key's ARN, or its id (resolved to the ARN at plan time).
+# Aliases are refused: an IAM statement on an alias ARN does not grant use of the key.
+KMS_KEY_ID = r"(mrk-[0-9a-f]{32}|[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})"
+KMS_KEY_RE = re.compile(rf"^(arn:aws[a-z-]*:kms:[a-z]{{2}}(-[a-z]+)+-\d:\d{{12}}:key/)?{KMS_KEY_ID}$")
 AZ_RE = re.compile(r"^[a-z]{2}(-[a-z]+)+-\d[a-z]$")
 SSH_KEY_TYPES = (
     "ssh-ed25519",
@@ -63,6 +67,8 @@ SETTINGS: dict[str, tuple[Any, str]] = {
     "gpuInstanceType": ("g6.12xlarge", "g6.12xlarge"),
     "controllerInstanceType": ("c6i.xlarge", "c6i.xlarge"),
     "amiId": (None, "ami-0123456789abcdef0"),
+    "controllerAmiId": (None, "ami-0123456789abcdef0"),
+    "ebsKmsKeyId": (None, "arn:aws:kms:ap-northeast-2:111122223333:key/1234abcd-12ab-34cd-56ef-1234567890ab"),
     "rootVolumeGiB": (200, "200"),
     "vpcCidr": ("10.0.0.0/16", "10.0.0.0/16"),
     "subnetCidr": ("10.0.1.0/24", "10.0.1.0/24"),
@@ -95,6 +101,8 @@ class StackConfig:
     cluster_name: str
     efa: bool
     idle_stop_minutes: int = 30  # 0: GPU nodes never stop when idle
+    controller_ami_id: str | None = None  # None: the stack's pinned Ubuntu image (infra/ami.py)
+    ebs_kms_key_id: str | None = None  # None: the account's default EBS key (infra/kms.py)
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any]) -> StackConfig:
@@ -171,10 +179,8 @@ class StackConfig:
                 "200",
             )
 
-        ami = value("amiId")
-        if ami is not None and not AMI_ID_RE.match(str(ami)):
-            raise _fail("amiId", f"({ami!r}) is not an AMI id like ami-0123456789abcdef0",
-                        SETTINGS["amiId"][1])
+        ami, controller_ami = (_ami_id(key, value(key)) for key in ("amiId", "controllerAmiId"))
+        kms_key = _kms_key(value("ebsKmsKeyId"))
 
         az = value("availabilityZone")
         if az is not None and not AZ_RE.match(str(az)):
@@ -210,6 +216,8 @@ class StackConfig:
                 "controllerInstanceType", value("controllerInstanceType")
             ),
             ami_id=ami,
+            controller_ami_id=controller_ami,
+            ebs_kms_key_id=kms_key,
             root_volume_gib=root,
             vpc_cidr=str(vpc),
             subnet_cidr=str(subnet),
@@ -310,6 +318,26 @@ def _ssh_key(v: Any) -> str:
             f"{', '.join(SSH_KEY_TYPES)})",
             example,
         )
+    return text
+
+
+def _ami_id(key: str, v: Any) -> str | None:
+    if v is not None and not AMI_ID_RE.match(str(v)):
+        raise _fail(key, f"({v!r}) is not an AMI id like ami-0123456789abcdef0", SETTINGS[key][1])
+    return None if v is None else str(v)
+
+
+def _kms_key(v: Any) -> str | None:
+    key, example = "ebsKmsKeyId", SETTINGS["ebsKmsKeyId"][1]
+    if v is None:
+        return None
+    text = str(v)
+    if text.startswith("alias/") or ":alias/" in text:
+        raise _fail(key, f"({text!r}) is an alias; IAM grants name the key itself: give the key's ARN "
+                         f"(`aws kms describe-key --key-id {text} --query KeyMetadata.Arn`)", example)
+    if not KMS_KEY_RE.match(text):
+        raise _fail(key, f"({text!r}) is not a KMS key ARN (arn:aws:kms:REGION:ACCOUNT:key/KEY-ID) or key id",
+                    example)
     return text
 
 

@@ -15,6 +15,13 @@ with the node's fixed IP), the others are `efa-only` (no IP address, RDMA traffi
 EFA interfaces cannot be attached to a running instance, so they are all attached at
 launch. Each node's user-data depends on that node alone (slurmd runs configless), so
 adding or removing nodes changes no other node.
+
+Images (infra/ami.py): the controller boots plain Ubuntu 24.04, GPU nodes the DLAMI. A newer
+image found by a later `pulumi up` changes no instance: the ids come from the stack's stash
+and `ami` changes are ignored unless the config names the image. Where an instance is
+replaced (a configured image moved), it is deleted first: its fixed private IP and its
+pre-made interfaces cannot belong to two instances, so create-before-delete would fail.
+The same holds for the interfaces themselves (the primary one has the node's fixed IP).
 """
 
 from __future__ import annotations
@@ -34,7 +41,8 @@ class NodesComponent(pulumi.ComponentResource):
         *,
         facts: ClusterFacts,
         ssh_public_key: str,
-        ami_id: str,
+        ami: dict[str, pulumi.Input[str]],
+        follow_ami: dict[str, bool],
         controller_instance_type: str,
         gpu_instance_type: str,
         root_volume_gib: int,
@@ -46,6 +54,7 @@ class NodesComponent(pulumi.ComponentResource):
         controller_internet: Sequence[pulumi.Resource],
         gpu_internet: Sequence[pulumi.Resource],
         controller_instance_profile: pulumi.Input[str] | None = None,
+        ebs_key_arn: str | None = None,
         opts: pulumi.ResourceOptions | None = None,
     ):
         super().__init__("slurm-gpu:infra:Nodes", name, None, opts)
@@ -53,6 +62,7 @@ class NodesComponent(pulumi.ComponentResource):
         cluster = facts.cluster_name
         self._cluster = cluster
         self._root_volume_gib = root_volume_gib
+        self._ebs_key_arn = ebs_key_arn
 
         self.key_pair = aws.ec2.KeyPair(
             f"{name}-key", public_key=ssh_public_key,
@@ -65,7 +75,7 @@ class NodesComponent(pulumi.ComponentResource):
 
         self.controller = aws.ec2.Instance(
             f"{name}-{facts.controller.name}",
-            ami=ami_id,
+            ami=ami["controller"],
             instance_type=controller_instance_type,
             key_name=self.key_pair.key_name,
             # Only the controller has a role: it stops/starts idle GPU nodes (infra/power.py).
@@ -81,7 +91,8 @@ class NodesComponent(pulumi.ComponentResource):
             # Boot only once the subnet routes to the internet: cloud-init installs packages.
             # User-data is read at first boot only; node-list changes go by `fab reconfigure`.
             opts=pulumi.ResourceOptions(parent=self, depends_on=list(controller_internet),
-                                        ignore_changes=["userData"]),
+                                        ignore_changes=["userData", *self._ignore_ami(follow_ami, "controller")],
+                                        delete_before_replace=True),
         )
 
         self.gpu_interfaces: dict[str, list[aws.ec2.NetworkInterface]] = {}
@@ -100,7 +111,7 @@ class NodesComponent(pulumi.ComponentResource):
                 ]}
             node = aws.ec2.Instance(
                 f"{name}-{host.name}",
-                ami=ami_id,
+                ami=ami["gpu"],
                 instance_type=gpu_instance_type,
                 key_name=self.key_pair.key_name,
                 placement_group=self.placement_group.name,
@@ -109,7 +120,10 @@ class NodesComponent(pulumi.ComponentResource):
                 user_data=user_data[host.name],
                 tags=self._tags("gpu", host),
                 # Boot only once the private subnet routes out through the NAT gateway.
-                opts=pulumi.ResourceOptions(parent=self, depends_on=list(gpu_internet)),
+                # Its interfaces (and so its IP) pass to a replacement only once it is gone.
+                opts=pulumi.ResourceOptions(parent=self, depends_on=list(gpu_internet),
+                                            ignore_changes=self._ignore_ami(follow_ami, "gpu"),
+                                            delete_before_replace=True),
                 **interfaces,
             )
             self.gpu_interfaces[host.name] = enis
@@ -132,7 +146,7 @@ class NodesComponent(pulumi.ComponentResource):
             interface_type="efa" if efa_interfaces else None,
             description=f"{self._cluster} {host.name} primary interface",
             tags=self._tags("gpu", host),
-            opts=pulumi.ResourceOptions(parent=self),
+            opts=pulumi.ResourceOptions(parent=self, delete_before_replace=True),  # its fixed IP
         )]
         for card in range(1, efa_interfaces):
             enis.append(aws.ec2.NetworkInterface(
@@ -142,9 +156,14 @@ class NodesComponent(pulumi.ComponentResource):
                 interface_type="efa-only",
                 description=f"{self._cluster} {host.name} EFA-only interface, network card {card}",
                 tags=self._tags("gpu", host),
-                opts=pulumi.ResourceOptions(parent=self),
+                opts=pulumi.ResourceOptions(parent=self, delete_before_replace=True),
             ))
         return enis
+
+    @staticmethod
+    def _ignore_ami(follow_ami: dict[str, bool], role: str) -> list[str]:
+        """Keep the image an instance was created with unless the config names one."""
+        return [] if follow_ami[role] else ["ami"]
 
     def _tags(self, role: str, host: Host) -> dict[str, str]:
         return {"Cluster": self._cluster, "Role": role, "Name": f"{self._cluster}-{host.name}"}
@@ -154,6 +173,7 @@ class NodesComponent(pulumi.ComponentResource):
             volume_type="gp3",
             volume_size=self._root_volume_gib,
             encrypted=True,
+            kms_key_id=self._ebs_key_arn,  # None: the account's default EBS key (infra/kms.py)
             delete_on_termination=True,
             tags=self._tags(role, host),
         )

@@ -1,7 +1,7 @@
 """The Pulumi program: config -> plan-time facts -> components -> outputs.
 
-Everything that can refuse the stack (config, instance-type facts, AZ, AMI) runs
-before the first resource is declared, so a bad setting creates nothing.
+Everything that can refuse the stack (config, instance-type facts, AZ, images, the EBS
+key) runs before the first resource is declared, so a bad setting creates nothing.
 """
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ import pulumi
 from bootstrap.facts import ClusterFacts, PowerSave, plan_hosts
 from bootstrap.platform import AWS
 from infra import config as stack_config
-from infra.ami import resolve_ami
+from infra.ami import Ami, resolve_images
 from infra.cluster import ClusterComponent
 from infra.instance_types import check_controller_type, choose_availability_zone, lookup_gpu_node_facts
+from infra.kms import EbsKey, resolve_ebs_key
 
 SSH_USER = "ubuntu"  # the Ubuntu AMI's login user
 # Power saving on EC2: a stop may take this long before the node can be started again
@@ -34,13 +35,16 @@ def power_save(cfg: stack_config.StackConfig, region: str | None) -> PowerSave |
                      resume_timeout=RESUME_TIMEOUT_S, provider="ec2", region=region)
 
 
-def plan(cfg: stack_config.StackConfig) -> tuple[ClusterFacts, str, str, int]:
-    """Look up instance facts, AZ and AMI; refuse bad combinations. Declares nothing.
-    Returns the cluster facts, the AZ, the AMI id and the EFA interfaces per GPU node."""
+def plan(cfg: stack_config.StackConfig) -> tuple[ClusterFacts, str, dict[str, Ami], int, EbsKey]:
+    """Look up instance facts, AZ, images and the EBS key; refuse bad combinations. Declares
+    nothing. Returns the cluster facts, the AZ, each role's image, the EFA interfaces per GPU
+    node and the root volumes' key."""
     gpu = lookup_gpu_node_facts(cfg)
     check_controller_type(cfg)
     az = choose_availability_zone(cfg)
-    ami = resolve_ami(cfg)
+    images = resolve_images(cfg)
+    region = pulumi.Config("aws").get("region")
+    ebs_key = resolve_ebs_key(cfg, region)
     controller, gpu_nodes = plan_hosts(cfg.subnet_cidr, cfg.gpu_node_count,
                                        controller_subnet=cfg.public_subnet_cidr)
     facts = ClusterFacts(
@@ -52,10 +56,10 @@ def plan(cfg: stack_config.StackConfig) -> tuple[ClusterFacts, str, str, int]:
         ssh_user=SSH_USER,
         efa=cfg.efa,
         nvlink=gpu.nvlink,
-        power_save=power_save(cfg, pulumi.Config("aws").get("region")),
+        power_save=power_save(cfg, region),
         platform=AWS,
     )
-    return facts, az, ami.id, gpu.efa_interfaces
+    return facts, az, images, gpu.efa_interfaces, ebs_key
 
 
 def render_user_data(facts: ClusterFacts) -> dict[str, str]:
@@ -76,13 +80,13 @@ def render_user_data(facts: ClusterFacts) -> dict[str, str]:
 
 def main() -> dict[str, pulumi.Output]:
     cfg = stack_config.load()
-    facts, az, ami_id, efa_interfaces = plan(cfg)
+    facts, az, images, efa_interfaces, ebs_key = plan(cfg)
     user_data = render_user_data(facts)
     region = pulumi.Config("aws").get("region")
 
     cluster = ClusterComponent(
-        cfg.cluster_name, cfg=cfg, facts=facts, ami_id=ami_id, availability_zone=az,
-        user_data=user_data, efa_interfaces=efa_interfaces, region=region,
+        cfg.cluster_name, cfg=cfg, facts=facts, images=images, availability_zone=az,
+        user_data=user_data, efa_interfaces=efa_interfaces, region=region, ebs_key=ebs_key,
     )
     outputs = {
         "controllerPublicIp": cluster.controller_public_ip,
@@ -90,6 +94,9 @@ def main() -> dict[str, pulumi.Output]:
         "sshUser": facts.ssh_user,
         "clusterName": facts.cluster_name,
         "inventory": cluster.inventory,
+        # The image each host runs (from its state): what to pin with slurm-gpu:amiId and
+        # controllerAmiId, and what `pulumi up` keeps (README: "Moving to a newer image").
+        "images": cluster.images_running,
     }
     for key, value in outputs.items():
         pulumi.export(key, value)

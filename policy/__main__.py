@@ -21,5 +21,5 @@ PolicyPack(
     enforcement_level=EnforcementLevel.MANDATORY,
     description="slurm-gpu security invariants: SSH only from adminCidr, IMDSv2, encrypted volumes, "
                 "EFA placement and self rules, no munge key or private key in any resource, "
-                "no public IP on GPU nodes, a tag-scoped power-save role.",
+                "no public IP on GPU nodes, a tag-scoped power-save role that names its KMS key.",
 )

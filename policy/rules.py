@@ -626,6 +626,43 @@ def check_power_role_tag_scoped(args: ResourceValidationArgs, report: ReportViol
                        "it can stop and start this cluster's GPU nodes only")
 
 
+def _grant_is_for_aws_resource(statement: Mapping[str, Any]) -> bool:
+    """Is the statement limited to grants an AWS service creates for its resources?"""
+    conditions = _get(statement, "Condition")
+    if not isinstance(conditions, Mapping):
+        return False
+    for operator, tests in conditions.items():
+        if str(operator).lower() != "bool" or not isinstance(tests, Mapping):
+            continue
+        for key, value in tests.items():
+            if str(key).lower() == "kms:grantisforawsresource" and \
+                    [str(v).lower() for v in _list(value)] == ["true"]:
+                return True
+    return False
+
+
+def check_kms_use_names_its_key(args: ResourceValidationArgs, report: ReportViolation) -> None:
+    """KMS permissions (the power-save role's on the root volumes' key) name the key itself,
+    and kms:CreateGrant only for grants AWS services make for their resources."""
+    for where, doc in _policy_documents(args.resource_type, args.props):
+        for i, st in enumerate(_list(_get(doc, "Statement"))):
+            if not isinstance(st, Mapping) or _get(st, "Effect") != "Allow":
+                continue
+            at = f"{where} Statement[{i}]"
+            actions = [str(a).lower() for a in _list(_get(st, "Action"))]
+            kms = [a for a in actions if a.startswith("kms:")]
+            if not kms:
+                continue
+            resources = [str(r) for r in _list(_get(st, "Resource"))]
+            keys = [r for r in resources if re.fullmatch(r"arn:aws[a-z-]*:kms:[^:*]+:\d{12}:key/[^*?]+", r)]
+            if not resources or keys != resources:
+                report(f"{at} allows {', '.join(kms)} on {', '.join(resources) or 'no named resource'}: "
+                       "name the KMS key's ARN (arn:aws:kms:REGION:ACCOUNT:key/ID), never * or an alias")
+            if any(fnmatch.fnmatchcase("kms:creategrant", a) for a in kms) and not _grant_is_for_aws_resource(st):
+                report(f"{at} allows kms:CreateGrant without Condition Bool kms:GrantIsForAWSResource = true: "
+                       "only EC2 may create grants on the key, for the instance's volumes")
+
+
 # --------------------------------------------------------------- the pack
 
 def _resource(name: str, description: str, check: Callable) -> ResourceValidationPolicy:
@@ -666,6 +703,10 @@ def policies() -> list:
                   "IAM policies allow ec2:StopInstances/StartInstances only with a resource-tag condition, "
                   "and no wildcard actions.",
                   check_power_role_tag_scoped),
+        _resource("kms-use-names-its-key",
+                  "IAM policies allow KMS actions only on named key ARNs, and kms:CreateGrant only with "
+                  "kms:GrantIsForAWSResource.",
+                  check_kms_use_names_its_key),
         _stack("efa-nodes-share-cluster-placement-group",
                "Instances with an EFA interface share one placement group with strategy \"cluster\".",
                check_efa_placement_group),

@@ -17,6 +17,39 @@ REGION = "ap-northeast-2"
 ZONES = [f"{REGION}{z}" for z in "abcd"]
 DLAMI_ID = "ami-0fd3bc7a446d73ca2"  # the seed's image in ap-northeast-2
 DLAMI_ROOT_GIB = 75
+DLAMI_NAME = "Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 24.04) 20261006"
+# Canonical's plain Ubuntu 24.04 server image (owner 099720109477), the controller's.
+CANONICAL = "099720109477"
+UBUNTU_ID = "ami-0a8f4c2e6b1d3f579"
+UBUNTU_IDS = {UBUNTU_ID, "ami-0c1d2e3f4a5b6c7d8"}  # images the mocks describe as Canonical's
+UBUNTU_ROOT_GIB = 8
+UBUNTU_NAME = "ubuntu/images/hvm-ssd-gp3/ubuntu-noble-24.04-amd64-server-20261001"
+
+# KMS keys as DescribeKey reports them. The account's default EBS key is AWS's own unless a
+# test says otherwise (GetEbsDefaultKmsKeyId answers with the alias ARN for it).
+ACCOUNT = "111122223333"
+AWS_EBS_ALIAS = f"arn:aws:kms:{REGION}:{ACCOUNT}:alias/aws/ebs"
+AWS_EBS_KEY = f"arn:aws:kms:{REGION}:{ACCOUNT}:key/0b1c2d3e-4f50-6172-8394-a5b6c7d8e9f0"
+CMK = f"arn:aws:kms:{REGION}:{ACCOUNT}:key/1234abcd-12ab-34cd-56ef-1234567890ab"
+CMK_DISABLED = f"arn:aws:kms:{REGION}:{ACCOUNT}:key/2345bcde-23bc-45de-67f0-2345678901bc"
+CMK_OTHER_REGION = f"arn:aws:kms:us-east-1:{ACCOUNT}:key/3456cdef-34cd-56ef-7801-3456789012cd"
+CMK_ASYMMETRIC = f"arn:aws:kms:{REGION}:{ACCOUNT}:key/4567def0-45de-67f0-8912-4567890123de"
+
+
+def _key(arn, manager="CUSTOMER", state="Enabled", spec="SYMMETRIC_DEFAULT", usage="ENCRYPT_DECRYPT"):
+    return {"id": arn.rsplit("/", 1)[1], "arn": arn, "keyId": arn.rsplit("/", 1)[1], "keyManager": manager,
+            "keyState": state, "keySpec": spec, "customerMasterKeySpec": spec, "keyUsage": usage,
+            "enabled": state == "Enabled", "multiRegion": False}
+
+
+KMS_KEYS = {
+    AWS_EBS_ALIAS: _key(AWS_EBS_KEY, manager="AWS"),
+    CMK: _key(CMK),
+    CMK_DISABLED: _key(CMK_DISABLED, state="Disabled"),
+    CMK_OTHER_REGION: _key(CMK_OTHER_REGION),
+    CMK_ASYMMETRIC: _key(CMK_ASYMMETRIC, spec="RSA_2048", usage="SIGN_VERIFY"),
+}
+KMS_KEYS.update({k["keyId"]: k for k in list(KMS_KEYS.values())})
 
 # A real-looking key (random bytes, base64) and the admin address from TEST-NET-3.
 SSH_KEY = (
@@ -66,11 +99,12 @@ def instance_type_result(itype: str) -> dict:
     }
 
 
-def ami_result(image_id: str = DLAMI_ID, root_gib: int = DLAMI_ROOT_GIB, arch: str = "x86_64") -> dict:
+def ami_result(image_id: str = DLAMI_ID, root_gib: int = DLAMI_ROOT_GIB, arch: str = "x86_64",
+               name: str = DLAMI_NAME) -> dict:
     return {
         "id": image_id,
         "imageId": image_id,
-        "name": "Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 24.04) 20261006",
+        "name": name,
         "architecture": arch,
         "rootDeviceName": "/dev/sda1",
         "blockDeviceMappings": [
@@ -91,6 +125,7 @@ class Registered:
     dependencies: tuple[str, ...] = ()  # URNs of explicit depends_on
     ignore_changes: tuple[str, ...] = ()
     replace_on_changes: tuple[str, ...] = ()
+    delete_before_replace: bool = False
 
 
 class RecordingMonitor(MockMonitor):
@@ -107,12 +142,13 @@ class RecordingMonitor(MockMonitor):
         if request.type != "pulumi:pulumi:Stack":
             rec = Registered(request.type, request.name, {}, response.urn, request.parent,
                              tuple(request.dependencies), tuple(request.ignoreChanges),
-                             tuple(request.replaceOnChanges))
+                             tuple(request.replaceOnChanges), request.deleteBeforeReplace)
             self.cluster_mocks.components.append(rec)
             for r in self.cluster_mocks.resources:
                 if r.typ == request.type and r.name == request.name and not r.urn:
                     r.urn, r.parent, r.dependencies = rec.urn, rec.parent, rec.dependencies
                     r.ignore_changes, r.replace_on_changes = rec.ignore_changes, rec.replace_on_changes
+                    r.delete_before_replace = rec.delete_before_replace
         return response
 
     def RegisterResourceOutputs(self, request):
@@ -123,12 +159,23 @@ class RecordingMonitor(MockMonitor):
 class ClusterMocks(pulumi.runtime.Mocks):
     """Answers the provider calls the program makes and records every resource."""
 
-    def __init__(self, ami_root_gib: int = DLAMI_ROOT_GIB, ami_arch: str = "x86_64"):
+    def __init__(self, ami_root_gib: int = DLAMI_ROOT_GIB, ami_arch: str = "x86_64",
+                 newest_dlami: str = DLAMI_ID, newest_ubuntu: str = UBUNTU_ID,
+                 default_ebs_key: str = AWS_EBS_ALIAS, stashed: dict | None = None,
+                 arches: dict[str, str] | None = None):
         self.resources: list[Registered] = []  # custom resources, with their inputs
         self.components: list[Registered] = []  # everything registered, components included
         self.calls: list[tuple[str, dict]] = []
         self.ami_root_gib = ami_root_gib
         self.ami_arch = ami_arch
+        self.arches = dict(arches or {})  # image id -> architecture, where not ami_arch
+        # What get_ami's newest match is today, per owner.
+        self.newest = {"amazon": newest_dlami, CANONICAL: newest_ubuntu}
+        self.default_ebs_key = default_ebs_key
+        # pulumi.Stash as the engine keeps it: the value of its first deployment (a previous
+        # run's `stashed`), whatever `input` says later (docs: "Stash", "Updating stashed values").
+        self.prior_stash = dict(stashed or {})
+        self.stashed: dict[str, object] = {}
         self._public = 0
 
     def call(self, args: pulumi.runtime.MockCallArgs):
@@ -150,8 +197,21 @@ class ClusterMocks(pulumi.runtime.Mocks):
                     "instanceTypes": list(flt["values"]) * len(zones)}
         if args.token == "aws:ec2/getAmi:getAmi":
             filters = {f["name"]: f["values"] for f in args.args.get("filters", [])}
-            image = filters.get("image-id", [DLAMI_ID])[0]
-            return ami_result(image, self.ami_root_gib, self.ami_arch)
+            if "image-id" in filters:
+                image = filters["image-id"][0]
+            else:
+                (owner,) = args.args["owners"]
+                image = self.newest[owner]
+            if image in UBUNTU_IDS or image == self.newest[CANONICAL]:
+                return ami_result(image, UBUNTU_ROOT_GIB, self.arches.get(image, self.ami_arch), UBUNTU_NAME)
+            return ami_result(image, self.ami_root_gib, self.arches.get(image, self.ami_arch))
+        if args.token == "aws:ebs/getDefaultKmsKey:getDefaultKmsKey":
+            return {"id": REGION, "keyArn": self.default_ebs_key}
+        if args.token == "aws:kms/getKey:getKey":
+            key = KMS_KEYS.get(args.args["keyId"])
+            if key is None:  # the provider's error, as the engine hands it back (failures)
+                return {}, [("keyId", f"NotFoundException: Key '{args.args['keyId']}' does not exist")]
+            return key
         raise Exception(f"unexpected call {args.token}")
 
     def new_resource(self, args: pulumi.runtime.MockResourceArgs):
@@ -174,6 +234,9 @@ class ClusterMocks(pulumi.runtime.Mocks):
             state["keyName"] = f"{args.name}-1a2b3c"
         if args.typ == "aws:ec2/placementGroup:PlacementGroup":
             state["name"] = f"{args.name}-4d5e6f"
+        if args.typ == "pulumi:index:Stash":
+            state["output"] = self.prior_stash.get(args.name, inputs.get("input"))
+            self.stashed[args.name] = state["output"]
         if args.typ in ("aws:iam/instanceProfile:InstanceProfile", "aws:iam/role:Role"):
             state["name"] = f"{args.name}-5e6f7a"  # the provider's auto-name
         return f"{args.name}-id", state
@@ -220,6 +283,7 @@ TYPES = {
     "role": "aws:iam/role:Role",
     "role_policy": "aws:iam/rolePolicy:RolePolicy",
     "instance_profile": "aws:iam/instanceProfile:InstanceProfile",
+    "stash": "pulumi:index:Stash",
 }
 
 BASE_CONFIG = {"adminCidr": ADMIN_CIDR, "sshPublicKey": SSH_KEY}

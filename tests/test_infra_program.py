@@ -24,6 +24,7 @@ from tests.test_infra_mocks import (
     ADMIN_CIDR,
     DLAMI_ID,
     SSH_KEY,
+    UBUNTU_ID,
     ClusterMocks,
     Run,
     run_program,
@@ -51,7 +52,8 @@ class Case:
     cluster: str
     efa_cards: int  # EFA interfaces per GPU node (one per network card)
     public: str = "10.0.0.0/24"  # the controller's subnet
-    ami: str = DLAMI_ID
+    ami: str = DLAMI_ID  # the GPU nodes'
+    controller_ami: str = UBUNTU_ID
 
 
 CASES = [
@@ -64,10 +66,11 @@ CASES = [
          "mini", 1),
     Case("4x-p5.48xlarge", {"gpuNodeCount": "4", "gpuInstanceType": "p5.48xlarge", "rootVolumeGiB": 500,
                              "clusterName": "h100s", "vpcCidr": "10.20.0.0/16", "subnetCidr": "10.20.4.0/24",
-                             "controllerInstanceType": "t3.large", "amiId": "ami-0a1b2c3d4e5f60718"},
+                             "controllerInstanceType": "t3.large", "amiId": "ami-0a1b2c3d4e5f60718",
+                             "controllerAmiId": "ami-0c1d2e3f4a5b6c7d8"},
          "p5.48xlarge", "t3.large", "10.20.4.0/24", "10.20.0.0/16", "ap-northeast-2c",
          ("10.20.0.10", "10.20.4.11", "10.20.4.12", "10.20.4.13", "10.20.4.14"), 192, 8, "h100", 2097152,
-         True, True, 500, "h100s", 32, "10.20.0.0/24", "ami-0a1b2c3d4e5f60718"),
+         True, True, 500, "h100s", 32, "10.20.0.0/24", "ami-0a1b2c3d4e5f60718", "ami-0c1d2e3f4a5b6c7d8"),
     Case("2x-p4d.24xlarge", {"gpuInstanceType": "p4d.24xlarge", "publicSubnetCidr": "10.0.200.0/28"},
          "p4d.24xlarge", "c6i.xlarge", "10.0.1.0/24", "10.0.0.0/16", "ap-northeast-2a",
          ("10.0.200.10", "10.0.1.11", "10.0.1.12"), 96, 8, "a100", 1179648, True, True, 200, "mini", 4,
@@ -288,7 +291,7 @@ def test_imdsv2_encrypted_gp3_roots_ami_key_and_tags(deployed):
         root = i["rootBlockDevice"]
         assert root["encrypted"] is True and root["volumeType"] == "gp3"
         assert root["volumeSize"] == case.root_gib
-        assert i["ami"] == case.ami
+        assert i["ami"] == (case.controller_ami if name == "controller" else case.ami)
         assert i["keyName"] == f"{key.name}-1a2b3c"
         role = "controller" if name == "controller" else "gpu"
         assert i["tags"] == {"Cluster": case.cluster, "Role": role, "Name": f"{case.cluster}-{name}"}
@@ -344,7 +347,9 @@ def test_user_data_is_rendered_from_the_cluster_facts(deployed):
     assert len({n.inputs["userData"] for n in gpus}) == len(gpus)
     # The controller's user-data is read at first boot only: node-list changes go by
     # `fab reconfigure`, so the program never stops the controller to change it.
-    assert controller[0].ignore_changes == ("userData",) and not controller[0].replace_on_changes
+    # (`ami` is ignored too unless the config names the image: tests/test_infra_images.py.)
+    assert "userData" in controller[0].ignore_changes and not controller[0].replace_on_changes
+    assert set(controller[0].ignore_changes) <= {"userData", "ami"}
 
 
 def _decoded_files(doc: dict) -> dict[str, str]:
@@ -439,13 +444,14 @@ def test_components_own_their_resources(deployed):
     comps = {r.urn: r for r in run.mocks.components if r.typ.startswith("slurm-gpu:infra:")}
     assert {c.typ for c in comps.values()} == {
         "slurm-gpu:infra:Cluster", "slurm-gpu:infra:Network", "slurm-gpu:infra:Security",
-        "slurm-gpu:infra:Nodes", "slurm-gpu:infra:PowerSave",
+        "slurm-gpu:infra:Nodes", "slurm-gpu:infra:PowerSave", "slurm-gpu:infra:Images",
     }
     owner = {
         "vpc": "Network", "igw": "Network", "subnet": "Network", "rt": "Network", "route": "Network",
         "rta": "Network", "nat": "Network", "eip": "Network", "sg": "Security", "ingress": "Security",
         "egress": "Security", "key": "Nodes", "pg": "Nodes", "instance": "Nodes", "eni": "Nodes",
         "role": "PowerSave", "role_policy": "PowerSave", "instance_profile": "PowerSave",
+        "stash": "Images",
     }
     for short, comp in owner.items():
         for res in run.of_type(short):
@@ -504,11 +510,17 @@ def test_ami_bigger_than_the_root_volume_refused():
     assert mocks.components == []
 
 
-def test_default_ami_is_the_newest_dlami_for_ubuntu_24_04():
+def test_default_images_are_the_newest_dlami_and_ubuntu_24_04_server():
     run = run_program(stack_config())
-    (call,) = [a for t, a in run.mocks.calls if t == "aws:ec2/getAmi:getAmi"]
-    assert call["mostRecent"] is True and call["owners"] == ["amazon"]
-    filters = {f["name"]: f["values"] for f in call["filters"]}
+    calls = {tuple(a["owners"]): a for t, a in run.mocks.calls if t == "aws:ec2/getAmi:getAmi"}
+    assert set(calls) == {("amazon",), ("099720109477",)}  # AWS's DLAMI; Canonical's Ubuntu
+    gpu, controller = calls[("amazon",)], calls[("099720109477",)]
+    for call in (gpu, controller):
+        assert call["mostRecent"] is True
+        assert {f["name"]: f["values"] for f in call["filters"]}["architecture"] == ["x86_64"]
     # Ubuntu 24.04: Python 3.12 meets the pins' Requires-Python >= 3.11 (22.04 has 3.10).
-    assert filters["name"] == ["Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 24.04) *"]
-    assert filters["architecture"] == ["x86_64"]
+    assert {f["name"]: f["values"] for f in gpu["filters"]}["name"] == \
+        ["Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 24.04) *"]
+    # The controller: the same release without the GPU stack (the DLAMI does not list C6i).
+    assert {f["name"]: f["values"] for f in controller["filters"]}["name"] == \
+        ["ubuntu/images/hvm-ssd-gp3/ubuntu-noble-24.04-amd64-server-*"]

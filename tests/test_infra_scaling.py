@@ -45,7 +45,8 @@ def _changed(old: dict, new: dict) -> list[str]:
     for key in sorted(set(old) & set(new)):
         (a_in, a_ign, a_rep, a_par), (b_in, b_ign, b_rep, b_par) = old[key], new[key]
         if key == CONTROLLER:
-            assert a_ign == b_ign == ("userData",)  # its user-data holds the node list
+            # Its user-data holds the node list; its image is kept (infra/ami.py).
+            assert a_ign == b_ign == ("userData", "ami")
             a_in = {k: v for k, v in a_in.items() if k != "userData"}
             b_in = {k: v for k, v in b_in.items() if k != "userData"}
         if (a_in, a_ign, a_rep, a_par) != (b_in, b_ign, b_rep, b_par):

@@ -186,7 +186,8 @@ def as_preview(stack: list[Res]) -> list[Res]:
     {"gpuNodeCount": 4, "gpuInstanceType": "p5.48xlarge"},
     {"gpuNodeCount": 3, "gpuInstanceType": "g6.48xlarge"},
     {"efa": False, "gpuNodeCount": 1, "gpuInstanceType": "g4dn.xlarge"},
-], ids=["seed", "4xp5", "3xg6.48", "no-efa"])
+    {"ebsKmsKeyId": harness.CMK},
+], ids=["seed", "4xp5", "3xg6.48", "no-efa", "cmk"])
 def test_the_programs_resources_pass_every_policy(config):
     stack = declare(**config)
     types = {r.typ for r in stack}
@@ -534,6 +535,45 @@ def test_self_egress_may_be_an_inline_rule(cluster):
     assert analyze_stack(_inline_self_egress(cluster)) == []
 
 
+# ------------------------------------------------ the root volumes' KMS key
+
+def _kms_statement(sid: str, edit):
+    """Edit the power-save policy's statement `sid` (the stack names a customer-managed key)."""
+    def change(props):
+        doc = json.loads(props["policy"])
+        (st,) = [st for st in doc["Statement"] if st.get("Sid") == sid]
+        edit(st)
+        props["policy"] = json.dumps(doc)
+    return change
+
+
+KMS_CASES = [
+    ("use-any-key", _kms_statement("UseTheRootVolumesKeyThroughEc2", lambda st: st.update(Resource="*")),
+     r"Statement\[2\] allows kms:decrypt, .* on \*: name the KMS key's ARN"),
+    ("use-by-alias", _kms_statement("UseTheRootVolumesKeyThroughEc2", lambda st: st.update(
+        Resource="arn:aws:kms:ap-northeast-2:111122223333:alias/ebs")), r"on arn:aws:kms:.*:alias/ebs: name"),
+    ("grant-unconditioned", _kms_statement("LetEc2GrantTheRootVolumesKey", lambda st: st.pop("Condition")),
+     r"Statement\[3\] allows kms:CreateGrant without Condition Bool kms:GrantIsForAWSResource = true"),
+    ("grant-condition-false", _kms_statement("LetEc2GrantTheRootVolumesKey", lambda st: st.update(
+        Condition={"Bool": {"kms:GrantIsForAWSResource": "false"}})), r"allows kms:CreateGrant without"),
+]
+
+
+@pytest.fixture(scope="module")
+def cmk_cluster() -> list[Res]:
+    return declare(ebsKmsKeyId=harness.CMK)
+
+
+@pytest.mark.parametrize("change,pattern", [c[1:] for c in KMS_CASES], ids=[c[0] for c in KMS_CASES])
+def test_kms_grant_violation(cmk_cluster, change, pattern):
+    stack = _mutate(cmk_cluster, "power-stop-start", change)
+    target = one(stack, "power-stop-start")
+    found = analyze(stack)
+    assert {f.policy for f in found} == {"kms-use-names-its-key"}, found
+    assert all(f.mandatory and f.urn == target.urn for f in found)
+    assert any(re.search(pattern, f.message) for f in found), found
+
+
 # ------------------------------------------------------------ the pack
 
 def test_main_builds_the_pack_with_every_policy_mandatory(monkeypatch):
@@ -557,7 +597,7 @@ def test_main_builds_the_pack_with_every_policy_mandatory(monkeypatch):
     assert set(by_name) == {p.name for p in rules.policies()} == stack_policies | {
         "ssh-not-open-to-internet", "only-ssh-from-outside", "instances-require-imdsv2",
         "volumes-encrypted", "user-data-has-no-munge-key", "no-private-key-material",
-        "key-pair-public-key-only", "power-save-role-is-tag-scoped"}
+        "key-pair-public-key-only", "power-save-role-is-tag-scoped", "kms-use-names-its-key"}
     for name, p in by_name.items():
         assert p.enforcementLevel == proto.MANDATORY, name
         want = proto.PolicyType.POLICY_TYPE_STACK if name in stack_policies else proto.PolicyType.POLICY_TYPE_RESOURCE

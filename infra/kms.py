@@ -1,0 +1,82 @@
+"""Which KMS key encrypts the root volumes, and whether the power-save role must be granted it.
+
+Root volumes are always encrypted. EC2's StartInstances on an instance whose volumes use a
+customer-managed key needs the caller (the controller's power-save role, infra/power.py) to
+be allowed that key; the AWS-managed aws/ebs key needs nothing (its key policy lets any
+principal of the account use it through EC2). So, at plan time:
+
+- `slurm-gpu:ebsKmsKeyId` set: the root volumes name that key and the role is granted
+  exactly it (the key's policy must let IAM policies grant it: the default key policy does).
+- unset: the account's default EBS key is looked up. AWS-managed: nothing to grant. Customer
+  managed while GPU nodes stop when idle: refused, naming the key and the setting, because
+  the role could not start the nodes again; naming the key in config keeps the grant and the
+  volumes on that key even if the account's default changes later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pulumi_aws as aws
+
+from infra.config import NAMESPACE, ConfigError, StackConfig
+
+SETTING = f"{NAMESPACE}:ebsKmsKeyId"
+# What EBS needs of a key to encrypt and decrypt volumes (AWS: "Requirements for Amazon EBS
+# encryption"): symmetric, for encryption, enabled.
+EBS_KEY_SPEC = "SYMMETRIC_DEFAULT"
+EBS_KEY_USAGE = "ENCRYPT_DECRYPT"
+
+
+@dataclass(frozen=True)
+class EbsKey:
+    """arn: the key the root volumes name and the power-save role is granted; None: the
+    account's AWS-managed default, which needs no grant."""
+    arn: str | None
+
+
+def resolve_ebs_key(cfg: StackConfig, region: str | None) -> EbsKey:
+    if cfg.ebs_kms_key_id:
+        key = _describe(cfg.ebs_kms_key_id, f"{SETTING} {cfg.ebs_kms_key_id}")
+        problems = []
+        if key.key_state != "Enabled":
+            problems.append(f"is {key.key_state}, not Enabled")
+        if key.key_spec != EBS_KEY_SPEC or key.key_usage != EBS_KEY_USAGE:
+            problems.append(f"is {key.key_spec}/{key.key_usage}; EBS needs a symmetric "
+                            f"{EBS_KEY_SPEC}/{EBS_KEY_USAGE} key")
+        key_region = key.arn.split(":")[3]
+        if region and key_region != region:
+            problems.append(f"is in {key_region}; the volumes are in {region} (EBS needs a key of their region)")
+        if problems:
+            raise ConfigError(f"{SETTING}: the key {key.arn} " + "; ".join(problems) +
+                              f"; name a usable key with `pulumi config set {SETTING} arn:aws:kms:...`")
+        return EbsKey(arn=key.arn)
+    if cfg.idle_stop_minutes == 0:
+        return EbsKey(arn=None)  # no power-save role: nothing of ours starts the instances
+    try:
+        default = aws.ebs.get_default_kms_key().key_arn
+    except Exception as exc:
+        raise ConfigError(
+            f"could not read this account's default EBS encryption key ({exc}); name the key the root "
+            f"volumes use with `pulumi config set {SETTING} arn:aws:kms:...`"
+        ) from exc
+    key = _describe(default, f"the account's default EBS key {default}")
+    if key.key_manager == "AWS":
+        return EbsKey(arn=None)
+    raise ConfigError(
+        f"{SETTING} is unset and this account's default EBS key in {region or 'this region'} is "
+        f"customer-managed ({key.arn}): the controller's power-save role could not start stopped GPU "
+        f"nodes without a grant on it. Name the key, and the role is granted exactly it: "
+        f"`pulumi config set {SETTING} {key.arn}`; or keep GPU nodes running with "
+        f"`pulumi config set {NAMESPACE}:idleStopMinutes 0`"
+    )
+
+
+def _describe(key_id: str, what: str):
+    try:
+        return aws.kms.get_key(key_id=key_id)
+    except Exception as exc:
+        raise ConfigError(
+            f"could not describe {what} ({exc}); the deployer needs kms:DescribeKey on it; set "
+            f"`pulumi config set {SETTING} arn:aws:kms:...` to a key of this region"
+        ) from exc
