@@ -101,6 +101,21 @@ def test_shared_volume_from_the_stack_file_and_gp3s_iops_rule_as_infra_has_it():
         est._scratch_volume({"scratchThroughputMBps": 2000}, None, None)
 
 
+def test_new_stack_boot_installs_the_training_stack_from_the_controllers_cache(monkeypatch):
+    """No NAT bytes: the controller's download (25 s at 150 MB/s) ends inside its 120 s head start;
+    the two nodes read 3.8 GB each over the controller's network (12.5 Gbit/s; c6i.xlarge's 8 GiB
+    page cache still holds the wheels it just wrote) and install in 60 s."""
+    e = _seed()
+    stack = next(p for p in e.phases if p.key == "boot_stack")
+    assert stack.seconds["new"] == pytest.approx(2 * 3.8e9 / (12.5e9 / 8) + 60)
+    assert stack.seconds["first"] == stack.seconds["again"] == 0
+    assert "no NAT" in stack.basis and "0 s left to wait" in stack.basis
+    # A hub slow enough that the download outlasts the head start: the nodes wait for the rest.
+    monkeypatch.setattr(est, "HUB_MBPS", 20.0)
+    waited = next(p for p in _seed().phases if p.key == "boot_stack")
+    assert waited.seconds["new"] == pytest.approx(3.8e9 / 20e6 - 120 + 2 * 3.8e9 / (12.5e9 / 8) + 60)
+
+
 def test_cost_is_instances_by_the_second_plus_nat_and_ebs():
     e = _seed()
     p = est.prices("ap-northeast-2")
@@ -111,8 +126,8 @@ def test_cost_is_instances_by_the_second_plus_nat_and_ebs():
         nat = p["nat_per_h"] * wall / 3600 + e.nat_bytes[scenario] / 1e9 * p["nat_per_gb"]
         assert bill[2].usd == pytest.approx(nat)
         assert bill[3].usd == pytest.approx(600 * p["gp3_per_gb_month"] * wall / (730 * 3600))
-    assert e.nat_bytes["again"] == e.nat_bytes["first"] == 0  # the controller fetches outside the NAT
-    assert e.nat_bytes["new"] == 2 * est.WHEELS_BYTES
+    # The controller fetches model, data and the nodes' wheels outside the NAT gateway.
+    assert e.nat_bytes["again"] == e.nat_bytes["first"] == e.nat_bytes["new"] == 0
     assert est.idle_tail(e).usd == pytest.approx(2 * p["instance_per_h"]["g6.12xlarge"] * 0.5)
 
 
