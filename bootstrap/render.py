@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import gzip
+import hashlib
 import re
 from pathlib import Path
 
@@ -79,9 +80,21 @@ FILE_MODES = {HEALTHCHECK_PATH: 0o755, BOOTSTRAP_PATH: 0o755, SUSPEND_PATH: 0o75
 # is a CUDA build on Linux x86_64, which is what GPU nodes need.
 TRAINING_PACKAGES = ("torch", "transformers", "trl", "peft", "datasets", "accelerate")
 
+# The GPU nodes' wheel cache on the shared scratch (the controller's `wheels` step fills it,
+# their `training` step installs from it): one directory per pin set, Python and wheel tags.
+WHEEL_CACHE_DIR = "wheels"
+# How long a GPU node waits for the cache before it installs from the index instead: in all,
+# and for the controller to have started it at all (a controller whose bootstrap predates the
+# pins never will). The controller's download is bounded too.
+WHEEL_WAIT_S = 900
+WHEEL_START_WAIT_S = 180
+WHEEL_POLL_S = 5
+WHEEL_DOWNLOAD_TIMEOUT_S = 1800
+
 # Debian/Ubuntu packages per role (cloud-init installs them; the `packages` step checks).
 PACKAGES = {
-    "controller": ("slurm-wlm", "munge", "nfs-common", "nfs-kernel-server"),
+    # python3-pip: the `wheels` step downloads the GPU nodes' training stack.
+    "controller": ("slurm-wlm", "munge", "nfs-common", "nfs-kernel-server", "python3-pip"),
     # python3-dev and a C compiler: Triton (torch.compile, flex attention) builds C against
     # Python.h at run time.
     "gpu": ("slurm-wlm", "munge", "nfs-common", "python3-venv", "python3-pip", "python3-dev",
@@ -90,7 +103,7 @@ PACKAGES = {
 
 # Steps of each role's bootstrap script, in order (SLURM_GPU_SKIP_STEPS picks from these).
 STEPS = {
-    "controller": ("hostname", "hosts", "packages", "dirs", "munge", "nfs", "scratch", "services"),
+    "controller": ("hostname", "hosts", "packages", "dirs", "munge", "nfs", "scratch", "wheels", "services"),
     "gpu": (
         "hostname", "hosts", "packages", "dirs", "munge", "healthcheck", "nfs", "scratch",
         "training", "gpus", "services",
@@ -101,7 +114,7 @@ STEPS = {
 # stack is the repo's .venv. (hostname and hosts run: each host has its own UTS
 # namespace and bind-mounted /etc/hostname and /etc/hosts.)
 LOCAL_SKIP_STEPS = {
-    "controller": ("packages", "nfs", "services"),
+    "controller": ("packages", "nfs", "wheels", "services"),
     "gpu": ("packages", "nfs", "training", "services"),
 }
 
@@ -331,6 +344,13 @@ def training_pins(requirements: Path = REQUIREMENTS) -> dict[str, str]:
     return pins
 
 
+def wheel_cache(facts: ClusterFacts, requirements: list[str]) -> str:
+    """The wheel cache directory on the shared scratch for these pins on the facts' platform."""
+    made_of = "\n".join([facts.platform.python, *facts.platform.wheel_platforms, *requirements])
+    scratch = facts.scratch.rstrip("/")
+    return f"{scratch}/{WHEEL_CACHE_DIR}/py{facts.platform.python}-{hashlib.sha256(made_of.encode()).hexdigest()[:12]}"
+
+
 def bootstrap_script(facts: ClusterFacts, role: str, hostname: str | None = None) -> str:
     """The role's bootstrap script (bash). `hostname`: the name to take; None: the
     cluster host whose IP this machine has (see the script's `hostname` step)."""
@@ -342,6 +362,10 @@ def bootstrap_script(facts: ClusterFacts, role: str, hostname: str | None = None
     pins = training_pins()
     ctx["pinned_requirements"] = [f"{name}=={pins[name]}" for name in TRAINING_PACKAGES]
     ctx["training_packages"] = TRAINING_PACKAGES
+    ctx["wheel_cache"] = wheel_cache(facts, ctx["pinned_requirements"])
+    ctx["wheel_cache_dir"] = WHEEL_CACHE_DIR
+    ctx["wheel"] = {"wait_s": WHEEL_WAIT_S, "start_wait_s": WHEEL_START_WAIT_S, "poll_s": WHEEL_POLL_S,
+                    "download_timeout_s": WHEEL_DOWNLOAD_TIMEOUT_S}
     ctx["packages"] = PACKAGES[role]
     ctx["local_skip"] = LOCAL_SKIP_STEPS[role]
     return _SCRIPTS.get_template(f"bootstrap-{role}.sh.j2").render(**ctx)

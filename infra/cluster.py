@@ -21,12 +21,16 @@ SERVICE_CMD = "sudo systemctl {action} {service}"
 
 
 def build_inventory(facts: ClusterFacts, controller_public_ip: str | None, region: str | None,
-                    instance_ids: dict[str, str] | None = None) -> dict:
-    """The `inventory` output: bootstrap.inventory.Inventory as a plain dict."""
+                    instance_ids: dict[str, str] | None = None, scratch_volume: dict | None = None) -> dict:
+    """The `inventory` output: bootstrap.inventory.Inventory as a plain dict. `scratch_volume`:
+    the shared /scratch volume's gp3 {"throughput_mbps", "iops"} (`fab estimate` reads them)."""
+    extra = _extra(facts, region, instance_ids or {})
+    if scratch_volume:
+        extra["scratch_volume"] = dict(scratch_volume)
     inv = from_facts(
         facts, target="aws", controller_public_ip=controller_public_ip,
         python=TRAINING_PYTHON,  # where the GPU nodes' bootstrap installs the training stack
-        service_cmd=SERVICE_CMD, extra=_extra(facts, region, instance_ids or {}),
+        service_cmd=SERVICE_CMD, extra=extra,
     )
     return asdict(inv)
 
@@ -88,6 +92,8 @@ class ClusterComponent(pulumi.ComponentResource):
             controller_internet=self.network.controller_internet,
             gpu_internet=self.network.gpu_internet,
             controller_instance_profile=self.power.instance_profile.name if self.power else None,
+            scratch_throughput_mbps=cfg.scratch_throughput_mbps,
+            scratch_iops=cfg.scratch_iops,
             opts=pulumi.ResourceOptions(parent=self, depends_on=[self.network, self.security]),
         )
 
@@ -97,9 +103,13 @@ class ClusterComponent(pulumi.ComponentResource):
             for h, role in [(facts.controller, "controller")] + [(h, "gpu") for h in facts.gpu_nodes]
         ]
         names = [facts.controller.name] + [h.name for h in facts.gpu_nodes]
+        # The shared volume's throughput and IOPS as the provider reports them, for `fab estimate`.
+        root = self.nodes.controller.root_block_device
         self.inventory = pulumi.Output.all(
-            self.nodes.controller.public_ip, self.nodes.controller.id, *[n.id for n in self.nodes.gpu_nodes]
-        ).apply(lambda v: build_inventory(facts, v[0], region, dict(zip(names, v[1:], strict=True))))
+            self.nodes.controller.public_ip, root.throughput, root.iops, self.nodes.controller.id,
+            *[n.id for n in self.nodes.gpu_nodes]
+        ).apply(lambda v: build_inventory(facts, v[0], region, dict(zip(names, v[3:], strict=True)),
+                                          {"throughput_mbps": v[1], "iops": v[2]}))
 
         hosts = [(facts.controller.name, self.nodes.controller)] + \
             [(h.name, n) for h, n in zip(facts.gpu_nodes, self.nodes.gpu_nodes, strict=True)]

@@ -9,6 +9,7 @@ before the program declares any resource.
 from __future__ import annotations
 
 import ipaddress
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -77,12 +78,27 @@ SETTINGS: dict[str, tuple[Any, str]] = {
     "clusterName": ("mini", "mini"),
     "efa": (True, "true"),
     "idleStopMinutes": (30, "30"),
+    "scratchThroughputMBps": (125, "1000"),
+    "scratchIops": (None, "4000"),
 }
 
 # idleStopMinutes: 0 turns stopping off; otherwise at least this long, so a node is not
 # stopped and started again between the jobs of one session (a start takes minutes).
 MIN_IDLE_STOP_MINUTES = 5
 MAX_IDLE_STOP_MINUTES = 7 * 24 * 60
+
+# The shared /scratch (the controller's gp3 root volume): gp3's limits on provisioned throughput
+# (MiB/s, what AWS's gp3 figures and the EC2 API use) and IOPS, and the ratio EC2 enforces between
+# them: at most 0.25 MiB/s per IOPS, so throughput above 750 needs IOPS above the 3000 baseline.
+# (gp3's 500 IOPS per GiB never binds: rootVolumeGiB is at least 50.)
+GP3_THROUGHPUT = (125, 1000)
+GP3_IOPS = (3000, 16000)
+GP3_MIBPS_PER_IOPS = 0.25
+
+
+def gp3_min_iops(throughput: int) -> int:
+    """The fewest IOPS gp3 accepts with this throughput (ops/estimate.py prices the same rule)."""
+    return max(GP3_IOPS[0], math.ceil(throughput / GP3_MIBPS_PER_IOPS))
 
 
 @dataclass(frozen=True)
@@ -103,6 +119,9 @@ class StackConfig:
     idle_stop_minutes: int = 30  # 0: GPU nodes never stop when idle
     controller_ami_id: str | None = None  # None: the stack's pinned Ubuntu image (infra/ami.py)
     ebs_kms_key_id: str | None = None  # None: the account's default EBS key (infra/kms.py)
+    # The controller's root volume, which holds the shared /scratch: gp3 throughput and IOPS.
+    scratch_throughput_mbps: int = GP3_THROUGHPUT[0]
+    scratch_iops: int = GP3_IOPS[0]
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any]) -> StackConfig:
@@ -207,6 +226,8 @@ class StackConfig:
                 "30",
             )
 
+        throughput, iops = _scratch_volume(value("scratchThroughputMBps"), value("scratchIops"))
+
         return cls(
             admin_cidr=_admin_cidr(value("adminCidr")),
             ssh_public_key=_ssh_key(value("sshPublicKey")),
@@ -226,6 +247,8 @@ class StackConfig:
             cluster_name=name,
             efa=_bool("efa", value("efa")),
             idle_stop_minutes=idle,
+            scratch_throughput_mbps=throughput,
+            scratch_iops=iops,
         )
 
 
@@ -245,6 +268,29 @@ def _unknown_keys() -> list[str]:
     keys = set(runtime_config.CONFIG.get()) | set(runtime_config.get_config_env())
     prefix = NAMESPACE + ":"
     return [k[len(prefix):] for k in keys if k.startswith(prefix) and k[len(prefix):] not in SETTINGS]
+
+
+def _scratch_volume(throughput_raw: Any, iops_raw: Any) -> tuple[int, int]:
+    """gp3 throughput and IOPS of the controller's volume (the shared /scratch), by EC2's rules."""
+    throughput = _int("scratchThroughputMBps", throughput_raw)
+    low, high = GP3_THROUGHPUT
+    if not low <= throughput <= high:
+        raise _fail("scratchThroughputMBps",
+                    f"is {throughput}; gp3 provisions {low} to {high} MiB/s (the shared /scratch on the "
+                    f"controller's volume; {low} is gp3's baseline, more is billed per MiB/s-month)", "1000")
+    least = gp3_min_iops(throughput)
+    if iops_raw is None:
+        return throughput, least
+    iops = _int("scratchIops", iops_raw)
+    if not GP3_IOPS[0] <= iops <= GP3_IOPS[1]:
+        raise _fail("scratchIops", f"is {iops}; gp3 provisions {GP3_IOPS[0]} to {GP3_IOPS[1]} IOPS",
+                    str(least))
+    if iops < least:
+        raise _fail("scratchIops",
+                    f"is {iops}, too few for {NAMESPACE}:scratchThroughputMBps {throughput}: gp3 allows at "
+                    f"most {GP3_MIBPS_PER_IOPS} MiB/s per IOPS, so {throughput} MiB/s needs at least {least} "
+                    f"IOPS (or unset {NAMESPACE}:scratchIops to get that)", str(least))
+    return throughput, iops
 
 
 def _int(key: str, v: Any) -> int:

@@ -55,6 +55,8 @@ class NodesComponent(pulumi.ComponentResource):
         gpu_internet: Sequence[pulumi.Resource],
         controller_instance_profile: pulumi.Input[str] | None = None,
         ebs_key_arn: str | None = None,
+        scratch_throughput_mbps: int | None = None,
+        scratch_iops: int | None = None,
         opts: pulumi.ResourceOptions | None = None,
     ):
         super().__init__("slurm-gpu:infra:Nodes", name, None, opts)
@@ -85,7 +87,9 @@ class NodesComponent(pulumi.ComponentResource):
             vpc_security_group_ids=[security_group_id],
             associate_public_ip_address=True,
             metadata_options=self._imdsv2(),
-            root_block_device=self._root("controller", facts.controller),
+            # Its root volume holds the shared /scratch: gp3 throughput and IOPS as configured.
+            root_block_device=self._root("controller", facts.controller,
+                                         throughput=scratch_throughput_mbps, iops=scratch_iops),
             user_data=user_data["controller"],
             tags=self._tags("controller", facts.controller),
             # Boot only once the subnet routes to the internet: cloud-init installs packages.
@@ -168,8 +172,11 @@ class NodesComponent(pulumi.ComponentResource):
     def _tags(self, role: str, host: Host) -> dict[str, str]:
         return {"Cluster": self._cluster, "Role": role, "Name": f"{self._cluster}-{host.name}"}
 
-    def _root(self, role: str, host: Host) -> aws.ec2.InstanceRootBlockDeviceArgs:
+    def _root(self, role: str, host: Host, throughput: int | None = None,
+              iops: int | None = None) -> aws.ec2.InstanceRootBlockDeviceArgs:
         return aws.ec2.InstanceRootBlockDeviceArgs(
+            throughput=throughput,  # MiB/s; None: gp3's baseline (125)
+            iops=iops,
             volume_type="gp3",
             volume_size=self._root_volume_gib,
             encrypted=True,

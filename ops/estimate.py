@@ -40,8 +40,14 @@ HUB_MBPS = 150.0          # Hugging Face's CDN to one EC2 node through the NAT g
 PAGE_CACHE_MBPS = 4000.0  # a node reading a file its page cache holds (NFS client cache included)
 NVME_MBPS = 1500.0        # one local NVMe instance-store disk
 GP3_BASE_MBPS = 125.0     # gp3's baseline throughput: the shared /scratch on the controller's root volume
+GP3_BASE_IOPS = 3000      # gp3's baseline IOPS; EC2 allows at most 0.25 MiB/s per IOPS (infra/config.py)
+GP3_MAX_MBPS = 1000.0
 SSH_STEP_S = 1.0          # one fab step of a few SSH round trips through the controller
 WHEELS_BYTES = 3.8e9      # the CUDA training stack the GPU node's first boot installs (torch + nvidia-*)
+WHEELS_INSTALL_S = 60.0   # pip unpacking and installing it on a node (assumed)
+# How much sooner the controller boots than the GPU nodes: they wait for the NAT gateway (~2 min to
+# create), it does not (public subnet). Its download of the wheel cache runs in that time.
+CONTROLLER_HEAD_START_S = 120.0
 
 
 class EstimateError(ValueError):
@@ -58,7 +64,11 @@ class Cluster:
     ranks_per_node: int
     root_volume_gib: int = 200
     idle_stop_min: int = 30
-    scratch_mbps: float = GP3_BASE_MBPS  # the shared volume's throughput (provisioned above 125 MB/s is billed)
+    # The shared volume's gp3 throughput (MiB/s, taken as MB/s: 5% conservative) and IOPS; above
+    # gp3's baseline both are billed. scratch_from: where the figure came from.
+    scratch_mbps: float = GP3_BASE_MBPS
+    scratch_iops: int = GP3_BASE_IOPS
+    scratch_from: str = "gp3 baseline"
     source: str = ""
     stack_nodes: int = 0  # GPU nodes the stack runs (and bills), of which the job uses `nodes`
     # No real GPUs (the local cluster): phase times calibrated on the CI machine, nothing billed.
@@ -260,9 +270,19 @@ def _aws(cl: Cluster, job: Job) -> Estimate:
 
     add("pulumi", "pulumi up: VPC, NAT gateway (~2 min to create), instances (assumed)", 150, 0, 0)
     add("boot", "first boot: OS packages, Slurm, NFS (assumed 90 s)", 90, 0, 0)
-    wheels_s = WHEELS_BYTES / (HUB_MBPS * mb) + 60
-    add("boot_stack", f"first boot: training stack {WHEELS_BYTES / 1e9:.1f} GB through the NAT at "
-        f"{HUB_MBPS:.0f} MB/s + 60 s to install (each node, in parallel)", wheels_s, 0, 0)
+    # The training stack: the controller downloads it once into /scratch (bootstrap `wheels` step)
+    # while the NAT gateway is still being made; the nodes wait for whatever is left of that, read
+    # it over NFS (just written: from the controller's page cache where it fits) and install.
+    fetch_s = WHEELS_BYTES / (HUB_MBPS * mb)
+    wait_s = max(0.0, fetch_s - CONTROLLER_HEAD_START_S)
+    wheels_cached = ctl["memory_gib"] * 2**30 > 1.3 * WHEELS_BYTES
+    read_s = max((0 if wheels_cached else n) * WHEELS_BYTES / (cl.scratch_mbps * mb),
+                 n * WHEELS_BYTES / (net_ctl * mb))
+    add("boot_stack", (f"first boot: training stack {WHEELS_BYTES / 1e9:.1f} GB fetched once by the controller "
+                       f"({fetch_s:.0f} s at {HUB_MBPS:.0f} MB/s, no NAT; {CONTROLLER_HEAD_START_S:.0f} s head "
+                       f"start: {wait_s:.0f} s left to wait), {n} node(s) read it over NFS in {read_s:.1f} s, "
+                       f"+ {WHEELS_INSTALL_S:.0f} s to install (each node, in parallel)"),
+        wait_s + read_s + WHEELS_INSTALL_S, 0, 0)
     add("setup", "fab's imports, the training config check, `pulumi stack output` (assumed)", 5)
     add("wake", "cloud-init done on every host: one SSH round (nodes on; a stopped node adds 2-4 min)",
         SSH_STEP_S)
@@ -279,7 +299,8 @@ def _aws(cl: Cluster, job: Job) -> Estimate:
     add("startup", f"srun, torchrun rendezvous, Python imports: measured {startup_s:.1f} s (benchmark)", startup_s)
     add("data", f"tokenizing {job.rows:,} rows (measured 1.2 s)", 1.2)
     add("model", (f"{model / 1e9:.1f} GB: first run {n} node(s) read it over NFS ({disk_reads} read(s) of gp3 at "
-                  f"{cl.scratch_mbps:.0f} MB/s; controller page cache {'holds' if fits else 'cannot hold'} it); "
+                  f"{cl.scratch_mbps:.0f} MB/s, {cl.scratch_from}; controller page cache "
+                  f"{'holds' if fits else 'cannot hold'} it); "
                   f"again: the nodes' page cache at {PAGE_CACHE_MBPS:.0f} MB/s x {cl.ranks_per_node} ranks; "
                   f"+ {gpu_load_s} s to the GPU"),
         nfs_s + gpu_load_s, None, warm_s + gpu_load_s)
@@ -300,8 +321,9 @@ def _aws(cl: Cluster, job: Job) -> Estimate:
     add("seen", "fab's next poll", 1.0)
     add("download", f"adapters and state ({job.trainable * 4 / 1e6 + 12:.0f} MB) at 12.5 MB/s (100 Mbit/s home)",
         1 + (job.trainable * 4 + 12e6) / 12.5e6)
-    # The controller (public subnet) fetches model and data: only the GPU nodes' boot crosses the NAT.
-    est.nat_bytes = {"new": WHEELS_BYTES * cl.billed_nodes, "first": 0.0, "again": 0.0}
+    # The controller (public subnet) fetches model, data and the nodes' training stack: the run's
+    # big downloads never cross the NAT gateway.
+    est.nat_bytes = {"new": 0.0, "first": 0.0, "again": 0.0}
     return est
 
 
@@ -353,6 +375,10 @@ def cost(est: Estimate, scenario: str) -> list[CostLine]:
         extra = cl.scratch_mbps - GP3_BASE_MBPS
         lines.append(CostLine(f"gp3 throughput +{extra:.0f} MB/s at ${p['gp3_per_mbps_month']}/MB/s-month",
                               extra * p["gp3_per_mbps_month"] * wall / MONTH_S))
+    if cl.scratch_iops > GP3_BASE_IOPS:
+        extra_iops = cl.scratch_iops - GP3_BASE_IOPS
+        lines.append(CostLine(f"gp3 IOPS +{extra_iops} at ${p['gp3_per_iops_month']}/IOPS-month",
+                              extra_iops * p["gp3_per_iops_month"] * wall / MONTH_S))
     return lines
 
 
@@ -415,7 +441,7 @@ def dominant(est: Estimate, scenario: str, n: int = 3) -> list[tuple[str, float]
 # infra/config.py's defaults of the settings the estimate reads (ops may not import infra:
 # docs/ARCHITECTURE.md; tests/test_estimate.py holds the two equal).
 STACK_DEFAULTS = {"gpuNodeCount": 2, "gpuInstanceType": "g6.12xlarge", "controllerInstanceType": "c6i.xlarge",
-                  "rootVolumeGiB": 200, "idleStopMinutes": 30}
+                  "rootVolumeGiB": 200, "idleStopMinutes": 30, "scratchThroughputMBps": 125}
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -456,9 +482,9 @@ def cluster_for(target: str, stack: str | None, inv=None, nodes: int | None = No
                 gpu_instance_type: str | None = None, region: str | None = None,
                 scratch_mbps=None) -> Cluster:
     """The cluster to estimate: the stack's settings (and its inventory, when one was read), flags on top."""
-    scratch = _positive("scratch-mbps", scratch_mbps, float) or GP3_BASE_MBPS
-    if scratch > 1000:
-        raise EstimateError(f"--scratch-mbps {scratch:.0f}: gp3 provisions at most 1000 MB/s")
+    what_if = _positive("scratch-mbps", scratch_mbps, float)
+    if what_if is not None and what_if > GP3_MAX_MBPS:
+        raise EstimateError(f"--scratch-mbps {what_if:.0f}: gp3 provisions at most {GP3_MAX_MBPS:.0f} MB/s")
     from ops import targets
 
     if not targets.get(target).real_gpus:  # the local cluster: no prices, its calibrated figures
@@ -478,13 +504,42 @@ def cluster_for(target: str, stack: str | None, inv=None, nodes: int | None = No
     idle = int(settings.get("idleStopMinutes", 30))
     if inv and inv.extra.get("idle_stop_s") is not None:
         idle = int(inv.extra["idle_stop_s"]) // 60
+    scratch, iops, scratch_from = _scratch_volume(settings, inv, what_if)
     cl = Cluster(target, reg, itype, settings["controllerInstanceType"], n, g,
                  root_volume_gib=int(settings["rootVolumeGiB"]), idle_stop_min=idle, scratch_mbps=scratch,
+                 scratch_iops=iops, scratch_from=scratch_from,
                  source=source + (" + inventory" if inv else ""), stack_nodes=stack_nodes)
     prices(reg)  # an unknown region or type fails here, naming the price table
     price_per_h(reg, cl.gpu_type)
     price_per_h(reg, cl.controller_type)
     return cl
+
+
+def _gp3_min_iops(mbps: float) -> int:
+    return max(GP3_BASE_IOPS, math.ceil(mbps / 0.25))  # infra/config.py's gp3_min_iops (a test holds them equal)
+
+
+def _scratch_volume(settings: dict, inv, what_if: float | None) -> tuple[float, int, str]:
+    """The shared volume's throughput, IOPS and where they came from: the stack's inventory (what
+    the volume got), else its slurm-gpu:scratchThroughputMBps / scratchIops; --scratch-mbps on top."""
+    volume = (inv.extra.get("scratch_volume") or {}) if inv else {}
+    if volume.get("throughput_mbps"):
+        mbps, iops, where = float(volume["throughput_mbps"]), int(volume.get("iops") or 0), "the stack's inventory"
+    else:
+        key = "slurm-gpu:scratchThroughputMBps"
+        try:
+            mbps = float(str(settings["scratchThroughputMBps"]))
+            iops = int(str(settings.get("scratchIops") or 0))
+        except ValueError:
+            raise EstimateError(f"{key} / slurm-gpu:scratchIops in the stack file must be whole numbers (not "
+                                f"{settings['scratchThroughputMBps']!r}, {settings.get('scratchIops')!r})") from None
+        if not GP3_BASE_MBPS <= mbps <= GP3_MAX_MBPS:
+            raise EstimateError(f"{key} {mbps:.0f} in the stack file: gp3 provisions {GP3_BASE_MBPS:.0f} to "
+                                f"{GP3_MAX_MBPS:.0f} MiB/s; `pulumi up` refuses it too")
+        where = "slurm-gpu:scratchThroughputMBps" if mbps != GP3_BASE_MBPS else "gp3 baseline"
+    if what_if is not None:
+        mbps, where = what_if, "--scratch-mbps"
+    return mbps, max(iops, _gp3_min_iops(mbps)), where
 
 
 # ---------------------------------------------------------------- `fab estimate` and `fab train`

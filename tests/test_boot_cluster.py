@@ -81,6 +81,25 @@ def test_cloud_init_done_and_every_step_ok(booted):
             f"--- {s}.log\n{bc.step_log(name, s)}" for s in not_ok)
 
 
+def test_gpu_nodes_installed_the_training_stack_from_the_controllers_cache(booted):
+    """The controller's `wheels` step filled the wheel cache on the shared scratch (from the image's
+    pip index: the wheelhouse, standing in for PyPI); every GPU node's `training` step installed from
+    that cache alone (--no-index, no pip.conf), not from the index."""
+    from bootstrap.render import STATE_DIR
+
+    bc = booted
+    ctl_log = bc.step_log(bc.facts.controller.name, "wheels")
+    m = re.search(r"wheel cache (\S+): \d+ MB in \d+ s", ctl_log)
+    assert m, ctl_log
+    cache = m[1]
+    for h in bc.facts.gpu_nodes:
+        log = bc.step_log(h.name, "training", 400)
+        source = bc.containers[h.name].run(f"cat {STATE_DIR}/training-source", check=False).stdout
+        assert source.startswith(f"cache {cache} "), f"{h.name}: {source}\n{log}"
+        assert f"training stack from the controller's wheel cache {cache}" in log
+        assert f"Looking in links: {cache}" in log and "/srv/slurm-gpu-wheels" not in log, log
+
+
 def test_daemons_after_first_boot(booted):
     """slurmctld and munge run under systemd; no GPU node's slurmd is failed (before fab's key
     sync it may wait for the cluster's key, but a failed unit is a broken first boot)."""

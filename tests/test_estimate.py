@@ -61,6 +61,61 @@ def test_model_load_follows_where_the_weights_are():
     assert any(k.startswith("gp3 throughput +875 MB/s") for k in bill)  # ... and is billed
 
 
+def test_shared_volume_throughput_comes_from_the_stacks_inventory():
+    """`pulumi up` (under mocks) with slurm-gpu:scratchThroughputMBps 1000: the inventory it exports
+    carries the volume's throughput and IOPS, and the estimate reads the weights at that rate and
+    bills both; --scratch-mbps stays a what-if on top."""
+    from bootstrap.inventory import Inventory
+    from tests.test_infra_mocks import run_program, stack_config
+
+    inv = Inventory.from_dict(run_program(stack_config(scratchThroughputMBps="1000")).outputs["inventory"])
+    job = est.job_from_config(SEED_CONFIG, None, None, None)
+    fast = est.estimate(est.cluster_for("aws", "dev", inv), job)
+    assert (fast.cluster.scratch_mbps, fast.cluster.scratch_iops) == (1000, 4000)
+    base = _seed()
+    assert (base.cluster.scratch_mbps, base.cluster.scratch_iops) == (125, 3000)  # the stack file's default
+    model = {name: next(p for p in e.phases if p.key == "model") for name, e in (("fast", fast), ("base", base))}
+    assert "the stack's inventory" in model["fast"].basis
+    # Two nodes x 8.05 GB: gp3-bound at 125 MB/s (two reads), network-bound at 1000 MB/s.
+    assert model["base"].seconds["first"] == pytest.approx(2 * 8.05e9 / 125e6 + 1.6)
+    assert model["fast"].seconds["first"] == pytest.approx(max(2 * 8.05e9 / 1000e6, 2 * 8.05e9 / (12.5e9 / 8)) + 1.6)
+    p = est.prices("ap-northeast-2")
+    bill = {c.what.split(" at ")[0]: c.usd for c in est.cost(fast, "first")}
+    wall = fast.total("first")
+    assert bill["gp3 throughput +875 MB/s"] == pytest.approx(875 * p["gp3_per_mbps_month"] * wall / (730 * 3600))
+    assert bill["gp3 IOPS +1000"] == pytest.approx(1000 * p["gp3_per_iops_month"] * wall / (730 * 3600))
+    assert not any(k.startswith("gp3 ") for k in (c.what for c in est.cost(base, "first")))
+    what_if = est.cluster_for("aws", "dev", inv, scratch_mbps=500)
+    assert (what_if.scratch_mbps, what_if.scratch_iops, what_if.scratch_from) == (500, 4000, "--scratch-mbps")
+
+
+def test_shared_volume_from_the_stack_file_and_gp3s_iops_rule_as_infra_has_it():
+    from infra.config import gp3_min_iops
+
+    for mbps in (125, 750, 751, 900, 1000):
+        assert est._gp3_min_iops(mbps) == gp3_min_iops(mbps)
+    settings = {"scratchThroughputMBps": "800"}
+    assert est._scratch_volume(settings, None, None) == (800, 3200, "slurm-gpu:scratchThroughputMBps")
+    assert est._scratch_volume({**settings, "scratchIops": "9000"}, None, None)[1] == 9000
+    with pytest.raises(est.EstimateError, match="slurm-gpu:scratchThroughputMBps 2000 in the stack file"):
+        est._scratch_volume({"scratchThroughputMBps": 2000}, None, None)
+
+
+def test_new_stack_boot_installs_the_training_stack_from_the_controllers_cache(monkeypatch):
+    """No NAT bytes: the controller's download (25 s at 150 MB/s) ends inside its 120 s head start;
+    the two nodes read 3.8 GB each over the controller's network (12.5 Gbit/s; c6i.xlarge's 8 GiB
+    page cache still holds the wheels it just wrote) and install in 60 s."""
+    e = _seed()
+    stack = next(p for p in e.phases if p.key == "boot_stack")
+    assert stack.seconds["new"] == pytest.approx(2 * 3.8e9 / (12.5e9 / 8) + 60)
+    assert stack.seconds["first"] == stack.seconds["again"] == 0
+    assert "no NAT" in stack.basis and "0 s left to wait" in stack.basis
+    # A hub slow enough that the download outlasts the head start: the nodes wait for the rest.
+    monkeypatch.setattr(est, "HUB_MBPS", 20.0)
+    waited = next(p for p in _seed().phases if p.key == "boot_stack")
+    assert waited.seconds["new"] == pytest.approx(3.8e9 / 20e6 - 120 + 2 * 3.8e9 / (12.5e9 / 8) + 60)
+
+
 def test_cost_is_instances_by_the_second_plus_nat_and_ebs():
     e = _seed()
     p = est.prices("ap-northeast-2")
@@ -71,8 +126,8 @@ def test_cost_is_instances_by_the_second_plus_nat_and_ebs():
         nat = p["nat_per_h"] * wall / 3600 + e.nat_bytes[scenario] / 1e9 * p["nat_per_gb"]
         assert bill[2].usd == pytest.approx(nat)
         assert bill[3].usd == pytest.approx(600 * p["gp3_per_gb_month"] * wall / (730 * 3600))
-    assert e.nat_bytes["again"] == e.nat_bytes["first"] == 0  # the controller fetches outside the NAT
-    assert e.nat_bytes["new"] == 2 * est.WHEELS_BYTES
+    # The controller fetches model, data and the nodes' wheels outside the NAT gateway.
+    assert e.nat_bytes["again"] == e.nat_bytes["first"] == e.nat_bytes["new"] == 0
     assert est.idle_tail(e).usd == pytest.approx(2 * p["instance_per_h"]["g6.12xlarge"] * 0.5)
 
 

@@ -138,6 +138,39 @@ def test_root_volume_not_a_number():
     assert "whole number" in refused("rootVolumeGiB", rootVolumeGiB="200GB")
 
 
+# ---- scratchThroughputMBps, scratchIops (the shared /scratch's gp3 volume) ----
+
+def test_scratch_volume_defaults_to_gp3_baseline_and_derives_the_iops_it_needs():
+    cfg = parse()
+    assert (cfg.scratch_throughput_mbps, cfg.scratch_iops) == (125, 3000)
+    assert (parse(scratchThroughputMBps="750").scratch_iops, parse(scratchThroughputMBps=751).scratch_iops) == \
+        (3000, 3004)  # at most 0.25 MiB/s per IOPS
+    cfg = parse(scratchThroughputMBps="1000")
+    assert (cfg.scratch_throughput_mbps, cfg.scratch_iops) == (1000, 4000)
+    assert parse(scratchThroughputMBps="1000", scratchIops="16000").scratch_iops == 16000
+
+
+@pytest.mark.parametrize("value", ["124", 0, "1001", "-5"])
+def test_scratch_throughput_out_of_gp3_range(value):
+    msg = refused("scratchThroughputMBps", scratchThroughputMBps=value)
+    assert "125 to 1000 MiB/s" in msg and "pulumi config set slurm-gpu:scratchThroughputMBps" in msg
+
+
+def test_scratch_throughput_not_a_number():
+    assert "whole number" in refused("scratchThroughputMBps", scratchThroughputMBps="1GB/s")
+
+
+def test_scratch_iops_too_few_for_the_throughput_names_both_and_the_least():
+    msg = refused("scratchIops", scratchThroughputMBps="1000", scratchIops="3999")
+    assert "slurm-gpu:scratchThroughputMBps 1000" in msg and "at least 4000" in msg
+    assert "pulumi config set slurm-gpu:scratchIops 4000" in msg
+
+
+@pytest.mark.parametrize("value", ["2999", "16001"])
+def test_scratch_iops_out_of_gp3_range(value):
+    assert "3000 to 16000 IOPS" in refused("scratchIops", scratchIops=value)
+
+
 # ---- networks ----
 
 def test_subnet_outside_the_vpc():

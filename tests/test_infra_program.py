@@ -54,23 +54,26 @@ class Case:
     public: str = "10.0.0.0/24"  # the controller's subnet
     ami: str = DLAMI_ID  # the GPU nodes'
     controller_ami: str = UBUNTU_ID
+    scratch: tuple[int, int] = (125, 3000)  # the controller's volume (the shared /scratch): MiB/s, IOPS
 
 
 CASES = [
     Case("seed-2x-g6.12xlarge", {}, "g6.12xlarge", "c6i.xlarge", "10.0.1.0/24", "10.0.0.0/16",
          "ap-northeast-2a", ("10.0.0.10", "10.0.1.11", "10.0.1.12"), 48, 4, "l4", 196608, False, True,
          200, "mini", 1),
-    Case("3x-g6.48xlarge", {"gpuNodeCount": 3, "gpuInstanceType": "g6.48xlarge"}, "g6.48xlarge",
+    Case("3x-g6.48xlarge", {"gpuNodeCount": 3, "gpuInstanceType": "g6.48xlarge",
+                             "scratchThroughputMBps": "500", "scratchIops": "6000"}, "g6.48xlarge",
          "c6i.xlarge", "10.0.1.0/24", "10.0.0.0/16", "ap-northeast-2b",
          ("10.0.0.10", "10.0.1.11", "10.0.1.12", "10.0.1.13"), 192, 8, "l4", 786432, False, True, 200,
-         "mini", 1),
+         "mini", 1, scratch=(500, 6000)),
     Case("4x-p5.48xlarge", {"gpuNodeCount": "4", "gpuInstanceType": "p5.48xlarge", "rootVolumeGiB": 500,
                              "clusterName": "h100s", "vpcCidr": "10.20.0.0/16", "subnetCidr": "10.20.4.0/24",
                              "controllerInstanceType": "t3.large", "amiId": "ami-0a1b2c3d4e5f60718",
-                             "controllerAmiId": "ami-0c1d2e3f4a5b6c7d8"},
+                             "controllerAmiId": "ami-0c1d2e3f4a5b6c7d8", "scratchThroughputMBps": 1000},
          "p5.48xlarge", "t3.large", "10.20.4.0/24", "10.20.0.0/16", "ap-northeast-2c",
          ("10.20.0.10", "10.20.4.11", "10.20.4.12", "10.20.4.13", "10.20.4.14"), 192, 8, "h100", 2097152,
-         True, True, 500, "h100s", 32, "10.20.0.0/24", "ami-0a1b2c3d4e5f60718", "ami-0c1d2e3f4a5b6c7d8"),
+         True, True, 500, "h100s", 32, "10.20.0.0/24", "ami-0a1b2c3d4e5f60718", "ami-0c1d2e3f4a5b6c7d8",
+         scratch=(1000, 4000)),
     Case("2x-p4d.24xlarge", {"gpuInstanceType": "p4d.24xlarge", "publicSubnetCidr": "10.0.200.0/28"},
          "p4d.24xlarge", "c6i.xlarge", "10.0.1.0/24", "10.0.0.0/16", "ap-northeast-2a",
          ("10.0.200.10", "10.0.1.11", "10.0.1.12"), 96, 8, "a100", 1179648, True, True, 200, "mini", 4,
@@ -300,6 +303,20 @@ def test_imdsv2_encrypted_gp3_roots_ami_key_and_tags(deployed):
             assert res.inputs["tags"]["Cluster"] == case.cluster
 
 
+def test_shared_volume_throughput_and_iops_are_the_settings(deployed):
+    """The controller's root volume holds /scratch: it gets slurm-gpu:scratchThroughputMBps and the
+    IOPS gp3 needs for it (1000 MiB/s: 4000, at 0.25 MiB/s per IOPS); GPU nodes keep gp3's baseline.
+    The inventory carries what the volume got, for `fab estimate`."""
+    case, run = deployed
+    controller, gpus = _instances(run)
+    root = controller[0].inputs["rootBlockDevice"]
+    assert (root["throughput"], root["iops"]) == case.scratch
+    for node in gpus:
+        assert "throughput" not in node.inputs["rootBlockDevice"] and "iops" not in node.inputs["rootBlockDevice"]
+    inv = Inventory.from_dict(run.outputs["inventory"])
+    assert inv.extra["scratch_volume"] == {"throughput_mbps": case.scratch[0], "iops": case.scratch[1]}
+
+
 # ---------------------------------------------------------------- user-data
 
 def _node_lines(slurm_conf: str) -> list[dict[str, str]]:
@@ -491,6 +508,11 @@ BAD = [
     ("availabilityZone", {"availabilityZone": "ap-northeast-2d"}),  # g6.12xlarge not offered there
     ("clusterName", {"clusterName": "My Cluster"}),
     ("efa", {"efa": "maybe"}),
+    ("scratchThroughputMBps", {"scratchThroughputMBps": "100"}),  # under gp3's 125
+    ("scratchThroughputMBps", {"scratchThroughputMBps": "1001"}),
+    ("scratchThroughputMBps", {"scratchThroughputMBps": "fast"}),
+    ("scratchIops", {"scratchThroughputMBps": "1000", "scratchIops": "3500"}),  # 0.25 MiB/s per IOPS: 4000
+    ("scratchIops", {"scratchIops": "20000"}),
 ]
 
 
