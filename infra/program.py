@@ -52,6 +52,7 @@ def plan(cfg: stack_config.StackConfig) -> tuple[ClusterFacts, str, str, int]:
         ssh_user=SSH_USER,
         efa=cfg.efa,
         nvlink=gpu.nvlink,
+        nvswitch=gpu.nvswitch,
         power_save=power_save(cfg, pulumi.Config("aws").get("region")),
         platform=AWS,
     )
