@@ -10,6 +10,7 @@ from __future__ import annotations
 import ipaddress
 import json
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from bootstrap.platform import AWS, Platform
 
@@ -33,6 +34,49 @@ class NodeShape:
     real_memory_mib: int
     gpu_count: int
     gpu_type: str  # lower-case GRES type, e.g. "l4", "h100"
+    # CPU topology, written out on the node line: Slurm 23.11.0-23.11.6 given only CPUs= on
+    # multi-threaded hardware leaves jobs one thread per core. cpus = sockets x cores x threads.
+    sockets: int = 1
+    threads_per_core: int = 1
+
+    @property
+    def cores_per_socket(self) -> int:
+        return self.cpus // (self.sockets * self.threads_per_core)
+
+    def check(self) -> None:
+        """Refuse a topology Slurm would not accept (its product must be the CPU count)."""
+        if min(self.cpus, self.sockets, self.threads_per_core) < 1 or \
+                self.cpus % (self.sockets * self.threads_per_core):
+            raise ValueError(
+                f"NodeShape: {self.cpus} CPUs are not {self.sockets} socket(s) x whole cores x "
+                f"{self.threads_per_core} thread(s) per core")
+
+
+SYS_CPU = Path("/sys/devices/system/cpu")
+
+
+def this_machine_topology(sys_cpu: Path = SYS_CPU) -> tuple[int, int, int]:
+    """(CPUs, sockets, threads per core) of the online CPUs of this machine, as slurmd counts
+    them (the local cluster and the boot test run slurmd here: their node lines must agree)."""
+    cpus = _cpu_list((sys_cpu / "online").read_text())
+    cores: set[tuple[str, str]] = set()
+    for cpu in cpus:
+        topo = sys_cpu / f"cpu{cpu}" / "topology"
+        cores.add(((topo / "physical_package_id").read_text().strip(), (topo / "core_id").read_text().strip()))
+    sockets = len({pkg for pkg, _ in cores})
+    if len(cpus) % len(cores) or len(cores) % sockets:
+        raise ValueError(f"{sys_cpu}: {len(cpus)} CPUs on {len(cores)} cores in {sockets} sockets is "
+                         "not a uniform topology Slurm can describe")
+    return len(cpus), sockets, len(cpus) // len(cores)
+
+
+def _cpu_list(text: str) -> list[int]:
+    """"0-3,6" -> [0, 1, 2, 3, 6] (the kernel's cpulist format)."""
+    out: list[int] = []
+    for part in text.strip().split(","):
+        lo, _, hi = part.partition("-")
+        out += range(int(lo), int(hi or lo) + 1)
+    return out
 
 
 @dataclass(frozen=True)
@@ -69,6 +113,9 @@ class ClusterFacts:
     gpu_device_prefix: str | None = None
     efa: bool = True
     nvlink: bool = False
+    # GPUs joined by NVSwitch (p4d, p5): CUDA needs nvidia-fabricmanager running there
+    # (infra/instance_types.py NVSWITCH_TYPES); the GPU bootstrap and health check require it.
+    nvswitch: bool = False
     # Seconds before slurmctld marks a silent slurmd DOWN (and requeues its --requeue jobs), and
     # how long a requeued job waits before it may start again (AuthInfo=cred_expire). AWS keeps
     # Slurm's defaults; the local cluster shortens both so a node-loss test takes seconds.

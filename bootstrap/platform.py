@@ -67,6 +67,10 @@ class Platform:
             return {"controller": gpu, "gpu": gpu}
         return {"controller": MachineImage(self.controller_ami_name, self.controller_ami_owner,
                                            gpu_stack=False), "gpu": gpu}
+    # Where slurmctld writes its pid file (slurm.conf SlurmctldPidFile). None: it writes none,
+    # so none is named: Slurm >= 23.11's unit starts it with --systemd (Type=notify, User=slurm),
+    # which skips the pid file. Slurm 22.05's Debian unit runs it as root, which writes one.
+    slurmctld_pidfile: str | None = None
 
     @property
     def real_gpus(self) -> bool:
@@ -125,6 +129,7 @@ LOCAL = Platform(
     cgroup=False,
     gpu_device_prefix="/var/lib/slurm/gpu-standin/nvidia",
     init="hostctl",
+    slurmctld_pidfile="/run/slurmctld.pid",  # localcluster/hostctl.sh tracks slurmctld by it
 )
 
 # The boot test (boottest/, docs/BOOTTEST.md): the three roles booted for real in
@@ -158,7 +163,7 @@ _BOOT = dict(
     scratch_options="bind,_netdev,nofail",
 )
 BOOT_DEBIAN12 = Platform(name="boot-debian12", os="Debian 12", python="3.11", slurm="22.05",
-                         debian_suite="bookworm", **_BOOT)
+                         debian_suite="bookworm", slurmctld_pidfile="/run/slurmctld.pid", **_BOOT)
 BOOT_DEBIAN13 = Platform(name="boot-debian13", os="Debian 13", python="3.13", slurm="24.11",
                          debian_suite="trixie", **_BOOT)
 

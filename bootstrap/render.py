@@ -46,7 +46,14 @@ BOOTSTRAP_PATH = "/usr/local/sbin/slurm-gpu-bootstrap"
 # Slurm's SuspendProgram/ResumeProgram on AWS (run by slurmctld as SlurmUser) and their log.
 SUSPEND_PATH = "/usr/local/sbin/slurm-gpu-suspend"
 RESUME_PATH = "/usr/local/sbin/slurm-gpu-resume"
+# Both are two-line wrappers of this one program (`slurm-gpu-power suspend|resume HOSTLIST`).
+POWER_PATH = "/usr/local/sbin/slurm-gpu-power"
 POWER_LOG = "/var/log/slurm/slurm-gpu-power.log"
+# The controller's own venv for those programs: boto3 (POWER_PACKAGES, pinned in requirements.txt),
+# made by the controller bootstrap's `power` step. Slurm runs the programs with no PATH: their
+# first line names this interpreter.
+POWER_VENV = "/opt/slurm-gpu/power"
+POWER_PACKAGES = ("boto3", "botocore")
 ENV_PROFILE = "/etc/profile.d/slurm-gpu.sh"
 TRAINING_VENV = "/opt/slurm-gpu/venv"
 TRAINING_PYTHON = f"{TRAINING_VENV}/bin/python"
@@ -72,7 +79,8 @@ HOSTS_END = "# END slurm-gpu hosts"
 MAX_USER_DATA_BYTES = 16384
 
 # Mode of each rendered file (default 0644).
-FILE_MODES = {HEALTHCHECK_PATH: 0o755, BOOTSTRAP_PATH: 0o755, SUSPEND_PATH: 0o755, RESUME_PATH: 0o755}
+FILE_MODES = {HEALTHCHECK_PATH: 0o755, BOOTSTRAP_PATH: 0o755, SUSPEND_PATH: 0o755, RESUME_PATH: 0o755,
+              POWER_PATH: 0o755}
 
 
 # The training stack on GPU nodes: pinned to the same versions as the repo's
@@ -93,8 +101,10 @@ WHEEL_DOWNLOAD_TIMEOUT_S = 1800
 
 # Debian/Ubuntu packages per role (cloud-init installs them; the `packages` step checks).
 PACKAGES = {
-    # python3-pip: the `wheels` step downloads the GPU nodes' training stack.
-    "controller": ("slurm-wlm", "munge", "nfs-common", "nfs-kernel-server", "python3-pip"),
+    # python3-pip: the `wheels` step downloads the GPU nodes' training stack; python3-venv: the
+    # power-save programs' boto3 venv (POWER_VENV).
+    "controller": ("slurm-wlm", "munge", "nfs-common", "nfs-kernel-server", "python3-pip",
+                   "python3-venv"),
     # python3-dev and a C compiler: Triton (torch.compile, flex attention) builds C against
     # Python.h at run time.
     "gpu": ("slurm-wlm", "munge", "nfs-common", "python3-venv", "python3-pip", "python3-dev",
@@ -103,7 +113,7 @@ PACKAGES = {
 
 # Steps of each role's bootstrap script, in order (SLURM_GPU_SKIP_STEPS picks from these).
 STEPS = {
-    "controller": ("hostname", "hosts", "packages", "dirs", "munge", "nfs", "scratch", "wheels", "services"),
+    "controller": ("hostname", "hosts", "packages", "dirs", "munge", "nfs", "scratch", "power", "wheels", "services"),
     "gpu": (
         "hostname", "hosts", "packages", "dirs", "munge", "healthcheck", "nfs", "scratch",
         "training", "gpus", "services",
@@ -130,6 +140,7 @@ def _env(subdir: str, **syntax) -> jinja2.Environment:
         autoescape=False,
     )
     env.filters["shquote"] = _shquote
+    env.filters["pyrepr"] = repr  # a Python literal (the power programs are Python)
     return env
 
 
@@ -149,6 +160,7 @@ def _context(facts: ClusterFacts) -> dict:
         raise ValueError(f"gpu_count must be >= 1 (got {shape.gpu_count})")
     if shape.cpus < 1 or shape.real_memory_mib < 1:
         raise ValueError("NodeShape cpus and real_memory_mib must be positive")
+    shape.check()
     if facts.slurmd_timeout < 1 or facts.cred_expire < 5:  # Slurm ignores cred_expire < 5
         raise ValueError("slurmd_timeout must be >= 1 and cred_expire >= 5 seconds")
     if facts.health_check_interval < 1 or (facts.sched_interval is not None and facts.sched_interval < 1):
@@ -193,9 +205,14 @@ def _context(facts: ClusterFacts) -> dict:
             "steps_dir": STEPS_DIR,
             "suspend": SUSPEND_PATH,
             "resume": RESUME_PATH,
+            "power": POWER_PATH,
             "power_log": POWER_LOG,
+            "power_venv": POWER_VENV,
+            "power_python": f"{POWER_VENV}/bin/python3",
         },
         "power": facts.power_save,
+        "power_pins": power_pins(),
+        "ec2_power": facts.power_save is not None and facts.power_save.provider == "ec2",
         "hosts_begin": HOSTS_BEGIN,
         "hosts_end": HOSTS_END,
         "apt_lock_timeout_s": APT_LOCK_TIMEOUT_S,
@@ -220,11 +237,14 @@ def _check_power_save(facts: ClusterFacts) -> None:
             raise ValueError(f"power-save program {prog!r} must be an absolute path (slurmctld refuses others)")
 
 
-def render_power_program(facts: ClusterFacts, action: str) -> str:
-    """The EC2 SuspendProgram ("suspend") or ResumeProgram ("resume") of the controller."""
+def render_power_program(facts: ClusterFacts, action: str | None = None) -> str:
+    """The EC2 power program (None) or Slurm's SuspendProgram ("suspend") / ResumeProgram
+    ("resume"): a wrapper that runs it, from the controller's power venv, for that action."""
+    if action is None:
+        return _SCRIPTS.get_template("power-ec2.py.j2").render(**_context(facts))
     if action not in ("suspend", "resume"):
         raise ValueError(f"action must be suspend or resume (got {action!r})")
-    return _SCRIPTS.get_template("power-ec2.sh.j2").render(action=action, **_context(facts))
+    return _SCRIPTS.get_template("power-wrapper.sh.j2").render(action=action, **_context(facts))
 
 
 def render_slurm_conf(facts: ClusterFacts) -> str:
@@ -293,6 +313,7 @@ def render_files(facts: ClusterFacts) -> dict[str, str]:
     if facts.platform.cgroup:
         files[CGROUP_CONF] = render_cgroup_conf(facts)
     if facts.power_save is not None and facts.power_save.provider == "ec2":
+        files[POWER_PATH] = render_power_program(facts)
         files[SUSPEND_PATH] = render_power_program(facts, "suspend")
         files[RESUME_PATH] = render_power_program(facts, "resume")
     return files
@@ -303,7 +324,7 @@ def render_files(facts: ClusterFacts) -> dict[str, str]:
 NOT_FOR_ROLE = {
     "controller": (HEALTHCHECK_PATH, SLURMD_ENV_FILE, SLURMD_DROPIN),
     # slurmctld runs the power programs: only the controller has them.
-    "gpu": (EXPORTS_FILE, SLURM_CONF, GRES_CONF, CGROUP_CONF, SUSPEND_PATH, RESUME_PATH),
+    "gpu": (EXPORTS_FILE, SLURM_CONF, GRES_CONF, CGROUP_CONF, SUSPEND_PATH, RESUME_PATH, POWER_PATH),
 }
 
 
@@ -330,17 +351,24 @@ def role_files(facts: ClusterFacts, role: str) -> dict[str, str]:
 
 def training_pins(requirements: Path = REQUIREMENTS) -> dict[str, str]:
     """name -> version of the training stack, read from requirements.txt."""
+    return _pins(TRAINING_PACKAGES, requirements, "the GPU nodes install the same versions")
+
+
+def power_pins(requirements: Path = REQUIREMENTS) -> list[str]:
+    """["boto3==X", ...]: what the controller's power venv installs, from requirements.txt."""
+    pins = _pins(POWER_PACKAGES, requirements, "the controller's power-save programs install them")
+    return [f"{name}=={pins[name]}" for name in POWER_PACKAGES]
+
+
+def _pins(names: tuple[str, ...], requirements: Path, why: str) -> dict[str, str]:
     pins = {}
     for line in requirements.read_text().splitlines():
         m = re.match(r"^\s*([A-Za-z0-9_.\-]+)\s*==\s*([^\s#;]+)", line)
-        if m and m.group(1).lower() in TRAINING_PACKAGES:
+        if m and m.group(1).lower() in names:
             pins[m.group(1).lower()] = m.group(2)
-    missing = [p for p in TRAINING_PACKAGES if p not in pins]
+    missing = [p for p in names if p not in pins]
     if missing:
-        raise ValueError(
-            f"{requirements}: no '==' pin for {', '.join(missing)}; pin them there "
-            "(the GPU nodes install the same versions)"
-        )
+        raise ValueError(f"{requirements}: no '==' pin for {', '.join(missing)}; pin them there ({why})")
     return pins
 
 

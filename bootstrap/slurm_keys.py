@@ -9,8 +9,9 @@ here after checking the version's parser. Source: `slurm_conf_options`,
 `_nodename_options`, `_partition_options` (src/common/read_config.c), the cgroup.conf
 `options` (src/common/cgroup.c, src/interfaces/cgroup.c) and `_gres_options`
 (src/common/gres.c, src/interfaces/gres.c) of slurm-22.05.8 (Debian 12) and
-slurm-23.11.4 (Ubuntu 24.04). The 22.05 table is also checked against this machine's
-installed libslurmfull.
+slurm-23.11.4 (Ubuntu 24.04), and slurm-24.11.5 (Debian 13, the boot test's newer
+platform), which accepts every key of the 23.11 table. The 22.05 table is also checked
+against this machine's installed libslurmfull.
 """
 
 from __future__ import annotations
@@ -67,6 +68,13 @@ ACCEPTED_KEYS: dict[str, dict[str, frozenset[str]]] = {
         "cgroup.conf": _CGROUP_COMMON | {"EnableControllers"},
     },
 }
+# 24.11.5 reads every key of the 23.11 table (checked in its read_config.c, gres.c, cgroup.c).
+ACCEPTED_KEYS["24.11"] = dict(ACCEPTED_KEYS["23.11"])
+
+# Old names every version above still reads but only as aliases of the new: rendered files use
+# the new name. Slurm 22.05 renamed CryptoType (crypto/munge) to CredType (cred/munge); its
+# read_config.c reads CryptoType only when CredType is absent, swapping crypto/ for cred/.
+RENAMED_KEYS = {"CryptoType": "CredType"}
 
 
 def config_keys(text: str, kind: str = "slurm.conf") -> list[tuple[str, str]]:

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bootstrap.facts import ClusterFacts, NodeShape, plan_hosts
+from bootstrap.facts import ClusterFacts, NodeShape, plan_hosts, this_machine_topology
 from bootstrap.inventory import Inventory, from_facts
 from bootstrap.platform import Platform
 from bootstrap.render import STEPS_DIR, TRAINING_PYTHON, user_data
@@ -36,11 +36,13 @@ NVIDIA_MAJOR = 195
 
 
 def machine_shape() -> NodeShape:
-    """What each container reports to slurmd: this machine's CPUs, memory a little under it."""
+    """What each container reports to slurmd: this machine's CPUs and their topology, memory a
+    little under it."""
     mem_kib = next(int(ln.split()[1]) for ln in Path("/proc/meminfo").read_text().splitlines()
                    if ln.startswith("MemTotal:"))
-    return NodeShape(cpus=os.cpu_count() or 1, real_memory_mib=int(mem_kib / 1024 * 0.5),
-                     gpu_count=GPUS_PER_NODE, gpu_type=GPU_TYPE)
+    cpus, sockets, threads = this_machine_topology()
+    return NodeShape(cpus=cpus, real_memory_mib=int(mem_kib / 1024 * 0.5), gpu_count=GPUS_PER_NODE,
+                     gpu_type=GPU_TYPE, sockets=sockets, threads_per_core=threads)
 
 
 def cluster_facts(platform: Platform) -> ClusterFacts:

@@ -20,12 +20,26 @@ NVLINK_GPUS = frozenset({"v100", "a100", "h100", "h200", "b200", "b300", "gb200"
 # The AMI (and so the cluster) is x86_64 Ubuntu.
 ARCH = "x86_64"
 
+# Types whose GPUs are joined by NVSwitch: CUDA fails to initialise on them unless
+# nvidia-fabricmanager runs (nvidia-smi -L still lists the GPUs). The GPU bootstrap starts and
+# requires it there, and the health check drains a node where it stops. EC2 does not report
+# NVSwitch; this is NVIDIA's HGX board of each type (A100 on p4d/p4de, H100/H200 on p5*).
+NVSWITCH_TYPES = frozenset({"p4d.24xlarge", "p4de.24xlarge", "p5.48xlarge", "p5e.48xlarge",
+                            "p5en.48xlarge"})
+
+# CPU sockets of the types that are a whole two-socket host (EC2 reports cores and threads per
+# core, not sockets); every other type shows its guest one socket. A wrong count here is only
+# a different split of the same cores: slurmd re-splits it and slurmctld checks the totals.
+TWO_SOCKET_TYPES = frozenset({"p4d.24xlarge", "p4de.24xlarge", "p5.48xlarge", "p5e.48xlarge",
+                              "p5en.48xlarge", "g5.48xlarge", "g6.48xlarge", "g6e.48xlarge"})
+
 
 @dataclass(frozen=True)
 class GpuNodeFacts:
     shape: NodeShape
     nvlink: bool
     efa_supported: bool
+    nvswitch: bool = False  # needs nvidia-fabricmanager (NVSWITCH_TYPES)
     # EFA interfaces a node gets: one per network card that takes one (g6.12xlarge 1,
     # p4d.24xlarge 4, p5.48xlarge 32); 0 when slurm-gpu:efa is off.
     efa_interfaces: int = 0
@@ -84,10 +98,17 @@ def gpu_node_facts(info, *, efa: bool, setting: str = "slurm-gpu:gpuInstanceType
         real_memory_mib=real_memory_mib(int(info.memory_size)),
         gpu_count=int(gpu.count),
         gpu_type=gres_type(gpu.name),
+        sockets=2 if name in TWO_SOCKET_TYPES else 1,
+        threads_per_core=int(info.default_threads_per_core or 1),
     )
+    try:
+        shape.check()
+    except ValueError as exc:
+        raise ConfigError(f"{setting} is {name}, whose CPU facts do not add up ({exc})") from exc
     return GpuNodeFacts(shape=shape, nvlink=shape.gpu_type in NVLINK_GPUS,
                         efa_supported=bool(info.efa_supported),
-                        efa_interfaces=efa_interface_count(info, efa=efa))
+                        efa_interfaces=efa_interface_count(info, efa=efa),
+                        nvswitch=name in NVSWITCH_TYPES)
 
 
 def _check_arch(info, setting: str) -> None:

@@ -56,6 +56,7 @@ def plan(cfg: stack_config.StackConfig) -> tuple[ClusterFacts, str, dict[str, Am
         ssh_user=SSH_USER,
         efa=cfg.efa,
         nvlink=gpu.nvlink,
+        nvswitch=gpu.nvswitch,
         power_save=power_save(cfg, region),
         platform=AWS,
     )

@@ -3,10 +3,9 @@ rendered files come from, and the inventory `fab` reaches it with."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-from bootstrap.facts import ClusterFacts, NodeShape, plan_hosts
+from bootstrap.facts import ClusterFacts, NodeShape, plan_hosts, this_machine_topology
 from bootstrap.inventory import Inventory, from_facts
 from bootstrap.platform import LOCAL
 from localcluster import layout, power
@@ -24,11 +23,13 @@ def host_specs(nodes: int) -> list[HostSpec]:
 
 
 def machine_shape(gpus: int) -> NodeShape:
-    """What every GPU host reports: this machine's CPUs, memory a little under its own."""
+    """What every GPU host reports: this machine's CPUs and their topology (as its slurmd counts
+    them), memory a little under its own."""
     mem_kib = next(int(ln.split()[1]) for ln in Path("/proc/meminfo").read_text().splitlines()
                    if ln.startswith("MemTotal:"))
-    return NodeShape(cpus=os.cpu_count() or 1, real_memory_mib=int(mem_kib / 1024 * 0.9),
-                     gpu_count=gpus, gpu_type=layout.GPU_TYPE)
+    cpus, sockets, threads = this_machine_topology()
+    return NodeShape(cpus=cpus, real_memory_mib=int(mem_kib / 1024 * 0.9), gpu_count=gpus,
+                     gpu_type=layout.GPU_TYPE, sockets=sockets, threads_per_core=threads)
 
 
 def cluster_facts(nodes: int, gpus: int, idle_stop_s: int = 0) -> ClusterFacts:

@@ -32,7 +32,7 @@ from ops.remote import Cluster, each, service, sudo
 
 # The programs slurm.conf's SuspendProgram/ResumeProgram name: idleStopMinutes turned on after the
 # first `pulumi up` needs them too (the controller ignores user-data changes).
-POWER_PROGRAMS = (render.SUSPEND_PATH, render.RESUME_PATH)
+POWER_PROGRAMS = (render.SUSPEND_PATH, render.RESUME_PATH, render.POWER_PATH)
 
 
 def controller_files(rendered: dict[str, str]) -> dict[str, str]:

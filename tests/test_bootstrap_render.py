@@ -22,9 +22,10 @@ def make_facts(name, subnet, nodes, shape, **kw) -> ClusterFacts:
 # The shapes the project targets: the seed's 2x g6.12xlarge (4x L4), a 3-node
 # 8x H100 cluster, and the smallest possible one (1 node, 1 GPU, no EFA).
 FACTS = {
-    "l4x2": make_facts("mini", "10.0.1.0/24", 2, NodeShape(48, 185000, 4, "l4")),
+    "l4x2": make_facts("mini", "10.0.1.0/24", 2, NodeShape(48, 185000, 4, "l4", threads_per_core=2)),
     "h100x3": make_facts(
-        "big", "10.20.0.0/24", 3, NodeShape(192, 2000000, 8, "h100"), nvlink=True
+        "big", "10.20.0.0/24", 3, NodeShape(192, 2000000, 8, "h100", sockets=2, threads_per_core=2),
+        nvlink=True, nvswitch=True,
     ),
     "single": make_facts(
         "solo", "172.31.16.0/20", 1, NodeShape(8, 30000, 1, "a10g"), efa=False,
@@ -57,13 +58,19 @@ def settings(slurm_conf):
 @pytest.mark.parametrize("case", CASES)
 def test_slurm_conf_node_lines_match_facts(case):
     facts = FACTS[case]
-    nodes = [kv(ln) for ln in conf_lines(render.render_slurm_conf(facts)) if ln.startswith("NodeName=")]
+    lines = [kv(ln) for ln in conf_lines(render.render_slurm_conf(facts)) if ln.startswith("NodeName=")]
+    # The shape once (every node is the same instance type), then each node's name and address.
+    assert lines[0]["NodeName"] == "DEFAULT"
+    nodes = [{**lines[0], **ln} for ln in lines[1:]]
     assert len(nodes) == len(facts.gpu_nodes)
     for node, host in zip(nodes, facts.gpu_nodes, strict=False):
         assert node == {
             "NodeName": host.name,
             "NodeAddr": host.ip,
             "CPUs": str(facts.shape.cpus),
+            "Sockets": str(facts.shape.sockets),
+            "CoresPerSocket": str(facts.shape.cores_per_socket),
+            "ThreadsPerCore": str(facts.shape.threads_per_core),
             "RealMemory": str(facts.shape.real_memory_mib),
             "Gres": f"gpu:{facts.shape.gpu_type}:{facts.shape.gpu_count}",
             "State": "UNKNOWN",
@@ -78,6 +85,7 @@ def test_slurm_conf_settings(case):
     assert s["ClusterName"] == facts.cluster_name
     assert s["SlurmctldHost"] == f"{facts.controller.name}({facts.controller.ip})"
     assert s["AuthType"] == "auth/munge"
+    assert s["CredType"] == "cred/munge" and "CryptoType" not in s  # CryptoType: the old name
     assert s["GresTypes"] == "gpu"
     assert s["SelectType"] == "select/cons_tres"
     assert s["SelectTypeParameters"] in ("CR_Core", "CR_Core_Memory")
@@ -95,7 +103,8 @@ def test_slurm_conf_settings(case):
     assert s["SlurmdSpoolDir"] == "/var/lib/slurm/slurmd"
     assert s["SlurmctldLogFile"].startswith("/var/log/slurm/")
     assert s["SlurmdLogFile"].startswith("/var/log/slurm/")
-    assert s["SlurmctldPidFile"] == "/run/slurmctld.pid"
+    # Ubuntu 24.04's slurmctld runs under systemd (--systemd), which writes no pid file.
+    assert "SlurmctldPidFile" not in s
     assert s["SlurmdPidFile"] == "/run/slurmd.pid"
     assert s["HealthCheckProgram"] == render.HEALTHCHECK_PATH
     assert s["HealthCheckNodeState"] == "ANY"
@@ -325,7 +334,7 @@ def test_user_data_fits_ec2_even_for_a_full_subnet(role):
     written = {f["path"]: file_text(f) for f in parse_user_data(text)["write_files"]}
     if role == "controller":
         assert written[render.SLURM_CONF] == render.render_slurm_conf(FULL)
-        assert written[render.SLURM_CONF].count("\nNodeName=") == 244
+        assert written[render.SLURM_CONF].count("\nNodeName=gpu-node-") == 244
     else:
         assert render.SLURM_CONF not in written
     raw = base64.b64decode(render.user_data_base64(FULL, role))

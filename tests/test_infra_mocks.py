@@ -81,6 +81,13 @@ INSTANCE_TYPES = {
 
 NETWORK_CARDS = {"p4d.24xlarge": (4, 4), "p5.48xlarge": (32, 32)}
 
+# instance type -> (default cores, default threads per core), as DescribeInstanceTypes reports.
+CPU_CORES = {
+    "g6.12xlarge": (24, 2), "g6.48xlarge": (96, 2), "p5.48xlarge": (96, 2), "p4d.24xlarge": (48, 2),
+    "g4dn.xlarge": (2, 2), "g5g.xlarge": (4, 1), "g4ad.16xlarge": (32, 2), "c6i.xlarge": (2, 2),
+    "c7i.48xlarge": (96, 2), "t3.large": (1, 2), "m7g.large": (2, 1),
+}
+
 
 def instance_type_result(itype: str) -> dict:
     vcpus, mem, gpus, efa, archs, _ = INSTANCE_TYPES[itype]
@@ -89,6 +96,8 @@ def instance_type_result(itype: str) -> dict:
         "id": itype,
         "instanceType": itype,
         "defaultVcpus": vcpus,
+        "defaultCores": CPU_CORES[itype][0],
+        "defaultThreadsPerCore": CPU_CORES[itype][1],
         "memorySize": mem,
         "gpuses": gpus,
         "efaSupported": efa,

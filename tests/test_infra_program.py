@@ -319,9 +319,18 @@ def test_shared_volume_throughput_and_iops_are_the_settings(deployed):
 
 # ---------------------------------------------------------------- user-data
 
+# Sockets, threads per core (2 on every type here: 2 vCPUs a core) and NVSwitch of each type: the
+# whole-host types have two sockets; p4d (HGX A100) and p5 (HGX H100) join their GPUs by NVSwitch.
+TOPOLOGY = {"g6.12xlarge": (1, 2, False), "g6.48xlarge": (2, 2, False), "p5.48xlarge": (2, 2, True),
+            "p4d.24xlarge": (2, 2, True), "g4dn.xlarge": (1, 2, False)}
+
+
 def _node_lines(slurm_conf: str) -> list[dict[str, str]]:
-    lines = [ln for ln in slurm_conf.splitlines() if re.match(r"^NodeName=", ln)]
-    return [dict(tok.split("=", 1) for tok in ln.split()) for ln in lines]
+    """Each node's keys, NodeName=DEFAULT's (the shape) under its own."""
+    lines = [dict(tok.split("=", 1) for tok in ln.split()) for ln in slurm_conf.splitlines()
+             if re.match(r"^NodeName=", ln)]
+    default = next((ln for ln in lines if ln["NodeName"] == "DEFAULT"), {})
+    return [{**default, **ln} for ln in lines if ln["NodeName"] != "DEFAULT"]
 
 
 def test_user_data_is_rendered_from_the_cluster_facts(deployed):
@@ -334,8 +343,11 @@ def test_user_data_is_rendered_from_the_cluster_facts(deployed):
     # Slurm node lines follow config (names, IPs, count) and instance facts.
     assert [n["NodeName"] for n in nodes] == [f"gpu-node-{i:02d}" for i in range(1, len(case.ips))]
     assert [n["NodeAddr"] for n in nodes] == list(case.ips[1:])
+    sockets, threads, nvswitch = TOPOLOGY[case.gpu_type]
     for n in nodes:
         assert n["CPUs"] == str(case.cpus)
+        assert (n["Sockets"], n["ThreadsPerCore"]) == (str(sockets), str(threads))
+        assert int(n["CoresPerSocket"]) * sockets * threads == case.cpus
         assert n["Gres"] == f"gpu:{case.gres}:{case.gpus}"
         assert 0.92 * case.memory_mib <= int(n["RealMemory"]) < case.memory_mib
     real_memory = int(nodes[0]["RealMemory"])
@@ -345,11 +357,12 @@ def test_user_data_is_rendered_from_the_cluster_facts(deployed):
         controller=Host("controller", case.ips[0]),
         gpu_nodes=tuple(Host(f"gpu-node-{i:02d}", ip) for i, ip in enumerate(case.ips[1:], 1)),
         shape=NodeShape(cpus=case.cpus, real_memory_mib=real_memory, gpu_count=case.gpus,
-                        gpu_type=case.gres),
+                        gpu_type=case.gres, sockets=sockets, threads_per_core=threads),
         subnet_cidr=case.subnet,
         ssh_user="ubuntu",
         efa=case.efa,
         nvlink=case.nvlink,
+        nvswitch=nvswitch,
         # idleStopMinutes' default (30 min), the EC2 programs, the stack's region.
         power_save=PowerSave(suspend_time=1800, suspend_program="/usr/local/sbin/slurm-gpu-suspend",
                              resume_program="/usr/local/sbin/slurm-gpu-resume", suspend_timeout=180,

@@ -1,10 +1,13 @@
-"""Idle GPU nodes stop paying: the setting, slurm.conf, the EC2 power programs (run with a
-fake `aws` and `scontrol`), the controller's tag-scoped role in the mocked program, and
-the sinfo power flags fab reads. The local cluster's real run is test_power_save_cluster.py."""
+"""Idle GPU nodes stop paying: the setting, slurm.conf, the EC2 power programs (boto3 against
+botocore's Stubber, hostlists by the real scontrol), the controller's `power` step that installs
+their boto3, the controller's tag-scoped role in the mocked program, and the sinfo power flags
+fab reads. The local cluster's real run is test_power_save_cluster.py."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.machinery
+import importlib.util
 import json
 import os
 import re
@@ -76,12 +79,14 @@ def test_no_power_keys_when_nodes_never_stop():
     text = render.render_slurm_conf(facts(None))
     assert not re.search(r"^(Suspend|Resume)", text, re.M)
     assert render.SUSPEND_PATH not in render.render_files(facts(None))
+    assert render.POWER_VENV not in render.bootstrap_script(facts(None), "controller")
 
 
 def test_power_programs_only_on_the_controller():
     f = facts(EC2)
-    assert {render.SUSPEND_PATH, render.RESUME_PATH} <= set(render.role_files(f, "controller"))
-    assert not {render.SUSPEND_PATH, render.RESUME_PATH} & set(render.role_files(f, "gpu"))
+    programs = {render.SUSPEND_PATH, render.RESUME_PATH, render.POWER_PATH}
+    assert programs <= set(render.role_files(f, "controller"))
+    assert not programs & set(render.role_files(f, "gpu"))
     assert render.FILE_MODES[render.SUSPEND_PATH] == 0o755  # slurmctld refuses group/world-writable
 
 
@@ -106,100 +111,215 @@ def test_bad_power_facts_are_refused(bad):
         render.render_slurm_conf(facts(dataclasses.replace(EC2, **bad)))
 
 
-# ------------------------------------------------- the EC2 programs, faked aws
+# ------------------------------------------------- the EC2 programs, botocore's Stubber
 
-FAKE_AWS = r"""#!/bin/bash
-# Records its arguments; answers describe-instances from $FAKE_DESCRIBE.
-printf '%s\n' "$*" >> "$FAKE_CALLS"
-case "$2" in
-  describe-instances) cat "$FAKE_DESCRIBE" ;;
-  stop-instances|start-instances) echo "i-x running stopping" ;;
-  wait) echo waited ;;
-esac
-"""
-FAKE_SCONTROL = r"""#!/bin/bash
-# scontrol show hostnames gpu-node-[01-03] -> one name a line (the forms used here).
-[ "$1 $2" = "show hostnames" ] || exit 1
-case "$3" in
-  'gpu-node-[01-02]') printf 'gpu-node-01\ngpu-node-02\n' ;;
-  'gpu-node-[02-03]') printf 'gpu-node-02\ngpu-node-03\n' ;;
-  *) echo "$3" ;;
-esac
-"""
+def load_program(tmp_path: Path, power_save: PowerSave = EC2):
+    """The rendered program, imported as a module, logging into tmp_path."""
+    path = tmp_path / "slurm-gpu-power"
+    path.write_text(render.render_power_program(facts(power_save)))
+    loader = importlib.machinery.SourceFileLoader("slurm_gpu_power", str(path))
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
+    loader.exec_module(module)
+    module.LOG = str(tmp_path / "power.log")
+    return module
 
 
 @pytest.fixture
-def ec2_env(tmp_path):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    for name, text in (("aws", FAKE_AWS), ("scontrol", FAKE_SCONTROL)):
-        (bin_dir / name).write_text(text)
-        (bin_dir / name).chmod(0o755)
-    log = tmp_path / "power.log"
-
-    def run(action: str, hostlist: str, describe: str):
-        script = render.render_power_program(facts(EC2), action)
-        # The script as rendered, with its log and PATH pointed into tmp_path.
-        script = script.replace(f"LOG='{render.POWER_LOG}'", f"LOG='{log}'")
-        script = script.replace("export PATH=", f"export PATH={bin_dir}:")
-        path = tmp_path / f"slurm-gpu-{action}"
-        path.write_text(script)
-        path.chmod(0o755)
-        (tmp_path / "describe.txt").write_text(describe)
-        env = {**os.environ, "FAKE_CALLS": str(tmp_path / "calls"), "FAKE_DESCRIBE": str(tmp_path / "describe.txt")}
-        res = subprocess.run([str(path), hostlist], capture_output=True, text=True, env=env, timeout=30)
-        calls = (tmp_path / "calls").read_text().splitlines() if (tmp_path / "calls").exists() else []
-        return res, calls, log.read_text() if log.exists() else ""
-
-    return run
+def slurm_conf(tmp_path, monkeypatch):
+    """The cluster's slurm.conf: the programs expand hostlists with the real scontrol."""
+    if not shutil.which("scontrol"):
+        pytest.skip("scontrol not installed")
+    conf = tmp_path / "slurm.conf"
+    conf.write_text(render.render_slurm_conf(facts(EC2)))
+    monkeypatch.setenv("SLURM_CONF", str(conf))
+    return conf
 
 
-DESCRIBED = ("i-0aaa\tmini-gpu-node-01\trunning\n"
-             "i-0bbb\tmini-gpu-node-02\tstopping\n"
-             "i-0ccc\tmini-gpu-node-03\tstopped\n")
+def ec2_client():
+    import botocore.session
+
+    return botocore.session.get_session().create_client(
+        "ec2", region_name="ap-northeast-2", aws_access_key_id="test", aws_secret_access_key="test")
 
 
-def test_suspend_stops_the_named_instances_of_this_cluster(ec2_env):
-    res, calls, log = ec2_env("suspend", "gpu-node-[01-02]", DESCRIBED)
-    assert res.returncode == 0, log
-    describe, stop = calls
-    assert describe.startswith("ec2 describe-instances --region ap-northeast-2")
-    assert "Name=tag:Cluster,Values=mini Name=tag:Role,Values=gpu " \
-           "Name=tag:Name,Values=mini-gpu-node-01,mini-gpu-node-02" in describe
-    assert stop.startswith("ec2 stop-instances --region ap-northeast-2 --instance-ids i-0aaa i-0bbb ")
+def described(*instances: tuple[str, str, str]) -> dict:
+    return {"Reservations": [{"Instances": [
+        {"InstanceId": iid, "State": {"Name": state, "Code": 0}, "Tags": [{"Key": "Name", "Value": name}]}
+        for iid, name, state in instances]}]}
+
+
+def filters(*names: str) -> list[dict]:
+    return [{"Name": "tag:Cluster", "Values": ["mini"]}, {"Name": "tag:Role", "Values": ["gpu"]},
+            {"Name": "tag:Name", "Values": list(names)},
+            {"Name": "instance-state-name", "Values": ["pending", "running", "stopping", "stopped"]}]
+
+
+def changes(key: str, *ids: str) -> dict:
+    return {key: [{"InstanceId": i, "PreviousState": {"Name": "running", "Code": 16},
+                   "CurrentState": {"Name": "stopping", "Code": 64}} for i in ids]}
+
+
+def test_suspend_stops_the_named_instances_of_this_cluster(tmp_path, slurm_conf):
+    from botocore.stub import Stubber
+
+    prog, ec2 = load_program(tmp_path), ec2_client()
+    with Stubber(ec2) as stub:
+        stub.add_response("describe_instances", described(("i-0aaa", "mini-gpu-node-01", "running"),
+                                                          ("i-0bbb", "mini-gpu-node-02", "stopping")),
+                          {"Filters": filters("mini-gpu-node-01", "mini-gpu-node-02")})
+        stub.add_response("stop_instances", changes("StoppingInstances", "i-0aaa", "i-0bbb"),
+                          {"InstanceIds": ["i-0aaa", "i-0bbb"]})
+        assert prog.main(["slurm-gpu-power", "suspend", "gpu-node-[01-02]"], ec2=ec2) == 0
+        stub.assert_no_pending_responses()
+    log = (tmp_path / "power.log").read_text()
     assert "suspend gpu-node-[01-02] (mini-gpu-node-01,mini-gpu-node-02)" in log
-    assert res.stdout == res.stderr == ""  # everything goes to the log
+    assert "suspend requested for i-0aaa i-0bbb" in log
 
 
-def test_resume_waits_for_a_stopping_instance_then_starts(ec2_env):
-    res, calls, log = ec2_env("resume", "gpu-node-[02-03]", DESCRIBED)
-    assert res.returncode == 0, log
-    assert calls[1] == "ec2 wait instance-stopped --region ap-northeast-2 --instance-ids i-0bbb"
-    assert calls[2].startswith("ec2 start-instances --region ap-northeast-2 --instance-ids i-0bbb i-0ccc ")
-    assert "waiting for i-0bbb to finish stopping" in log
+def test_resume_waits_for_a_stopping_instance_then_starts(tmp_path, slurm_conf):
+    from botocore.stub import Stubber
+
+    prog, ec2 = load_program(tmp_path), ec2_client()
+    with Stubber(ec2) as stub:
+        stub.add_response("describe_instances", described(("i-0bbb", "mini-gpu-node-02", "stopping"),
+                                                          ("i-0ccc", "mini-gpu-node-03", "stopped")),
+                          {"Filters": filters("mini-gpu-node-02", "mini-gpu-node-03")})
+        # The waiter's poll: the stopping one has stopped.
+        stub.add_response("describe_instances", described(("i-0bbb", "mini-gpu-node-02", "stopped")),
+                          {"InstanceIds": ["i-0bbb"]})
+        stub.add_response("start_instances", changes("StartingInstances", "i-0bbb", "i-0ccc"),
+                          {"InstanceIds": ["i-0bbb", "i-0ccc"]})
+        assert prog.main(["slurm-gpu-power", "resume", "gpu-node-[02-03]"], ec2=ec2) == 0
+        stub.assert_no_pending_responses()
+    assert "waiting for i-0bbb to finish stopping" in (tmp_path / "power.log").read_text()
 
 
-def test_unknown_hosts_are_logged_and_fail_when_none_is_found(ec2_env):
-    res, calls, log = ec2_env("suspend", "gpu-node-07", DESCRIBED)
-    assert res.returncode == 1
-    assert len(calls) == 1  # described, nothing stopped
+def test_unknown_hosts_are_logged_and_fail_when_none_is_found(tmp_path, slurm_conf):
+    from botocore.stub import Stubber
+
+    prog, ec2 = load_program(tmp_path), ec2_client()
+    with Stubber(ec2) as stub:
+        stub.add_response("describe_instances", described(), {"Filters": filters("mini-gpu-node-07")})
+        assert prog.main(["slurm-gpu-power", "suspend", "gpu-node-07"], ec2=ec2) == 1  # described, nothing stopped
+        stub.assert_no_pending_responses()
+    log = (tmp_path / "power.log").read_text()
     assert "no instance tagged Cluster=mini Role=gpu Name=mini-HOST for: gpu-node-07" in log
-    res, calls, log = ec2_env("resume", "", DESCRIBED)
-    assert res.returncode == 2 and "usage" in log
+    assert prog.main(["slurm-gpu-power", "resume", ""], ec2=ec2) == 2
+    assert "usage" in (tmp_path / "power.log").read_text()
 
 
-def test_power_programs_pass_shellcheck(tmp_path):
+def test_an_ec2_error_is_logged_not_raised(tmp_path, slurm_conf):
+    from botocore.stub import Stubber
+
+    prog, ec2 = load_program(tmp_path), ec2_client()
+    with Stubber(ec2) as stub:
+        stub.add_client_error("describe_instances", "UnauthorizedOperation", "not authorized")
+        assert prog.main(["slurm-gpu-power", "resume", "gpu-node-01"], ec2=ec2) == 1
+    assert "failed: ClientError" in (tmp_path / "power.log").read_text()
+
+
+def test_programs_run_from_their_own_venv_with_only_slurm_conf(tmp_path, slurm_conf):
+    """Slurm execs its SuspendProgram/ResumeProgram with no PATH: each is a wrapper that runs the
+    program by the power venv's python. Run as slurmctld would, with a venv that lacks boto3, it
+    fails and says what to do."""
+    venv = tmp_path / "venv"
+    subprocess.run(["python3", "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    program = tmp_path / "slurm-gpu-power"
+    program.write_text(render.render_power_program(facts(EC2)).replace(
+        repr(render.POWER_LOG), repr(str(tmp_path / "power.log")), 1))
+    for action in ("suspend", "resume"):
+        wrapper = render.render_power_program(facts(EC2), action)
+        exec_line = f"exec {render.POWER_VENV}/bin/python3 {render.POWER_PATH} {action} \"$@\""
+        assert wrapper.startswith("#!/bin/sh\n") and exec_line in wrapper.splitlines()
+        path = tmp_path / f"slurm-gpu-{action}"
+        path.write_text(wrapper.replace(render.POWER_VENV, str(venv)).replace(render.POWER_PATH, str(program)))
+        path.chmod(0o755)
+        res = subprocess.run([str(path), "gpu-node-01"], env={"SLURM_CONF": str(slurm_conf)},
+                             capture_output=True, text=True, timeout=60)
+        assert res.returncode == 1, res.stderr
+    log = (tmp_path / "power.log").read_text()
+    assert log.count(f"boto3 is missing from {venv}/bin/python3; install it: sudo python3 -m venv {venv} && "
+                     f"sudo {venv}/bin/python3 -m pip install {' '.join(render.power_pins())}") == 2
+
+
+def test_the_region_is_the_stacks_else_the_instance_metadatas(tmp_path, monkeypatch):
+    import botocore.utils
+
+    assert load_program(tmp_path).ec2_client().meta.region_name == "ap-northeast-2"
+    # No region in the stack: botocore's IMDSv2 region look-up (answered here without a network).
+    monkeypatch.setattr(botocore.utils.InstanceMetadataRegionFetcher, "retrieve_region", lambda self: "eu-west-1")
+    no_region = load_program(tmp_path, dataclasses.replace(EC2, region=None))
+    assert no_region.REGION is None and no_region.ec2_client().meta.region_name == "eu-west-1"
+
+
+def test_power_programs_compile_and_the_bootstrap_passes_shellcheck(tmp_path):
+    compile(render.render_power_program(facts(EC2)), "slurm-gpu-power", "exec")
     if not shutil.which("shellcheck"):
         pytest.skip("shellcheck not installed")
-    paths = []
-    for action in ("suspend", "resume"):
-        p = tmp_path / f"{action}.sh"
-        p.write_text(render.render_power_program(facts(EC2), action))
-        paths.append(str(p))
+    ctl = tmp_path / "controller.sh"
+    ctl.write_text(render.bootstrap_script(facts(EC2), "controller"))
     local = Path(__file__).resolve().parent.parent / "localcluster" / "power.sh"
-    res = subprocess.run(["shellcheck", "--shell=bash", "--severity=style", *paths, str(local)],
+    wrappers = []
+    for action in ("suspend", "resume"):
+        wrappers.append(tmp_path / action)
+        wrappers[-1].write_text(render.render_power_program(facts(EC2), action))
+    res = subprocess.run(["shellcheck", "--shell=bash", "--severity=style", str(ctl), str(local)],
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stdout
+    res = subprocess.run(["shellcheck", "--shell=sh", "--severity=style", *map(str, wrappers)],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout
+
+
+# ------------------------------------------------- the controller's power step
+
+@pytest.fixture
+def power_step(tmp_path, monkeypatch):
+    """The controller bootstrap with only its `power` step, its venv and state under tmp_path."""
+    for name in ("STATE_DIR", "STEPS_DIR", "MARKER_PATH"):
+        monkeypatch.setattr(render, name, str(tmp_path / "state" / name.lower()))
+    monkeypatch.setattr(render, "POWER_VENV", str(tmp_path / "power"))
+
+    def run(power_save=EC2):
+        script = tmp_path / "bootstrap-controller"
+        script.write_text(render.bootstrap_script(facts(power_save), "controller"))
+        skip = " ".join(s for s in render.STEPS["controller"] if s != "power")
+        return subprocess.run(["bash", str(script)], env={**os.environ, "SLURM_GPU_SKIP_STEPS": skip},
+                              capture_output=True, text=True, timeout=600)
+
+    return run, tmp_path / "power"
+
+
+def test_controller_power_step_fails_by_name_when_boto3_is_missing(power_step):
+    run, venv = power_step
+    subprocess.run(["python3", "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    (venv / ".slurm-gpu-pins").write_text(" ".join(render.power_pins()) + "\n")  # pins recorded, boto3 gone
+    res = run()
+    assert res.returncode != 0
+    out = res.stdout + res.stderr
+    assert f"power saving: boto3 is missing from {venv}, so Slurm cannot start or stop GPU nodes" in out
+    assert 'step "power" failed' in out
+
+
+def test_controller_power_step_installs_nothing_without_ec2_power_saving(power_step):
+    run, venv = power_step
+    res = run(None)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "no EC2 power saving here" in res.stdout and not venv.exists()
+
+
+@pytest.mark.slow
+def test_controller_power_step_installs_the_pinned_boto3(power_step):
+    """For real: a venv of this machine's python3 and pip from the configured index."""
+    run, venv = power_step
+    res = run()
+    assert res.returncode == 0, res.stdout + res.stderr
+    pins = dict(p.split("==") for p in render.power_pins())
+    assert f"power saving: boto3 {pins['boto3']} in {venv}" in res.stdout
+    got = subprocess.run([str(venv / "bin/python3"), "-c", "import botocore; print(botocore.__version__)"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert got == pins["botocore"]
+    assert run().returncode == 0  # again: pins recorded, nothing reinstalled
 
 
 # ------------------------------------------------- the role, mocked program

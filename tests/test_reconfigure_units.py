@@ -53,13 +53,15 @@ def test_power_save_turned_on_later_installs_its_programs_with_slurm_conf():
 
     off = reconfigure.controller_files(render.render_files(facts(None)))
     on = reconfigure.controller_files(render.render_files(facts(EC2)))
-    assert render.SUSPEND_PATH not in off and render.RESUME_PATH not in off
+    assert not {render.SUSPEND_PATH, render.RESUME_PATH, render.POWER_PATH} & set(off)
     assert "SuspendProgram" not in off[render.SLURM_CONF]
     assert f"SuspendProgram={render.SUSPEND_PATH}" in on[render.SLURM_CONF]
     assert f"ResumeProgram={render.RESUME_PATH}" in on[render.SLURM_CONF]
-    for path in (render.SUSPEND_PATH, render.RESUME_PATH):
-        assert on[path].startswith("#!") and "aws ec2" in on[path], path
+    assert on[render.POWER_PATH].startswith(f"#!{render.POWER_VENV}/bin/python3") and "boto3" in on[render.POWER_PATH]
+    for path in (render.SUSPEND_PATH, render.RESUME_PATH, render.POWER_PATH):
         assert render.FILE_MODES[path] == 0o755
+    for path in (render.SUSPEND_PATH, render.RESUME_PATH):
+        assert f"exec {render.POWER_VENV}/bin/python3 {render.POWER_PATH} " in on[path], path
 
 
 class _Here:

@@ -2,8 +2,9 @@
 
 The nodes install `render.training_pins()` (read from requirements.txt) into a venv of the
 image's python3 (bootstrap-gpu.sh.j2's `training` step); this asks pip, without installing,
-whether that works on the AWS platform of bootstrap/platform.py. The controller installs no
-Python packages (render.PACKAGES: apt only).
+whether that works on the AWS platform of bootstrap/platform.py. The controller installs only
+the power-save programs' boto3 (render.power_pins(), its bootstrap's `power` step), checked the
+same way.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import replace
 import pytest
 
 from bootstrap import render
-from bootstrap.facts import ClusterFacts, NodeShape, plan_hosts
+from bootstrap.facts import ClusterFacts, NodeShape, PowerSave, plan_hosts
 from bootstrap.platform import AWS
 from bootstrap.wheels import check_wheels, describe
 
@@ -30,6 +31,13 @@ def test_every_pin_has_a_wheel_for_the_aws_target():
     assert check.ok, describe(check, AWS)
 
 
+def test_the_controllers_power_pins_have_a_wheel_for_the_aws_target():
+    pins = render.power_pins()
+    assert f"want='{' '.join(pins)}'" in render.bootstrap_script(_facts_with_power(), "controller")
+    check = check_wheels(pins, AWS)
+    assert check.ok, describe(check, AWS)
+
+
 @pytest.mark.slow
 def test_python_3_10_of_the_ubuntu_22_04_image_fails_naming_the_pins():
     """The check can fail: Ubuntu 22.04's Deep Learning Base image has Python 3.10, and
@@ -41,6 +49,10 @@ def test_python_3_10_of_the_ubuntu_22_04_image_fails_naming_the_pins():
     assert failed == {"transformers", "trl", "accelerate"}, describe(check, old)
     report = describe(check, old)
     assert "Python 3.10" in report and "transformers==5.24.0" in report
+
+
+def _facts_with_power():
+    return replace(_facts(), power_save=PowerSave(1800, render.SUSPEND_PATH, render.RESUME_PATH, 180, 900))
 
 
 def _facts():
