@@ -29,6 +29,16 @@ controller_side() {
   trap 'echo "$(date -u +%FT%TZ) slurm-gpu-power: ${action} failed at line ${LINENO}"' ERR
   [ -n "$hostlist" ] || { echo "usage: $0 HOSTLIST"; exit 2; }
   echo "$(date -u +%FT%TZ) slurm-gpu-power: ${action} ${hostlist}"
+  # Slurm accepts a node it powers up only if the node booted after the request, in whole
+  # seconds: boot = now - uptime, and slurmd -b counts uptime in whole ticks, so it can look
+  # a second older than it is. Started within the request's second, a slurmd may then look
+  # booted before it; Slurm ignores its registration ("Still waiting for boot") and marks it
+  # down after ResumeTimeout. A real boot never ends within that second: wait for the next.
+  if [ "$action" = start ]; then
+    local t0
+    t0=$(date +%s)
+    while [ "$(date +%s)" -le "$t0" ]; do sleep 0.05; done
+  fi
   for host in $(scontrol show hostnames "$hostlist"); do
     if ! ssh -F /dev/null -i "$state/power/id_ed25519" -o IdentitiesOnly=yes -o BatchMode=yes \
         -o StrictHostKeyChecking=yes -o UserKnownHostsFile="$state/known_hosts" \

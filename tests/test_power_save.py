@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -252,18 +253,63 @@ def test_the_region_is_the_stacks_else_the_instance_metadatas(tmp_path, monkeypa
     assert no_region.REGION is None and no_region.ec2_client().meta.region_name == "eu-west-1"
 
 
+# ------------------------------------------- the local programs, faked ssh
+
+FAKE_SCONTROL = r"""#!/bin/bash
+# scontrol show hostnames gpu-node-[01-02] -> one name a line (the form used here).
+[ "$1 $2" = "show hostnames" ] || exit 1
+case "$3" in
+  'gpu-node-[01-02]') printf 'gpu-node-01\ngpu-node-02\n' ;;
+  *) echo "$3" ;;
+esac
+"""
+FAKE_SSH = r"""#!/bin/bash
+# Records when the power command reaches each host: "EPOCH.NANOS HOST ACTION".
+echo "$(date +%s.%N) ${*: -2}" >> "$FAKE_CALLS"
+"""
+LOCAL_POWER = Path(__file__).resolve().parent.parent / "localcluster" / "power.sh"
+
+
+def run_local_power(tmp_path, name: str, hostlist: str):
+    """localcluster/power.sh installed as `name`, its log in tmp_path, ssh and scontrol faked."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for tool, text in (("ssh", FAKE_SSH), ("scontrol", FAKE_SCONTROL),
+                       (name, LOCAL_POWER.read_text().replace(
+                           "LOG=/var/log/slurm/slurm-gpu-power.log", f"LOG={tmp_path}/power.log"))):
+        (bin_dir / tool).write_text(text)
+        (bin_dir / tool).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_CALLS": str(tmp_path / "calls")}
+    res = subprocess.run([str(bin_dir / name), hostlist], capture_output=True, text=True, env=env, timeout=30)
+    calls = [ln.split() for ln in (tmp_path / "calls").read_text().splitlines()]
+    return res, calls, (tmp_path / "power.log").read_text()
+
+
+def test_local_power_on_reaches_hosts_in_a_later_second_than_the_request(tmp_path):
+    # Slurm takes a powered-up node only if its boot (now - uptime, whole seconds) is not
+    # before the request's second; the local "boot" (slurmd -b) can look a second old, so it
+    # must come in a later second than the request. Begin just after a second starts, where
+    # an immediate start would land in the request's own second.
+    time.sleep(1 - time.time() % 1)
+    requested = int(time.time())
+    res, calls, log = run_local_power(tmp_path, "slurm-gpu-resume", "gpu-node-[01-02]")
+    assert res.returncode == 0, log
+    assert [c[1:] for c in calls] == [["gpu-node-01", "start"], ["gpu-node-02", "start"]]
+    assert all(int(float(c[0])) > requested for c in calls), (requested, calls)
+    assert "slurm-gpu-power: start gpu-node-[01-02]" in log
+
+
 def test_power_programs_compile_and_the_bootstrap_passes_shellcheck(tmp_path):
     compile(render.render_power_program(facts(EC2)), "slurm-gpu-power", "exec")
     if not shutil.which("shellcheck"):
         pytest.skip("shellcheck not installed")
     ctl = tmp_path / "controller.sh"
     ctl.write_text(render.bootstrap_script(facts(EC2), "controller"))
-    local = Path(__file__).resolve().parent.parent / "localcluster" / "power.sh"
     wrappers = []
     for action in ("suspend", "resume"):
         wrappers.append(tmp_path / action)
         wrappers[-1].write_text(render.render_power_program(facts(EC2), action))
-    res = subprocess.run(["shellcheck", "--shell=bash", "--severity=style", str(ctl), str(local)],
+    res = subprocess.run(["shellcheck", "--shell=bash", "--severity=style", str(ctl), str(LOCAL_POWER)],
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stdout
     res = subprocess.run(["shellcheck", "--shell=sh", "--severity=style", *map(str, wrappers)],
