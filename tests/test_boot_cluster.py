@@ -3,10 +3,10 @@
 For each boot platform (Debian 12: Slurm 22.05; Debian 13: Slurm 24.11, bracketing the AMI's
 23.11) the controller and two GPU nodes boot as systemd-nspawn containers (systemd PID 1),
 cloud-init NoCloud runs the user-data `pulumi up` would give them, packages come from a local
-apt repository and the training pins from a local wheelhouse (CPU torch). Then the product's
-own path: `fab train --target boot` (cloud-init wait, munge key sync, reconfigure, sanity job,
-tiny-model fine-tune on CPU, adapters home), the Slurm state fab leaves, and a GPU node's
-reboot. Everything is torn down after (checked). docs/BOOTTEST.md says what stands in for what.
+apt repository and the training pins from a local wheelhouse (CPU torch; on Debian 13 Debian's
+own python3-torch, see bootstrap/platform.py). Then the product's own path: `fab train --target
+boot` (cloud-init wait, munge key sync, reconfigure, sanity job, tiny-model fine-tune on CPU,
+adapters home), the Slurm state fab leaves, and a GPU node's reboot. Everything is torn down after (checked). docs/BOOTTEST.md says what stands in for what.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from bootstrap.platform import BOOT_DEBIAN12
+from bootstrap.platform import BOOT_DEBIAN12, BOOT_DEBIAN13
 from bootstrap.render import STEPS
 
 REPO = Path(__file__).resolve().parent.parent
@@ -31,9 +31,9 @@ TIMINGS = Path(os.environ.get("SLURM_GPU_BOOT_TIMINGS", "/var/cache/slurm-gpu-bo
 
 pytestmark = [pytest.mark.boot, pytest.mark.slow]
 
-# Debian 13 (Python 3.13) waits for its wheelhouse: this machine's index has no CPU torch for
-# cp313 and lacks a CUDA library the cp313 CUDA build needs (docs/BOOTTEST.md).
-BOOT_PLATFORMS = (BOOT_DEBIAN12,)
+# Debian 12 trains on the pinned torch's CPU wheel; Debian 13 on Debian's python3-torch 2.6.0
+# (Platform.os_torch: this machine's index has no CPU torch of the pin for cp313).
+BOOT_PLATFORMS = (BOOT_DEBIAN12, BOOT_DEBIAN13)
 
 
 @pytest.fixture(scope="module", params=BOOT_PLATFORMS, ids=lambda p: p.name)
