@@ -116,3 +116,30 @@ def test_wheel_requirements_for_the_platforms_python(tmp_path):
                    "Requires-Dist: pywin32; sys_platform == \"win32\"\n")
     assert wheelhouse.wheel_requirements(whl, "3.13") == ["numpy>=1.17", "fsspec[http]<=2026.9.0,>=2023.1.0"]
     assert "tomli" in wheelhouse.wheel_requirements(whl, "3.11")
+
+
+def _torch_deb(repo: Path, version: str) -> None:
+    """A python3-torch .deb (dpkg-deb -b) holding only torch's egg-info, as Debian's does."""
+    root = repo.parent / "pkg"
+    info = root / f"usr/lib/python3/dist-packages/torch-{version}.egg-info"
+    info.mkdir(parents=True)
+    (info / "PKG-INFO").write_text(f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n"
+                                   "Requires-Dist: filelock\nRequires-Dist: setuptools; python_version >= \"3.12\"\n"
+                                   "Requires-Dist: sympy==1.13.1\nRequires-Dist: optree>=0.13.0; extra == \"optree\"\n")
+    (root / "DEBIAN").mkdir()
+    (root / "DEBIAN/control").write_text("Package: python3-torch\nVersion: 2.6.0+dfsg-7\nArchitecture: amd64\n"
+                                         "Maintainer: test <test@localhost>\nDescription: test\n")
+    repo.mkdir()
+    host.run("dpkg-deb", "-b", str(root), str(repo / "python3-torch_2.6.0+dfsg-7_amd64.deb"))
+
+
+def test_os_torch_requirements_read_from_the_package(tmp_path):
+    """The node's pip reads the OS torch's own metadata (setuptools and sympy==1.13.1 on
+    Python 3.13): the wheelhouse must hold them; a package of another version than the
+    platform states is refused, naming the fact."""
+    _torch_deb(tmp_path / "repo", BOOT_DEBIAN13.os_torch.version)
+    reqs = wheelhouse.os_torch_requirements(BOOT_DEBIAN13, tmp_path / "repo")
+    assert reqs == ["filelock", "setuptools", "sympy==1.13.1"]
+    other = replace(BOOT_DEBIAN13, os_torch=replace(BOOT_DEBIAN13.os_torch, version="2.7.0+debian"))
+    with pytest.raises(host.BootError, match="os_torch.version is 2.7.0"):
+        wheelhouse.os_torch_requirements(other, tmp_path / "repo")
