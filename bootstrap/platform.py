@@ -20,6 +20,10 @@ class OsTorch:
     to `version` (what pip reads from the package's metadata); the other pins install as usual."""
     package: str  # the apt package, e.g. "python3-torch"
     version: str  # torch's version as pip sees it installed (PEP 440), e.g. "2.6.0+debian"
+    # Whether its TCPStore has the libuv backend, which torchrun's c10d rendezvous store always
+    # asks for (torch 2.6); without it the job keeps the rendezvous in a file on the shared
+    # scratch (jobs/finetune.sbatch.j2).
+    libuv: bool
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,7 @@ LOCAL = Platform(
 # - Debian 13 (Python 3.13) only: torch is Debian's own CPU build (python3-torch 2.6.0, os_torch),
 #   not the pinned 2.13.0: for cp313 this machine's index has only the CUDA build of torch 2.13.0,
 #   whose CUDA libraries it cannot supply in full (docs/BOOTTEST.md). The other pins are the same.
+#   Debian builds it without libuv: the job's rendezvous store is a file (OsTorch.libuv).
 _BOOT = dict(
     ami_name=None,
     wheel_platforms=MANYLINUX_X86_64,
@@ -140,7 +145,8 @@ _BOOT = dict(
 BOOT_DEBIAN12 = Platform(name="boot-debian12", os="Debian 12", python="3.11", slurm="22.05",
                          debian_suite="bookworm", **_BOOT)
 BOOT_DEBIAN13 = Platform(name="boot-debian13", os="Debian 13", python="3.13", slurm="24.11",
-                         debian_suite="trixie", os_torch=OsTorch("python3-torch", "2.6.0+debian"), **_BOOT)
+                         debian_suite="trixie", os_torch=OsTorch("python3-torch", "2.6.0+debian", libuv=False),
+                         **_BOOT)
 
 PLATFORMS = {p.name: p for p in (AWS, LOCAL, BOOT_DEBIAN12, BOOT_DEBIAN13)}
 

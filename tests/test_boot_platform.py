@@ -1,6 +1,7 @@
 """The boot platforms' facts as the rendered files read them (fast; the boot itself is
 tests/test_boot_cluster.py)."""
 
+import json
 import zipfile
 from dataclasses import replace
 from pathlib import Path
@@ -9,7 +10,7 @@ import pytest
 import yaml
 
 from bootstrap import render
-from bootstrap.facts import ClusterFacts, NodeShape, plan_hosts
+from bootstrap.facts import ClusterFacts, NodeShape, facts_from_dict, facts_to_dict, plan_hosts
 from bootstrap.platform import AWS, BOOT_DEBIAN12, BOOT_DEBIAN13, PLATFORMS
 from boottest import aptrepo, host, wheelhouse
 
@@ -143,3 +144,11 @@ def test_os_torch_requirements_read_from_the_package(tmp_path):
     other = replace(BOOT_DEBIAN13, os_torch=replace(BOOT_DEBIAN13.os_torch, version="2.7.0+debian"))
     with pytest.raises(host.BootError, match="os_torch.version is 2.7.0"):
         wheelhouse.os_torch_requirements(other, tmp_path / "repo")
+
+
+@pytest.mark.parametrize("platform", [AWS, BOOT_DEBIAN12, BOOT_DEBIAN13], ids=lambda p: p.name)
+def test_facts_round_trip_keeps_os_torch(platform):
+    """The inventory carries the facts as JSON (`fab reconfigure`, the job's rendezvous read them)."""
+    facts = _facts(platform)
+    back = facts_from_dict(json.loads(json.dumps(facts_to_dict(facts))))
+    assert back == facts and back.platform.os_torch == platform.os_torch
