@@ -12,7 +12,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bootstrap.platform import AWS, Platform
+from bootstrap.platform import AWS, OsTorch, Platform
 
 # Host addresses inside the subnet: AWS reserves the first four and the last
 # one, so the controller sits at .10 and GPU node i (1-based) at .10 + i.
@@ -197,4 +197,5 @@ def _platform_from(data: dict | None) -> Platform:
     """Facts saved before the platform was recorded were AWS's."""
     if not data:
         return AWS
-    return Platform(**{**data, "wheel_platforms": tuple(data["wheel_platforms"])})
+    return Platform(**{**data, "wheel_platforms": tuple(data["wheel_platforms"]),
+                       "os_torch": OsTorch(**data["os_torch"]) if data.get("os_torch") else None})

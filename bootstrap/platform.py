@@ -22,6 +22,19 @@ class MachineImage:
 
 
 @dataclass(frozen=True)
+class OsTorch:
+    """torch from the OS's own package instead of the pinned wheel: the GPU nodes' `packages`
+    step installs `package`, the training venv sees it (--system-site-packages) and pins torch
+    to `version` (what pip reads from the package's metadata); the other pins install as usual."""
+    package: str  # the apt package, e.g. "python3-torch"
+    version: str  # torch's version as pip sees it installed (PEP 440), e.g. "2.6.0+debian"
+    # Whether its TCPStore has the libuv backend, which torchrun's c10d rendezvous store always
+    # asks for (torch 2.6); without it the job keeps the rendezvous in a file on the shared
+    # scratch (jobs/finetune.sbatch.j2).
+    libuv: bool
+
+
+@dataclass(frozen=True)
 class Platform:
     name: str  # short key: "aws", "local"
     os: str  # distribution and release, e.g. "Ubuntu 24.04"
@@ -49,6 +62,8 @@ class Platform:
     scratch_options: str = "defaults,_netdev,nofail"
     # Debian suite the boot test's image is made from (debootstrap); None: not a boot platform.
     debian_suite: str | None = None
+    # torch from the OS's package instead of requirements.txt's pin; None: the pinned wheel.
+    os_torch: OsTorch | None = None
     # Who publishes the GPU nodes' image (get_ami's owners).
     ami_owner: str | None = None
     # The controller's image: the same OS release (so the same Python and Slurm from its apt)
@@ -145,7 +160,11 @@ LOCAL = Platform(
 # - no EC2 metadata: a NoCloud seed (meta-data with the SSH key, user-data, network-config);
 # - packages from a local apt repository and wheelhouse (CPU torch), bound read-only: the
 #   image's apt sources and pip.conf point at them as the AMI's point at its mirrors;
-# - no cgroup delegation for slurmd (nspawn mounts the v1 controllers read-only): cgroup=False.
+# - no cgroup delegation for slurmd (nspawn mounts the v1 controllers read-only): cgroup=False;
+# - Debian 13 (Python 3.13) only: torch is Debian's own CPU build (python3-torch 2.6.0, os_torch),
+#   not the pinned 2.13.0: for cp313 this machine's index has only the CUDA build of torch 2.13.0,
+#   whose CUDA libraries it cannot supply in full (docs/BOOTTEST.md). The other pins are the same.
+#   Debian builds it without libuv: the job's rendezvous store is a file (OsTorch.libuv).
 _BOOT = dict(
     ami_name=None,
     wheel_platforms=MANYLINUX_X86_64,
@@ -165,7 +184,8 @@ _BOOT = dict(
 BOOT_DEBIAN12 = Platform(name="boot-debian12", os="Debian 12", python="3.11", slurm="22.05",
                          debian_suite="bookworm", slurmctld_pidfile="/run/slurmctld.pid", **_BOOT)
 BOOT_DEBIAN13 = Platform(name="boot-debian13", os="Debian 13", python="3.13", slurm="24.11",
-                         debian_suite="trixie", **_BOOT)
+                         debian_suite="trixie", os_torch=OsTorch("python3-torch", "2.6.0+debian", libuv=False),
+                         **_BOOT)
 
 PLATFORMS = {p.name: p for p in (AWS, LOCAL, BOOT_DEBIAN12, BOOT_DEBIAN13)}
 

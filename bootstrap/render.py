@@ -23,6 +23,7 @@ from pathlib import Path
 import jinja2
 
 from bootstrap.facts import ClusterFacts
+from bootstrap.platform import Platform
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -110,6 +111,16 @@ PACKAGES = {
     "gpu": ("slurm-wlm", "munge", "nfs-common", "python3-venv", "python3-pip", "python3-dev",
             "build-essential"),
 }
+
+
+
+def role_packages(platform: Platform, role: str) -> tuple[str, ...]:
+    """The apt packages a role's node installs: PACKAGES, and on a GPU node of a platform that
+    takes torch from the OS (`Platform.os_torch`) that package too."""
+    _check_role(role)
+    extra = (platform.os_torch.package,) if role == "gpu" and platform.os_torch else ()
+    return PACKAGES[role] + extra
+
 
 # Steps of each role's bootstrap script, in order (SLURM_GPU_SKIP_STEPS picks from these).
 STEPS = {
@@ -372,8 +383,22 @@ def _pins(names: tuple[str, ...], requirements: Path, why: str) -> dict[str, str
     return pins
 
 
-def wheel_cache(facts: ClusterFacts, requirements: list[str]) -> str:
-    """The wheel cache directory on the shared scratch for these pins on the facts' platform."""
+def training_requirements(platform: Platform) -> list[str]:
+    """What a GPU node's `training` step installs, "name==version" in TRAINING_PACKAGES order:
+    requirements.txt's pins, torch's replaced by the OS package's version where the platform
+    takes torch from the OS (the venv then sees the system's site-packages)."""
+    pins = training_pins()
+    if platform.os_torch:
+        pins["torch"] = platform.os_torch.version
+    return [f"{name}=={pins[name]}" for name in TRAINING_PACKAGES]
+
+
+def wheel_cache(facts: ClusterFacts, requirements: list[str]) -> str | None:
+    """The wheel cache directory on the shared scratch for these pins on the facts' platform;
+    None where the platform's torch is an OS package (`Platform.os_torch`): pip download cannot
+    resolve the other pins without a torch wheel, so the nodes install from the index."""
+    if facts.platform.os_torch:
+        return None
     made_of = "\n".join([facts.platform.python, *facts.platform.wheel_platforms, *requirements])
     scratch = facts.scratch.rstrip("/")
     return f"{scratch}/{WHEEL_CACHE_DIR}/py{facts.platform.python}-{hashlib.sha256(made_of.encode()).hexdigest()[:12]}"
@@ -387,14 +412,13 @@ def bootstrap_script(facts: ClusterFacts, role: str, hostname: str | None = None
     ctx["role"] = role
     ctx["hostname"] = hostname or ""
     ctx["steps"] = STEPS[role]
-    pins = training_pins()
-    ctx["pinned_requirements"] = [f"{name}=={pins[name]}" for name in TRAINING_PACKAGES]
+    ctx["pinned_requirements"] = training_requirements(facts.platform)
     ctx["training_packages"] = TRAINING_PACKAGES
     ctx["wheel_cache"] = wheel_cache(facts, ctx["pinned_requirements"])
     ctx["wheel_cache_dir"] = WHEEL_CACHE_DIR
     ctx["wheel"] = {"wait_s": WHEEL_WAIT_S, "start_wait_s": WHEEL_START_WAIT_S, "poll_s": WHEEL_POLL_S,
                     "download_timeout_s": WHEEL_DOWNLOAD_TIMEOUT_S}
-    ctx["packages"] = PACKAGES[role]
+    ctx["packages"] = role_packages(facts.platform, role)
     ctx["local_skip"] = LOCAL_SKIP_STEPS[role]
     return _SCRIPTS.get_template(f"bootstrap-{role}.sh.j2").render(**ctx)
 
@@ -426,7 +450,7 @@ def user_data(facts: ClusterFacts, role: str, hostname: str | None = None) -> st
     contents[APT_LOCK_CONF] = render_apt_lock_conf(facts)
     contents[BOOTSTRAP_PATH] = bootstrap_script(facts, role, hostname)
     ctx = _context(facts)
-    ctx.update(role=role, packages=PACKAGES[role])
+    ctx.update(role=role, packages=role_packages(facts.platform, role))
     template = _TEMPLATES.get_template("cloud-config.yaml.j2")
     # EC2 takes at most 16 KiB. Files stay readable while they fit; beyond that the
     # biggest ones go gzip+base64 encoded (cloud-init's write_files decodes them).

@@ -1,9 +1,14 @@
 """The local apt repository the containers install from: every package the roles' user-data
-and bootstrap ask for (render.PACKAGES), with the dependencies the image lacks, downloaded
+and bootstrap ask for (render.role_packages), with the dependencies the image lacks, downloaded
 from the host's Debian archive in a throwaway overlay over the image, indexed with
 dpkg-scanpackages. The containers see it read-only at images.APT_REPO_MOUNT
 (`deb [trusted=yes] file:... ./`): cloud-init's package_update/packages and the bootstrap's
-apt-get run unchanged against it, and nothing leaves the machine."""
+apt-get run unchanged against it, and nothing leaves the machine.
+
+Packages come with their Recommends, as the AMI's apt installs them, except the OS's torch
+(`Platform.os_torch`), a stand-in for a pip wheel: it comes with its Depends only. Its
+Recommends (libtorch-dev, and through python3-networkx SciPy, matplotlib, GDAL, LLVM: over
+400 MB) are not in the repository, and apt skips a recommended package it cannot find."""
 
 from __future__ import annotations
 
@@ -18,13 +23,22 @@ from boottest import cache, host, images
 REPO_VERSION = 1
 
 
-def packages() -> tuple[str, ...]:
-    return tuple(sorted({p for pkgs in render.PACKAGES.values() for p in pkgs}))
+def packages(platform: Platform) -> tuple[str, ...]:
+    """Every package a role of the platform installs (render.role_packages)."""
+    return tuple(sorted({p for role in render.ROLES for p in render.role_packages(platform, role)}))
+
+
+def without_recommends(platform: Platform) -> tuple[str, ...]:
+    """The packages of `packages` fetched without their Recommends: the OS's torch."""
+    return (platform.os_torch.package,) if platform.os_torch else ()
 
 
 def repo(platform: Platform, image_root: Path) -> tuple[Path, bool]:
     """The platform's repository directory (built unless cached), and whether it was built now."""
-    name = f"{platform.name}-{cache.key(image_root.parent.name, packages(), REPO_VERSION)}"
+    made_of = [image_root.parent.name, packages(platform), REPO_VERSION]
+    if without_recommends(platform):  # keeps the key of a platform without one as it was
+        made_of.append(without_recommends(platform))
+    name = f"{platform.name}-{cache.key(*made_of)}"
     path, built = cache.cached("apt", name, lambda tmp: _build(tmp / "repo", platform, image_root))
     return path / "repo", built
 
@@ -48,8 +62,12 @@ def _build(out: Path, platform: Platform, image_root: Path) -> None:
                 f"deb {host.debian_mirror()} {platform.debian_suite} main\n")
             shutil.copy("/etc/resolv.conf", merged / "etc/resolv.conf")
             host.run("chroot", str(merged), "apt-get", "update", "-q", timeout=600)
+            bare = without_recommends(platform)
             host.run("chroot", str(merged), "apt-get", "install", "-y", "-q", "--download-only",
-                     *packages(), timeout=1200)
+                     *(p for p in packages(platform) if p not in bare), timeout=1200)
+            if bare:
+                host.run("chroot", str(merged), "apt-get", "install", "-y", "-q", "--download-only",
+                         "--no-install-recommends", *bare, timeout=1200)
             debs = sorted((merged / "var/cache/apt/archives").glob("*.deb"))
             if not debs:
                 raise host.BootError("apt downloaded no package for the local repository")

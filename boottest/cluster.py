@@ -98,7 +98,7 @@ class BootCluster:
             self.repo, built = aptrepo.repo(self.platform, self.image)
             self.timings["apt_repo_built"] = built
         with self.phase("wheelhouse"):
-            self.wheels, built = wheelhouse.wheelhouse(self.platform)
+            self.wheels, built = wheelhouse.wheelhouse(self.platform, self.repo)
             self.timings["wheelhouse_built"] = built
 
     def up(self) -> None:

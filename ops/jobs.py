@@ -12,6 +12,7 @@ from pathlib import Path
 
 import jinja2
 
+from bootstrap.facts import facts_from_dict
 from bootstrap.inventory import Inventory
 from ops import targets
 
@@ -56,6 +57,15 @@ class JobSpec:
     rdzv_port: int = RDZV_PORT
     max_restarts: int = MAX_RESTARTS
     time_limit: str = ""
+    # The GPU nodes' torch has a libuv TCPStore (torchrun's c10d rendezvous needs one); else the
+    # job rendezvous statically (Platform.os_torch.libuv: Debian's torch in the boot test).
+    torch_libuv: bool = True
+
+
+def torch_libuv(inv: Inventory) -> bool:
+    """Whether the GPU nodes' torch has a libuv TCPStore: all but an OS torch built without it."""
+    os_torch = facts_from_dict(inv.facts).platform.os_torch if inv.facts else None
+    return os_torch is None or os_torch.libuv
 
 
 def base_spec(inv: Inventory, job_name: str, nodes: int, gpus_per_node: int, job_dir: str, **kw) -> JobSpec:
@@ -64,7 +74,8 @@ def base_spec(inv: Inventory, job_name: str, nodes: int, gpus_per_node: int, job
         real_gpus=target.real_gpus, nccl_efa=target.nccl_efa,
         cluster_name=inv.cluster_name, job_name=job_name, nodes=nodes, gpus_per_node=gpus_per_node,
         gpu_type=inv.gpu_type, nvlink=inv.nvlink, python=inv.python, scratch=inv.scratch,
-        log_dir=f"{inv.scratch}/logs", job_dir=job_dir, device_prefix=target.gpu_device_prefix(inv), **kw,
+        log_dir=f"{inv.scratch}/logs", job_dir=job_dir, device_prefix=target.gpu_device_prefix(inv),
+        torch_libuv=torch_libuv(inv), **kw,
     )
 
 

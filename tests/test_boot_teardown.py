@@ -1,5 +1,5 @@
 """Ctrl-C while the boot test's containers boot leaves nothing behind: no container, process,
-mount, cgroup or bridge (the same teardown runs on success and failure)."""
+mount, cgroup or bridge (the same teardown runs on success and failure), on each boot platform."""
 
 import os
 import signal
@@ -10,20 +10,23 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_boot_cluster import BOOT_PLATFORMS
+
 REPO = Path(__file__).resolve().parent.parent
 LOCK = "/tmp/sgpu-boottest.lock"
 
 pytestmark = [pytest.mark.boot, pytest.mark.slow]
 
 
-def test_ctrl_c_during_boot_leaves_nothing():
+@pytest.mark.parametrize("platform", BOOT_PLATFORMS, ids=lambda p: p.name)
+def test_ctrl_c_during_boot_leaves_nothing(platform):
     import fcntl
 
     from boottest import cluster, nspawn, teardown
 
     with open(LOCK, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        proc = subprocess.Popen([sys.executable, "-m", "boottest", "boot-debian12"], cwd=REPO,
+        proc = subprocess.Popen([sys.executable, "-m", "boottest", platform.name], cwd=REPO,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
             run = cluster.STATE_ROOT / "run"

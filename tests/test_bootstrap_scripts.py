@@ -110,7 +110,13 @@ ip link set lo up
 ip addr add "$IP/32" dev lo
 hostname sandbox
 cp -r "$FILES"/. /
-for i in 1 2; do SLURM_GPU_SKIP_STEPS="$SKIP" "$SCRIPT" > "$LOGDIR/run$i.log" 2>&1; done
+if [ -n "$PACKAGE_KEY" ]; then  # the munge package's postinst makes a key as it installs
+  mkdir -p /etc/munge && head -c 128 /dev/urandom > /etc/munge/munge.key
+fi
+for i in 1 2; do
+  SLURM_GPU_SKIP_STEPS="$SKIP" "$SCRIPT" > "$LOGDIR/run$i.log" 2>&1
+  [ -z "$FAB_SYNC" ] || rm -f "$NODE_LOCAL"  # what fab's key sync does after the first boot
+done
 {
   echo "hostname=$(hostname) etc_hostname=$(cat /etc/hostname)"
   echo "begin_blocks=$(grep -c '^# BEGIN slurm-gpu hosts' /etc/hosts)"
@@ -124,8 +130,11 @@ for i in 1 2; do SLURM_GPU_SKIP_STEPS="$SKIP" "$SCRIPT" > "$LOGDIR/run$i.log" 2>
 """
 
 
-def run_in_sandbox(tmp_path, facts, role, host, skip, gpus_present=None, expect_ok=True):
-    """`gpus_present`: indices of the stand-in GPU files a GPU host gets (default all)."""
+def run_in_sandbox(tmp_path, facts, role, host, skip, gpus_present=None, expect_ok=True, package_key=False,
+                   fab_sync=False):
+    """`gpus_present`: indices of the stand-in GPU files a GPU host gets (default all).
+    `package_key`: a munge key is there before the first run (the munge package made it);
+    `fab_sync`: the node-local key's mark is removed after each run (fab's key sync)."""
     files = tmp_path / "files"
     if role == "gpu":
         for i in range(facts.shape.gpu_count) if gpus_present is None else gpus_present:
@@ -146,7 +155,8 @@ def run_in_sandbox(tmp_path, facts, role, host, skip, gpus_present=None, expect_
         "PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "T": str(tmp_path / "mnt"), "FILES": str(files),
         "IP": host.ip, "SKIP": skip, "SCRIPT": str(script), "LOGDIR": str(logdir),
         "STATE": render.STATE_DIR, "MARKER": render.MARKER_PATH, "HC": render.HEALTHCHECK_PATH,
-        "SCRATCH": facts.scratch,
+        "SCRATCH": facts.scratch, "NODE_LOCAL": render.NODE_LOCAL_KEY_MARKER,
+        "PACKAGE_KEY": "1" if package_key else "", "FAB_SYNC": "1" if fab_sync else "",
     }
     res = subprocess.run(
         ["unshare", "--mount", "--uts", "--net", "--propagation", "private", "bash", "-c", SANDBOX],
@@ -198,6 +208,21 @@ def test_gpu_bootstrap_runs_and_is_idempotent(tmp_path):
     printed = hostkeys.parse_console_output(first_run)
     on_disk = sorted(tuple(p.read_text().split()[:2]) for p in Path("/etc/ssh").glob("ssh_host_*_key.pub"))
     assert on_disk and sorted(printed) == on_disk
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("fab_sync", [False, True], ids=["first-boot", "after-key-sync"])
+def test_gpu_bootstrap_marks_the_munge_packages_key_node_local(tmp_path, fab_sync):
+    """The munge package makes a key as it installs (Debian's postinst: `mungekey -c`), before
+    the bootstrap runs: at first boot that key is the node's own all the same, and slurmd must
+    wait for the cluster's (a configless slurmd cannot fetch its config with it). Once fab's key
+    sync has removed the mark, running the bootstrap again does not mark the cluster's key."""
+    _, logs = run_in_sandbox(tmp_path, LOCAL, "gpu", LOCAL.gpu_nodes[0], "packages nfs scratch training services",
+                             package_key=True, fab_sync=fab_sync)
+    report = (tmp_path / "out" / "report").read_text()
+    assert (render.NODE_LOCAL_KEY_MARKER in stats(report)) is not fab_sync, report
+    assert "made a node-local one" not in logs  # the package's key is kept
+    assert logs.count("first boot: the munge key is node-local") == 1, logs
 
 
 @pytest.mark.cluster

@@ -7,7 +7,9 @@ import subprocess
 import jinja2
 import pytest
 
-from bootstrap.inventory import Inventory, Node
+from bootstrap.facts import ClusterFacts, NodeShape, plan_hosts
+from bootstrap.inventory import Inventory, Node, from_facts
+from bootstrap.platform import BOOT_DEBIAN12, BOOT_DEBIAN13
 from ops import jobs
 
 
@@ -20,6 +22,15 @@ def inventory(target="aws", gpu_type="l4", nvlink=False, gpus=4, nodes=2):
         python="/opt/slurm-gpu/venv/bin/python" if target == "aws" else "/work/main/.venv/bin/python",
         service_cmd="sudo systemctl {action} {service}",
     )
+
+
+def boot_inventory(platform):
+    """The boot test's inventory (boottest/cluster.py): its facts carry the platform."""
+    ctl, nodes = plan_hosts("10.213.1.0/24", 2)
+    facts = ClusterFacts("boot", ctl, nodes, NodeShape(2, 1000, 2, "l4"), "10.213.1.0/24", platform=platform,
+                         efa=False)
+    return from_facts(facts, target="boot", controller_public_ip=ctl.ip, python="/opt/slurm-gpu/venv/bin/python",
+                      service_cmd="sudo systemctl {action} {service}")
 
 
 def finetune(inv, nodes=2, gpus=None):
@@ -90,6 +101,24 @@ def test_common_directives_and_launch(nodes):
     assert '[ "$restart" -gt 3 ]' in s and "SLURM_RESTART_COUNT" in s
 
 
+def test_a_torch_without_libuv_keeps_the_rendezvous_in_a_file():
+    """Debian's torch 2.6 (the boot test's Debian 13, Platform.os_torch) has no libuv TCPStore,
+    which the c10d rendezvous's TCP store and the store it shares with the ranks always ask for:
+    the rendezvous keeps its state in a file on the shared scratch (one per attempt), the ranks
+    make their own store without libuv. Nothing else of the job differs."""
+    s = finetune(boot_inventory(BOOT_DEBIAN13), gpus=2)
+    assert "export USE_LIBUV=0 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1\n" in s
+    assert 'rdzv_file=/scratch/slurm-gpu/jobs/20260101-abc/rdzv-$SLURM_JOB_ID-$restart\n' in s
+    assert ('  --rdzv_backend=c10d \\\n  --rdzv_endpoint="$rdzv_file" \\\n  --rdzv_conf=store_type=file \\\n'
+            '  --rdzv_id="$SLURM_JOB_ID" \\\n') in s
+    assert s.index('restart=${SLURM_RESTART_COUNT:-0}') < s.index("rdzv_file=")
+    plain = finetune(boot_inventory(BOOT_DEBIAN12), gpus=2)
+    assert "USE_LIBUV" not in plain and "store_type" not in plain
+    assert '--rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT"' in plain
+    changed = set(s.splitlines()) ^ set(plain.splitlines())
+    assert len(changed) == 11, sorted(changed)  # header, comment (4), export, file, endpoint (2), conf
+
+
 def test_strict_undefined():
     with pytest.raises(jinja2.UndefinedError):
         jobs._env.get_template("finetune.sbatch.j2").render(target="aws")
@@ -109,7 +138,8 @@ def test_sanity_aws_counts_nvidia_smi_and_local_checks_standins():
 def rendered_scripts():
     out = {}
     for name, inv, gpus in (("aws-l4", inventory(), 4), ("aws-h100", inventory(gpu_type="h100", nvlink=True, gpus=8), 8),
-                            ("local", inventory(target="local", gpus=2), 2)):
+                            ("local", inventory(target="local", gpus=2), 2),
+                            ("boot-debian13", boot_inventory(BOOT_DEBIAN13), 2)):
         out[f"finetune-{name}"] = finetune(inv, gpus=gpus)
         out[f"sanity-{name}"] = jobs.render_sanity(jobs.base_spec(inv, jobs.SANITY_NAME, 2, gpus, "/scratch/j",
                                                                   script_path="/scratch/j/sanity.sbatch"))

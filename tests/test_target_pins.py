@@ -15,7 +15,7 @@ import pytest
 
 from bootstrap import render
 from bootstrap.facts import ClusterFacts, NodeShape, PowerSave, plan_hosts
-from bootstrap.platform import AWS
+from bootstrap.platform import AWS, BOOT_DEBIAN13
 from bootstrap.wheels import check_wheels, describe
 
 PINS = [f"{name}=={version}" for name, version in render.training_pins().items()]
@@ -36,6 +36,16 @@ def test_the_controllers_power_pins_have_a_wheel_for_the_aws_target():
     assert f"want='{' '.join(pins)}'" in render.bootstrap_script(_facts_with_power(), "controller")
     check = check_wheels(pins, AWS)
     assert check.ok, describe(check, AWS)
+
+
+def test_the_boot_test_debian_13_pins_have_wheels_but_torch_from_debian():
+    """The boot test's Debian 13 (Python 3.13) takes torch from Debian's python3-torch
+    (Platform.os_torch); every other pin is a wheel for Python 3.13."""
+    reqs = render.training_requirements(BOOT_DEBIAN13)
+    assert reqs[0] == f"torch=={BOOT_DEBIAN13.os_torch.version}"
+    assert reqs[1:] == PINS[1:]
+    check = check_wheels(reqs[1:], BOOT_DEBIAN13)
+    assert check.ok, describe(check, BOOT_DEBIAN13)
 
 
 @pytest.mark.slow
