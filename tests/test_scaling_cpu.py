@@ -11,7 +11,6 @@ loss is normalised over both ranks' tokens). A code-path check: no timing is ass
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 
@@ -20,7 +19,6 @@ pytest.importorskip("trl")
 
 from benchmarks import bench_scaling  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
 STEPS = 3
 
 
@@ -90,14 +88,17 @@ def test_two_ranks_train_like_one(rows):
 
 
 def test_launch_line_is_the_sbatch_templates():
-    """The benchmark launches torchrun with the same options as jobs/finetune.sbatch.j2 (one node here)."""
-    template = (REPO / "jobs" / "finetune.sbatch.j2").read_text()
-    launch = template[template.index("-m torch.distributed.run"):template.index("-m training.train")]
-    sbatch_flags = set(re.findall(r"(--[a-z_]+)=", launch))
+    """The benchmark launches torchrun with the same options as jobs/finetune.sbatch.j2 renders for
+    AWS and the local cluster (one node here)."""
+    from tests.test_jobs_render import finetune, inventory
+
     cmd = bench_scaling.torchrun_command(2, 29500, ["--tiny"])
     assert cmd[1:3] == ["-m", "torch.distributed.run"]
     ours = cmd[3:cmd.index("benchmarks.bench_scaling") - 1]
-    assert {f.split("=")[0] for f in ours} == sbatch_flags
+    for target in ("aws", "local"):
+        script = finetune(inventory(target))
+        launch = script[script.index("-m torch.distributed.run"):script.index("-m training.train")]
+        assert {f.split("=")[0] for f in ours} == set(re.findall(r"(--[a-z_]+)=", launch)), target
     assert "--nnodes=1" in ours and "--nproc_per_node=2" in ours and "--rdzv_backend=c10d" in ours
     assert "--rdzv_endpoint=127.0.0.1:29500" in ours and "--max_restarts=0" in ours
 
