@@ -154,6 +154,13 @@ def price_per_h(region: str, itype: str) -> float:
 # ---------------------------------------------------------------- GPU throughput
 
 
+def _gpu_key(reported: str) -> str:
+    """The datasheet table's name for a GPU as torch reports it ("NVIDIA H100 80GB HBM3" -> "H100")."""
+    name = reported.replace("NVIDIA ", "").strip()
+    first = name.split(" ")[0] if name else name
+    return first if first in _json("instances.json")["gpus"] else name
+
+
 def gpu_throughput(gpu: str) -> tuple[float, float, str]:
     """(tokens/s per GPU of the job's training loop, seconds of fixed start-up, where it came from).
 
@@ -170,7 +177,7 @@ def gpu_throughput(gpu: str) -> tuple[float, float, str]:
     if best is None:
         raise EstimateError(f"no time-to-adapters result in {RESULTS}; run benchmarks/bench_train.py")
     path, data, row = best
-    measured_gpu = str(data.get("gpu", "")).replace("NVIDIA ", "")
+    measured_gpu = _gpu_key(str(data.get("gpu", "")))
     tok_s = row["train_tokens"] / row["train_runtime"]
     startup = float(row["phases_s"]["args_parsed"])
     name = Path(path).name
