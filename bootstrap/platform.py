@@ -71,6 +71,10 @@ class Platform:
     # None: the controller boots the GPU nodes' image.
     controller_ami_name: str | None = None
     controller_ami_owner: str | None = None
+    # Where slurmctld writes its pid file (slurm.conf SlurmctldPidFile). None: it writes none,
+    # so none is named: Slurm >= 23.11's unit starts it with --systemd (Type=notify, User=slurm),
+    # which skips the pid file. Slurm 22.05's Debian unit runs it as root, which writes one.
+    slurmctld_pidfile: str | None = None
 
     @property
     def images(self) -> dict[str, MachineImage]:
@@ -82,10 +86,6 @@ class Platform:
             return {"controller": gpu, "gpu": gpu}
         return {"controller": MachineImage(self.controller_ami_name, self.controller_ami_owner,
                                            gpu_stack=False), "gpu": gpu}
-    # Where slurmctld writes its pid file (slurm.conf SlurmctldPidFile). None: it writes none,
-    # so none is named: Slurm >= 23.11's unit starts it with --systemd (Type=notify, User=slurm),
-    # which skips the pid file. Slurm 22.05's Debian unit runs it as root, which writes one.
-    slurmctld_pidfile: str | None = None
 
     @property
     def real_gpus(self) -> bool:

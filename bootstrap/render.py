@@ -113,7 +113,6 @@ PACKAGES = {
 }
 
 
-
 def role_packages(platform: Platform, role: str) -> tuple[str, ...]:
     """The apt packages a role's node installs: PACKAGES, and on a GPU node of a platform that
     takes torch from the OS (`Platform.os_torch`) that package too."""
