@@ -3,7 +3,15 @@
 On CPU, with a tiny random Qwen3 and LoRA: (1) a packed forward with the document BlockMask gives the
 same logits as running each example alone (no attention across examples); (2) training several
 optimizer steps with the packed trainer gives the same per-step losses and the same final LoRA
-weights as TRL's padded batches (seed layout: batch 2 x accumulation 2 vs one packed row of 4).
+weights as TRL's padded batches (batch 2 x accumulation 2 vs one packed row of 4).
+
+The training comparisons run in float64. The layouts sum a step's token losses in different orders
+(one row of 4 vs two accumulated rows of 2, each with its own matmul shapes), and Adam divides each
+gradient by its own running magnitude, so a coordinate whose gradient is near zero turns a rounding
+difference into a weight difference of up to lr per step: in fp32 that measured 3.6e-5 on one x86-64
+CPU and less on another. In float64 the same sums differ by about n*u (n ~ 1e3 terms, u = 1.1e-16),
+measured at most 2e-14 after the 4 steps; WEIGHT_ATOL leaves four orders of margin above that, and a
+wrong layout (other examples in a step) moves weights by more than 1e-3 (asserted below).
 """
 
 from __future__ import annotations
@@ -20,9 +28,10 @@ from training.fastpath.trainer import PackedSFTTrainer  # noqa: E402
 
 VOCAB = 96
 PAD_ID = 1
+WEIGHT_ATOL = 1e-10  # float64 training; see the module docstring
 
 
-def tiny_model(attn: str, seed: int = 0):
+def tiny_model(attn: str, seed: int = 0, dtype=None):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     config = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -30,7 +39,8 @@ def tiny_model(attn: str, seed: int = 0):
                          max_position_embeddings=512, tie_word_embeddings=True, pad_token_id=PAD_ID,
                          eos_token_id=0, bos_token_id=0, attn_implementation=attn)
     torch.manual_seed(seed)
-    return Qwen3ForCausalLM(config).eval()
+    model = Qwen3ForCausalLM(config).eval()
+    return model.to(dtype) if dtype is not None else model
 
 
 def synthetic_rows(n: int, seed: int = 0) -> list[dict]:
@@ -115,7 +125,7 @@ def _train(tmp_path, name: str, packed: bool, rows: list[dict], steps: int, **se
                      gradient_checkpointing=not packed, disable_tqdm=True)
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                       task_type="CAUSAL_LM")
-    model = tiny_model(attention.ATTN_IMPLEMENTATION if packed else "sdpa", seed=3)
+    model = tiny_model(attention.ATTN_IMPLEMENTATION if packed else "sdpa", seed=3, dtype=torch.float64)
     ds = Dataset.from_list(rows)
     for key, value in settings.items():
         setattr(args, key, value)
@@ -145,7 +155,7 @@ def test_packed_training_matches_padded(tmp_path):
     moved = max((w.abs().max().item() for k, w in packed_w.items() if "lora_B" in k))
     assert moved > 1e-3
     for k in padded_w:
-        assert torch.allclose(padded_w[k], packed_w[k], atol=1e-5, rtol=1e-3), k
+        torch.testing.assert_close(padded_w[k], packed_w[k], atol=WEIGHT_ATOL, rtol=0, msg=k)
 
 
 def test_step_layout_as_configured_trains_the_same_examples_per_step(tmp_path):
@@ -163,4 +173,4 @@ def test_step_layout_as_configured_trains_the_same_examples_per_step(tmp_path):
     assert kept.choices["cuda_graphs"]["value"] is False
     assert kept_losses == pytest.approx(auto_losses, rel=1e-5)
     for k in auto_w:
-        torch.testing.assert_close(kept_w[k], auto_w[k], atol=1e-5, rtol=1e-4)  # summation order
+        torch.testing.assert_close(kept_w[k], auto_w[k], atol=WEIGHT_ATOL, rtol=0, msg=k)
