@@ -323,7 +323,9 @@ def test_imdsv2_encrypted_gp3_roots_ami_key_and_tags(deployed):
         assert i["ami"] == (case.controller_ami if name == "controller" else case.ami)
         assert i["keyName"] == f"{key.name}-1a2b3c"
         role = "controller" if name == "controller" else "gpu"
-        assert i["tags"] == {"Cluster": case.cluster, "Role": role, "Name": f"{case.cluster}-{name}"}
+        # The owning stack too (project/stack: the mocks name no organization); see test_infra_quotas.
+        assert i["tags"] == {"Cluster": case.cluster, "Role": role, "Name": f"{case.cluster}-{name}",
+                             "slurm-gpu:stack": "slurm-gpu/test"}
     for res in run.resources:
         if "tags" in res.inputs:
             assert res.inputs["tags"]["Cluster"] == case.cluster
