@@ -14,10 +14,16 @@ from pathlib import Path
 
 from bootstrap.platform import AWS, OsTorch, Platform
 
-# Host addresses inside the subnet: AWS reserves the first four and the last
-# one, so the controller sits at .10 and GPU node i (1-based) at .10 + i.
-CONTROLLER_OFFSET = 10
+# Host addresses inside a subnet. AWS reserves the first four addresses of every subnet
+# (network, VPC router, DNS, future use) and the last one (Amazon VPC User Guide, "Subnet CIDR
+# blocks": https://docs.aws.amazon.com/vpc/latest/userguide/subnet-sizing.html). The controller
+# sits at .10 and GPU node i (1-based) at .10 + i. On AWS the public subnet's NAT gateway takes
+# the first address AWS leaves free: given none, it would take a random one, which can be the
+# controller's .10 (the NAT gateway is created first).
+RESERVED_AT_START = 4
 RESERVED_AT_END = 1
+CONTROLLER_OFFSET = 10
+NAT_GATEWAY_OFFSET = RESERVED_AT_START
 
 
 @dataclass(frozen=True)
@@ -161,6 +167,12 @@ def host_ip(subnet_cidr: str, index: int) -> str:
             f"subnet {subnet_cidr} holds at most {max_gpu_nodes(subnet_cidr)} GPU nodes"
         )
     return str(net.network_address + CONTROLLER_OFFSET + index)
+
+
+def nat_gateway_ip(public_subnet_cidr: str) -> str:
+    """The NAT gateway's fixed private IP in the controller's public subnet (AWS)."""
+    net = ipaddress.ip_network(public_subnet_cidr, strict=True)
+    return str(net.network_address + NAT_GATEWAY_OFFSET)
 
 
 def plan_hosts(subnet_cidr: str, gpu_node_count: int,

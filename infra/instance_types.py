@@ -138,9 +138,12 @@ def lookup_gpu_node_facts(cfg: StackConfig) -> GpuNodeFacts:
     return gpu_node_facts(info, efa=cfg.efa)
 
 
-def check_controller_type(cfg: StackConfig) -> None:
+def check_controller_type(cfg: StackConfig) -> int:
+    """Refuse a controller type the AMI cannot run; its vCPUs (for the quota check)."""
     setting = "slurm-gpu:controllerInstanceType"
-    _check_arch(instance_type_info(cfg.controller_instance_type, setting), setting)
+    info = instance_type_info(cfg.controller_instance_type, setting)
+    _check_arch(info, setting)
+    return int(info.default_vcpus)
 
 
 def choose_availability_zone(cfg: StackConfig) -> str:

@@ -7,14 +7,17 @@ for the GPU nodes, both in the AZ of the placement group.
   0.0.0.0/0 to the NAT gateway (one Elastic IP for the whole cluster), so apt, pip and
   model downloads work while nothing on the internet can open a connection to them.
 
-Fixed private IPs come from bootstrap.facts (controller .10 of the public subnet,
-gpu-node-NN .10+NN of the private one). docs/NETWORK.md explains the design and its cost.
+Fixed private IPs come from bootstrap.facts (NAT gateway .4 and controller .10 of the public
+subnet, gpu-node-NN .10+NN of the private one), so nothing takes another's address.
+docs/NETWORK.md explains the design and its cost.
 """
 
 from __future__ import annotations
 
 import pulumi
 import pulumi_aws as aws
+
+from bootstrap.facts import nat_gateway_ip
 
 
 class NetworkComponent(pulumi.ComponentResource):
@@ -45,7 +48,12 @@ class NetworkComponent(pulumi.ComponentResource):
             name, "public", public_subnet_cidr, availability_zone, tags("public"), child,
             gateway_id=self.internet_gateway.id)
 
-        # One NAT gateway (and its one Elastic IP) for every GPU node's outbound traffic.
+        # One NAT gateway (and its one Elastic IP) for every GPU node's outbound traffic, at its
+        # fixed address (bootstrap.facts). `private_ip` is ForceNew in the provider
+        # (terraform-provider-aws internal/service/ec2/vpc_nat_gateway.go), so a gateway made
+        # with a random address is replaced once; the old one goes first, as the new one needs
+        # its address (and the Elastic IP) free. Not ignore_changes: Pulumi would then carry the
+        # old address into a replacement in another subnet (pulumi/pulumi#2657).
         self.nat_eip = aws.ec2.Eip(
             f"{name}-nat-eip", domain="vpc", tags=tags("nat"),
             opts=pulumi.ResourceOptions(parent=self, depends_on=[self.internet_gateway]),
@@ -55,8 +63,10 @@ class NetworkComponent(pulumi.ComponentResource):
             allocation_id=self.nat_eip.allocation_id,
             subnet_id=self.public_subnet.id,
             connectivity_type="public",
+            private_ip=nat_gateway_ip(public_subnet_cidr),
             tags=tags("nat"),
-            opts=pulumi.ResourceOptions(parent=self, depends_on=[self.internet_gateway]),
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[self.internet_gateway],
+                                        delete_before_replace=True),
         )
 
         (self.gpu_subnet, self.gpu_route_table, self.gpu_default_route,

@@ -32,6 +32,7 @@ import pulumi
 import pulumi_aws as aws
 
 from bootstrap.facts import ClusterFacts, Host
+from infra.quotas import STACK_TAG, stack_name
 
 
 class NodesComponent(pulumi.ComponentResource):
@@ -91,7 +92,7 @@ class NodesComponent(pulumi.ComponentResource):
             root_block_device=self._root("controller", facts.controller,
                                          throughput=scratch_throughput_mbps, iops=scratch_iops),
             user_data=user_data["controller"],
-            tags=self._tags("controller", facts.controller),
+            tags=self._instance_tags("controller", facts.controller),
             # Boot only once the subnet routes to the internet: cloud-init installs packages.
             # User-data is read at first boot only; node-list changes go by `fab reconfigure`.
             opts=pulumi.ResourceOptions(parent=self, depends_on=list(controller_internet),
@@ -122,7 +123,7 @@ class NodesComponent(pulumi.ComponentResource):
                 metadata_options=self._imdsv2(),
                 root_block_device=self._root("gpu", host),
                 user_data=user_data[host.name],
-                tags=self._tags("gpu", host),
+                tags=self._instance_tags("gpu", host),
                 # Boot only once the private subnet routes out through the NAT gateway.
                 # Its interfaces (and so its IP) pass to a replacement only once it is gone.
                 opts=pulumi.ResourceOptions(parent=self, depends_on=list(gpu_internet),
@@ -171,6 +172,11 @@ class NodesComponent(pulumi.ComponentResource):
 
     def _tags(self, role: str, host: Host) -> dict[str, str]:
         return {"Cluster": self._cluster, "Role": role, "Name": f"{self._cluster}-{host.name}"}
+
+    def _instance_tags(self, role: str, host: Host) -> dict[str, str]:
+        """Also the owning stack: the quota check (infra/quotas.py) does not count its own instances
+        as the account's others (a tag change is applied in place, without a stop)."""
+        return {**self._tags(role, host), STACK_TAG: stack_name()}
 
     def _root(self, role: str, host: Host, throughput: int | None = None,
               iops: int | None = None) -> aws.ec2.InstanceRootBlockDeviceArgs:

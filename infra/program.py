@@ -1,7 +1,8 @@
 """The Pulumi program: config -> plan-time facts -> components -> outputs.
 
 Everything that can refuse the stack (config, instance-type facts, AZ, images, the EBS
-key) runs before the first resource is declared, so a bad setting creates nothing.
+key, the account's vCPU quotas) runs before the first resource is declared, so a bad setting
+creates nothing.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from infra.ami import Ami, resolve_images
 from infra.cluster import ClusterComponent
 from infra.instance_types import check_controller_type, choose_availability_zone, lookup_gpu_node_facts
 from infra.kms import EbsKey, resolve_ebs_key
+from infra.quotas import check_vcpu_quotas
 
 SSH_USER = "ubuntu"  # the Ubuntu AMI's login user
 # Power saving on EC2: a stop may take this long before the node can be started again
@@ -36,15 +38,17 @@ def power_save(cfg: stack_config.StackConfig, region: str | None) -> PowerSave |
 
 
 def plan(cfg: stack_config.StackConfig) -> tuple[ClusterFacts, str, dict[str, Ami], int, EbsKey]:
-    """Look up instance facts, AZ, images and the EBS key; refuse bad combinations. Declares
+    """Look up instance facts, AZ, images, the EBS key and quotas; refuse bad combinations. Declares
     nothing. Returns the cluster facts, the AZ, each role's image, the EFA interfaces per GPU
     node and the root volumes' key."""
     gpu = lookup_gpu_node_facts(cfg)
-    check_controller_type(cfg)
+    controller_vcpus = check_controller_type(cfg)
     az = choose_availability_zone(cfg)
     images = resolve_images(cfg)
     region = pulumi.Config("aws").get("region")
     ebs_key = resolve_ebs_key(cfg, region)
+    # Last: a missing quota takes days to fix, so the other refusals come first.
+    check_vcpu_quotas(cfg, gpu_vcpus=gpu.shape.cpus, controller_vcpus=controller_vcpus, region=region)
     controller, gpu_nodes = plan_hosts(cfg.subnet_cidr, cfg.gpu_node_count,
                                        controller_subnet=cfg.public_subnet_cidr)
     facts = ClusterFacts(

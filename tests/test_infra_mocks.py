@@ -6,6 +6,7 @@ The instance-type figures are AWS's published ones (DescribeInstanceTypes).
 
 from __future__ import annotations
 
+import fnmatch
 import json
 from dataclasses import dataclass, field
 
@@ -87,6 +88,32 @@ CPU_CORES = {
     "g4dn.xlarge": (2, 2), "g5g.xlarge": (4, 1), "g4ad.16xlarge": (32, 2), "c6i.xlarge": (2, 2),
     "c7i.48xlarge": (96, 2), "t3.large": (1, 2), "m7g.large": (2, 1),
 }
+
+
+# EC2's On-Demand vCPU quotas as Service Quotas names them, by quota code.
+QUOTA_NAMES = {
+    "L-DB2E81BA": "Running On-Demand G and VT instances",
+    "L-417A185B": "Running On-Demand P instances",
+    "L-1216C47A": "Running On-Demand Standard (A, C, D, H, I, M, R, T, Z) instances",
+}
+# What an account answers unless a test says otherwise: room for every case's stack.
+ROOMY_QUOTA = 100000.0
+
+
+def quota_result(code: str, value: float) -> dict:
+    arn = f"arn:aws:servicequotas:{REGION}:{ACCOUNT}:ec2/{code}"
+    return {"id": arn, "arn": arn, "quotaCode": code, "quotaName": QUOTA_NAMES[code], "serviceCode": "ec2",
+            "serviceName": "Amazon Elastic Compute Cloud (Amazon EC2)", "value": value, "defaultValue": value,
+            "adjustable": True, "globalQuota": False, "region": REGION, "usageMetrics": []}
+
+
+@dataclass(frozen=True)
+class Running:
+    """An instance already running in the account (DescribeInstances)."""
+    id: str
+    instance_type: str
+    tags: dict = field(default_factory=dict)
+    state: str = "running"
 
 
 def instance_type_result(itype: str) -> dict:
@@ -171,7 +198,8 @@ class ClusterMocks(pulumi.runtime.Mocks):
     def __init__(self, ami_root_gib: int = DLAMI_ROOT_GIB, ami_arch: str = "x86_64",
                  newest_dlami: str = DLAMI_ID, newest_ubuntu: str = UBUNTU_ID,
                  default_ebs_key: str = AWS_EBS_ALIAS, stashed: dict | None = None,
-                 arches: dict[str, str] | None = None):
+                 arches: dict[str, str] | None = None, quotas: dict[str, float | str] | None = None,
+                 running: list[Running] | None = None):
         self.resources: list[Registered] = []  # custom resources, with their inputs
         self.components: list[Registered] = []  # everything registered, components included
         self.calls: list[tuple[str, dict]] = []
@@ -186,6 +214,9 @@ class ClusterMocks(pulumi.runtime.Mocks):
         self.prior_stash = dict(stashed or {})
         self.stashed: dict[str, object] = {}
         self._public = 0
+        # quota code -> its value, or the provider's error reading it (ROOMY_QUOTA where not given)
+        self.quotas = dict(quotas or {})
+        self.running = list(running or [])
 
     def call(self, args: pulumi.runtime.MockCallArgs):
         self.calls.append((args.token, dict(args.args)))
@@ -221,6 +252,25 @@ class ClusterMocks(pulumi.runtime.Mocks):
             if key is None:  # the provider's error, as the engine hands it back (failures)
                 return {}, [("keyId", f"NotFoundException: Key '{args.args['keyId']}' does not exist")]
             return key
+        if args.token == "aws:servicequotas/getServiceQuota:getServiceQuota":
+            assert args.args["serviceCode"] == "ec2"
+            value = self.quotas.get(args.args["quotaCode"], ROOMY_QUOTA)
+            if isinstance(value, str):  # the provider's error, as the engine hands it back
+                return {}, [("quotaCode", value)]
+            return quota_result(args.args["quotaCode"], value)
+        if args.token == "aws:ec2/getInstances:getInstances":
+            filters = {f["name"]: f["values"] for f in args.args.get("filters", [])}
+            states = args.args.get("instanceStateNames") or ["running"]  # the provider's default
+            found = [r for r in self.running if r.state in states
+                     and any(fnmatch.fnmatchcase(r.instance_type, p) for p in filters.get("instance-type", ["*"]))]
+            return {"id": REGION, "ids": [r.id for r in found], "privateIps": [], "publicIps": [],
+                    "ipv6Addresses": []}
+        if args.token == "aws:ec2/getInstance:getInstance":
+            inst = next((r for r in self.running if r.id == args.args["instanceId"]), None)
+            if inst is None:
+                return {}, [("instanceId", "Your query returned no results")]
+            return {"id": inst.id, "instanceType": inst.instance_type, "tags": dict(inst.tags),
+                    "instanceState": inst.state}
         raise Exception(f"unexpected call {args.token}")
 
     def new_resource(self, args: pulumi.runtime.MockResourceArgs):

@@ -55,6 +55,7 @@ class Case:
     ami: str = DLAMI_ID  # the GPU nodes'
     controller_ami: str = UBUNTU_ID
     scratch: tuple[int, int] = (125, 3000)  # the controller's volume (the shared /scratch): MiB/s, IOPS
+    nat_ip: str = "10.0.0.4"  # the NAT gateway's, in the public subnet
 
 
 CASES = [
@@ -73,11 +74,11 @@ CASES = [
          "p5.48xlarge", "t3.large", "10.20.4.0/24", "10.20.0.0/16", "ap-northeast-2c",
          ("10.20.0.10", "10.20.4.11", "10.20.4.12", "10.20.4.13", "10.20.4.14"), 192, 8, "h100", 2097152,
          True, True, 500, "h100s", 32, "10.20.0.0/24", "ami-0a1b2c3d4e5f60718", "ami-0c1d2e3f4a5b6c7d8",
-         scratch=(1000, 4000)),
+         scratch=(1000, 4000), nat_ip="10.20.0.4"),
     Case("2x-p4d.24xlarge", {"gpuInstanceType": "p4d.24xlarge", "publicSubnetCidr": "10.0.200.0/28"},
          "p4d.24xlarge", "c6i.xlarge", "10.0.1.0/24", "10.0.0.0/16", "ap-northeast-2a",
          ("10.0.200.10", "10.0.1.11", "10.0.1.12"), 96, 8, "a100", 1179648, True, True, 200, "mini", 4,
-         "10.0.200.0/28"),
+         "10.0.200.0/28", nat_ip="10.0.200.4"),
     Case("1x-g4dn-no-efa", {"gpuNodeCount": 1, "gpuInstanceType": "g4dn.xlarge", "efa": False,
                              "availabilityZone": "ap-northeast-2d", "subnetCidr": "10.0.128.0/28"},
          "g4dn.xlarge", "c6i.xlarge", "10.0.128.0/28", "10.0.0.0/16", "ap-northeast-2d",
@@ -159,6 +160,31 @@ def test_public_and_private_subnets_with_their_routes(deployed):
                                     "natGatewayId": _id(nat)}
     for rt in run.of_type("rt"):
         assert rt.inputs["vpcId"] == _id(vpc)
+
+
+def test_every_fixed_address_has_its_own_place(deployed):
+    """The NAT gateway gets a fixed address too: given none, EC2 picks a random free one, and the
+    gateway is made before the controller, whose .10 it could take. In each subnet no two fixed
+    addresses are the same and none is one AWS reserves (the first four and the last)."""
+    case, run = deployed
+    nat = run.one("nat")
+    assert nat.inputs.get("privateIp") == case.nat_ip
+    assert nat.delete_before_replace  # a replacement needs the address (and the Elastic IP) free
+    fixed: dict[str, list[str]] = {_id(s): [] for s in run.of_type("subnet")}
+    fixed[nat.inputs["subnetId"]].append(nat.inputs["privateIp"])
+    for inst in run.of_type("instance"):
+        if "privateIp" in inst.inputs:
+            fixed[inst.inputs["subnetId"]].append(inst.inputs["privateIp"])
+    for eni in run.of_type("eni"):
+        fixed[eni.inputs["subnetId"]].extend(eni.inputs.get("privateIps") or [])
+    cidrs = {_id(s): s.inputs["cidrBlock"] for s in run.of_type("subnet")}
+    for subnet_id, ips in fixed.items():
+        net = ipaddress.ip_network(cidrs[subnet_id])
+        reserved = {net[0], net[1], net[2], net[3], net[-1]}
+        assert len(set(ips)) == len(ips), (cidrs[subnet_id], ips)
+        for ip in map(ipaddress.ip_address, ips):
+            assert ip in net and ip not in reserved, (cidrs[subnet_id], ip)
+    assert sum(map(len, fixed.values())) == len(case.ips) + 1  # every host and the NAT gateway
 
 
 def test_exact_security_group_rules(deployed):
@@ -297,7 +323,9 @@ def test_imdsv2_encrypted_gp3_roots_ami_key_and_tags(deployed):
         assert i["ami"] == (case.controller_ami if name == "controller" else case.ami)
         assert i["keyName"] == f"{key.name}-1a2b3c"
         role = "controller" if name == "controller" else "gpu"
-        assert i["tags"] == {"Cluster": case.cluster, "Role": role, "Name": f"{case.cluster}-{name}"}
+        # The owning stack too (project/stack: the mocks name no organization); see test_infra_quotas.
+        assert i["tags"] == {"Cluster": case.cluster, "Role": role, "Name": f"{case.cluster}-{name}",
+                             "slurm-gpu:stack": "slurm-gpu/test"}
     for res in run.resources:
         if "tags" in res.inputs:
             assert res.inputs["tags"]["Cluster"] == case.cluster

@@ -1,0 +1,205 @@
+"""EC2's vCPU quotas, checked at plan time, before anything is declared.
+
+EC2 counts the vCPUs of running On-Demand instances against one quota per group of instance
+families, per account and region (EC2 User Guide, "On-Demand Instance limits":
+https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/ec2-on-demand-instances.html), and RunInstances
+fails with VcpuLimitExceeded beyond it. Found only then, the failure comes after the VPC, the NAT
+gateway and its Elastic IP exist and bill; new accounts often have 0 to 64 vCPUs of G and VT,
+less than two g6.12xlarge need. So the program reads each quota the stack draws on and what the
+account's other instances already run against it, and refuses a stack that does not fit, with
+the command that asks for more. A quota it cannot read (the deployer may lack the Service Quotas
+permissions) is reported and not checked: the check only moves a failure forward.
+
+Which instances are the stack's own (already counted in its need, so not again as "others" on a
+later `pulumi up`): those tagged STACK_TAG with this stack's name; instances made before that tag
+existed are recognised by their Cluster tag.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import pulumi
+import pulumi_aws as aws
+
+from infra.config import NAMESPACE, ConfigError, StackConfig
+
+SERVICE_CODE = "ec2"
+STACK_TAG = "slurm-gpu:stack"  # on each instance: the Pulumi stack that owns it (stack_name())
+RUNNING = ["pending", "running"]  # what counts against a vCPU quota (pending: about to run)
+# At most this many instances of the account are looked up one by one (the API lists ids, not
+# types) per quota: each is a call at every preview.
+MAX_LOOKUPS = 64
+
+
+@dataclass(frozen=True)
+class Quota:
+    name: str  # as Service Quotas names it
+    code: str  # its quota code under service code "ec2"
+
+
+@dataclass(frozen=True)
+class QuotaGroup:
+    """Instance families that share one On-Demand and one Spot vCPU quota."""
+    families: frozenset[str]  # an instance type's family: the letters before its generation
+    on_demand: Quota
+    spot: Quota  # not checked yet: for a spot market
+
+
+# Every group a GPU node or the controller can fall in: a GPU node's type must have NVIDIA GPUs
+# and be x86_64 (infra/instance_types.py), and every such EC2 type is G or P; the controller
+# is usually a Standard type. Names: EC2 User Guide, "On-Demand Instance quotas" and "Spot
+# Instance quotas" (https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/using-spot-limits.html);
+# codes: Service Quotas for ec2 (`aws service-quotas list-service-quotas --service-code ec2`;
+# console.aws.amazon.com/servicequotas/home/services/ec2/quotas/<code>). A family in no group
+# here (DL, F, Inf, Trn, X, U, HPC) is reported and not checked.
+QUOTA_GROUPS = (
+    QuotaGroup(frozenset({"g", "gr", "vt"}),
+               Quota("Running On-Demand G and VT instances", "L-DB2E81BA"),
+               Quota("All G and VT Spot Instance Requests", "L-3819A6DF")),
+    QuotaGroup(frozenset({"p"}),
+               Quota("Running On-Demand P instances", "L-417A185B"),
+               Quota("All P Spot Instance Requests", "L-7212CCBC")),
+    QuotaGroup(frozenset({"a", "c", "d", "h", "i", "m", "r", "t", "z"}),
+               Quota("Running On-Demand Standard (A, C, D, H, I, M, R, T, Z) instances", "L-1216C47A"),
+               Quota("All Standard (A, C, D, H, I, M, R, T, Z) Spot Instance Requests", "L-34B43A08")),
+)
+
+
+class QuotaError(ConfigError):
+    """The stack needs more vCPUs than a quota allows."""
+
+
+def family(instance_type: str) -> str:
+    """g6e.12xlarge -> g, gr6.4xlarge -> gr, p6-b200.48xlarge -> p, hpc7a.96xlarge -> hpc."""
+    match = re.match(r"[a-z]+", instance_type)
+    return match.group(0) if match else instance_type
+
+
+def quota_group(instance_type: str) -> QuotaGroup | None:
+    fam = family(instance_type)
+    return next((g for g in QUOTA_GROUPS if fam in g.families), None)
+
+
+def stack_name() -> str:
+    """organization/project/stack (without the organization where the engine names none)."""
+    return "/".join(p for p in (pulumi.get_organization(), pulumi.get_project(), pulumi.get_stack()) if p)
+
+
+def request_command(quota: Quota, desired: int, region: str | None) -> str:
+    where = f" --region {region}" if region else ""
+    return (f"aws service-quotas request-service-quota-increase --service-code {SERVICE_CODE} "
+            f"--quota-code {quota.code} --desired-value {desired}{where}")
+
+
+@dataclass(frozen=True)
+class Need:
+    what: str  # "2 GPU nodes" / "the controller"
+    instance_type: str
+    count: int
+    vcpus: int  # per instance
+    settings: tuple[str, ...]  # what lowers it
+
+    @property
+    def total(self) -> int:
+        return self.count * self.vcpus
+
+    def describe(self) -> str:
+        return f"{self.what} ({self.count} x {self.instance_type}, {self.vcpus} vCPUs each)"
+
+
+def check_vcpu_quotas(cfg: StackConfig, *, gpu_vcpus: int, controller_vcpus: int,
+                      region: str | None) -> None:
+    """Refuse (QuotaError) a stack whose instances the account's On-Demand vCPU quotas cannot
+    hold, counting the account's other running instances of the same quota."""
+    needs = [
+        Need(f"{cfg.gpu_node_count} GPU node{'s' if cfg.gpu_node_count > 1 else ''}",
+             cfg.gpu_instance_type, cfg.gpu_node_count, gpu_vcpus, ("gpuNodeCount", "gpuInstanceType")),
+        Need("the controller", cfg.controller_instance_type, 1, controller_vcpus, ("controllerInstanceType",)),
+    ]
+    by_group: dict[QuotaGroup, list[Need]] = {}
+    for need in needs:
+        group = quota_group(need.instance_type)
+        if group is None:
+            pulumi.log.warn(f"{need.what}: {need.instance_type} is in no instance family whose vCPU "
+                            f"quota this program knows; its quota is not checked")
+            continue
+        by_group.setdefault(group, []).append(need)
+    for group, group_needs in by_group.items():
+        _check(group, group_needs, cluster_name=cfg.cluster_name, region=region)
+
+
+def _check(group: QuotaGroup, needs: list[Need], *, cluster_name: str, region: str | None) -> None:
+    quota = group.on_demand
+    need = sum(n.total for n in needs)
+    try:
+        found = aws.servicequotas.get_service_quota(service_code=SERVICE_CODE, quota_code=quota.code)
+        value = float(found.value)
+    except Exception as exc:  # e.g. AccessDeniedException: the deployer may not read quotas
+        pulumi.log.warn(
+            f"could not read the EC2 quota \"{quota.name}\" ({quota.code}): {_first_line(exc)}. "
+            f"Its check needs servicequotas:GetServiceQuota and servicequotas:GetAWSDefaultServiceQuota; "
+            f"going on without it (if the quota is below the {need} vCPUs the stack needs, launching "
+            f"the instances fails with VcpuLimitExceeded once the network exists)")
+        return
+    others = _others_running(group, cluster_name)
+    if need + others <= value:
+        return
+    total = need + others
+    parts = " and ".join(n.describe() for n in needs)
+    verb = "need" if len(needs) > 1 or needs[0].count > 1 else "needs"
+    running = (f", and other instances of this account already run {others} vCPUs against it"
+               if others else "")
+    settings = ", ".join(f"{NAMESPACE}:{s}" for n in needs for s in n.settings)
+    raise QuotaError(
+        f"{parts} {verb} {need} vCPUs of the EC2 quota \"{found.quota_name or quota.name}\" "
+        f"({quota.code}){f' in {region}' if region else ''}{running}: {total} in all, but the quota "
+        f"is {value:g}. Nothing was created. Ask AWS to raise it (approval can take a day or more): "
+        f"`{request_command(quota, math.ceil(total), region)}`; or need fewer vCPUs ({settings})"
+    )
+
+
+def _others_running(group: QuotaGroup, cluster_name: str) -> int:
+    """vCPUs of the account's pending and running instances in this quota group that are not
+    this stack's own (those are in its need already)."""
+    patterns = [f"{fam}*" for fam in sorted(group.families)]  # EC2 filter wildcards
+    try:
+        ids = aws.ec2.get_instances(filters=[{"name": "instance-type", "values": patterns}],
+                                    instance_state_names=RUNNING).ids or []
+    except Exception as exc:
+        pulumi.log.warn(f"could not list the running instances for the quota \"{group.on_demand.name}\" "
+                        f"({_first_line(exc)}); only this stack's own vCPUs are counted against it")
+        return 0
+    if len(ids) > MAX_LOOKUPS:
+        pulumi.log.warn(f"{len(ids)} instances run against the quota \"{group.on_demand.name}\"; "
+                        f"the check counts the first {MAX_LOOKUPS} of them")
+    me = stack_name()
+    vcpus_of: dict[str, int] = {}
+    total = 0
+    for instance_id in sorted(ids)[:MAX_LOOKUPS]:
+        try:
+            inst = aws.ec2.get_instance(instance_id=instance_id)
+        except Exception:  # gone since it was listed
+            continue
+        # The wildcards match too much (d* matches dl1, t* trn1): keep the group's own families.
+        if family(inst.instance_type) not in group.families or _ours(inst.tags or {}, me, cluster_name):
+            continue
+        if inst.instance_type not in vcpus_of:
+            vcpus_of[inst.instance_type] = int(aws.ec2.get_instance_type(
+                instance_type=inst.instance_type).default_vcpus)
+        total += vcpus_of[inst.instance_type]
+    return total
+
+
+def _ours(tags: dict[str, str], me: str, cluster_name: str) -> bool:
+    if STACK_TAG in tags:
+        return tags[STACK_TAG] == me
+    # Made before instances carried STACK_TAG: this cluster's, by the tag they have had since.
+    return tags.get("Cluster") == cluster_name
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__

@@ -1,0 +1,125 @@
+"""The plan-time vCPU quota check: a stack the account's EC2 On-Demand quotas cannot hold is
+refused before any resource is declared, with the request command; an unreadable quota is
+reported and the stack goes on; the account's other running instances count, the stack's own
+do not count twice.
+
+Needs are written out from AWS's figures: g6.12xlarge 48 vCPUs, p5.48xlarge 192, c6i.xlarge 4.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from infra.config import ConfigError
+from infra.quotas import QUOTA_GROUPS, family, quota_group
+from tests.test_infra_mocks import REGION, ClusterMocks, Running, run_program, stack_config
+
+G, P, STANDARD = "L-DB2E81BA", "L-417A185B", "L-1216C47A"
+QUOTA_CALL = "aws:servicequotas/getServiceQuota:getServiceQuota"
+OURS = "slurm-gpu/test"  # the stack's name under the mocks (project/stack)
+
+
+def request(code: str, value: int) -> str:
+    return (f"aws service-quotas request-service-quota-increase --service-code ec2 --quota-code {code} "
+            f"--desired-value {value} --region {REGION}")
+
+
+def refused(mocks: ClusterMocks, **config) -> str:
+    with pytest.raises(ConfigError) as info:
+        run_program(stack_config(**config), mocks)
+    assert mocks.components == [] and mocks.resources == []  # refused before anything is declared
+    return str(info.value)
+
+
+def test_gpu_quota_below_the_need_is_refused_with_the_request_command():
+    # A new account's G and VT quota: 64 vCPUs; two g6.12xlarge need 96.
+    msg = refused(ClusterMocks(quotas={G: 64.0}))
+    assert '"Running On-Demand G and VT instances" (L-DB2E81BA)' in msg
+    assert "2 GPU nodes (2 x g6.12xlarge, 48 vCPUs each) need 96 vCPUs" in msg
+    assert "the quota is 64" in msg
+    assert request(G, 96) in msg
+    assert "slurm-gpu:gpuNodeCount" in msg and "slurm-gpu:gpuInstanceType" in msg
+
+
+def test_p_quota_and_the_controllers_standard_quota():
+    msg = refused(ClusterMocks(quotas={P: 191.0}), gpuInstanceType="p5.48xlarge", gpuNodeCount=1)
+    assert '"Running On-Demand P instances" (L-417A185B)' in msg and request(P, 192) in msg
+    msg = refused(ClusterMocks(quotas={STANDARD: 2.0}))
+    assert '"Running On-Demand Standard (A, C, D, H, I, M, R, T, Z) instances" (L-1216C47A)' in msg
+    assert "the controller (1 x c6i.xlarge, 4 vCPUs each) needs 4 vCPUs" in msg
+    assert request(STANDARD, 4) in msg and "slurm-gpu:controllerInstanceType" in msg
+
+
+def test_enough_quota_goes_on_and_only_on_demand_quotas_are_read():
+    mocks = ClusterMocks(quotas={G: 96.0, STANDARD: 4.0})  # exactly the need
+    run = run_program(stack_config(), mocks)
+    assert len(run.of_type("instance")) == 3
+    read = sorted(a["quotaCode"] for t, a in mocks.calls if t == QUOTA_CALL)
+    assert read == sorted([G, STANDARD])  # the spot quotas (L-3819A6DF...) are not checked yet
+
+
+def test_unreadable_quota_is_reported_and_the_stack_goes_on(caplog):
+    denied = ("getting Default Service Quota for (ec2/L-DB2E81BA): operation error Service Quotas: "
+              "GetAWSDefaultServiceQuota, AccessDeniedException: User: arn:aws:iam::111122223333:"
+              "user/deployer is not authorized to perform: servicequotas:GetAWSDefaultServiceQuota")
+    mocks = ClusterMocks(quotas={G: denied})
+    with caplog.at_level(logging.WARNING):
+        run = run_program(stack_config(), mocks)
+    assert len(run.of_type("instance")) == 3
+    warned = "\n".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert "could not read the EC2 quota" in warned and "(L-DB2E81BA)" in warned
+    assert "AccessDeniedException" in warned and "servicequotas:GetServiceQuota" in warned
+
+
+def test_other_running_instances_of_the_family_count():
+    running = [
+        Running("i-0a1", "g4dn.xlarge"),  # 4 vCPUs of G and VT
+        Running("i-0a2", "g4dn.xlarge", {"Cluster": "mini", "slurm-gpu:stack": "acme/slurm-gpu/prod"}),  # 4
+        Running("i-0a3", "g6.48xlarge", state="stopped"),  # a stopped instance counts for nothing
+        Running("i-0a4", "p5.48xlarge"),  # another quota
+        Running("i-0a5", "c6i.xlarge"),
+    ]
+    msg = refused(ClusterMocks(quotas={G: 100.0}, running=running))
+    assert "other instances of this account already run 8 vCPUs against it: 104 in all" in msg
+    assert request(G, 104) in msg
+    # With room for both, it goes on.
+    run = run_program(stack_config(), ClusterMocks(quotas={G: 104.0}, running=running))
+    assert len(run.of_type("instance")) == 3
+
+
+def test_the_stacks_own_instances_are_not_counted_twice():
+    """A later `pulumi up`: the stack's running nodes are in its need already, whether they carry
+    the stack tag or (made before it) only the cluster's tag."""
+    own = [
+        Running("i-0b1", "g6.12xlarge", {"Cluster": "mini", "slurm-gpu:stack": OURS}),
+        Running("i-0b2", "g6.12xlarge", {"Cluster": "mini"}),
+        Running("i-0b3", "c6i.xlarge", {"Cluster": "mini", "slurm-gpu:stack": OURS}),
+    ]
+    run = run_program(stack_config(), ClusterMocks(quotas={G: 96.0, STANDARD: 4.0}, running=own))
+    assert len(run.of_type("instance")) == 3
+    # Another stack of the same cluster name is not ours.
+    other = [Running("i-0b4", "g6.12xlarge", {"Cluster": "mini", "slurm-gpu:stack": "slurm-gpu/dev"})]
+    msg = refused(ClusterMocks(quotas={G: 96.0}, running=own + other))
+    assert "already run 48 vCPUs" in msg and request(G, 144) in msg
+
+
+def test_quota_groups_as_data_with_their_spot_quotas():
+    """Every family a GPU node can be (G, P: NVIDIA and x86_64) and the Standard families, each with
+    its On-Demand and Spot quota codes."""
+    expect = {
+        "g6.12xlarge": (G, "L-3819A6DF"), "gr6.4xlarge": (G, "L-3819A6DF"), "g4dn.xlarge": (G, "L-3819A6DF"),
+        "p5.48xlarge": (P, "L-7212CCBC"), "p6-b200.48xlarge": (P, "L-7212CCBC"),
+        "p4d.24xlarge": (P, "L-7212CCBC"), "c6i.xlarge": (STANDARD, "L-34B43A08"),
+        "t3.large": (STANDARD, "L-34B43A08"), "m7i-flex.large": (STANDARD, "L-34B43A08"),
+    }
+    for itype, codes in expect.items():
+        group = quota_group(itype)
+        assert group and (group.on_demand.code, group.spot.code) == codes, itype
+    # Families with quotas of their own are not mistaken for Standard ones (d*, h*, i*, t*).
+    for itype in ("dl1.24xlarge", "hpc7a.96xlarge", "inf2.xlarge", "trn1.32xlarge", "x2idn.16xlarge"):
+        assert quota_group(itype) is None, itype
+    assert family("u-6tb1.metal") == "u"
+    codes = [q.code for g in QUOTA_GROUPS for q in (g.on_demand, g.spot)]
+    assert len(set(codes)) == len(codes)
