@@ -12,7 +12,7 @@ from invoke.exceptions import Exit
 
 from localcluster.tasks import ns as local_ns
 from ops import estimate as est
-from ops import finetune, finetune_jobs, options, slurm, sshcmd, status_view
+from ops import finetune, finetune_jobs, node_update, options, slurm, sshcmd, status_view
 from ops import reconfigure as reconf
 from ops.cluster_task import cluster_task
 from ops.remote import open_cluster
@@ -113,6 +113,20 @@ def reconfigure(c, where, force=False):
         reconf.apply(cl, force=force)
 
 
+@cluster_task()
+def update_nodes(c, where):
+    """Bring running GPU nodes up to date with this checkout's bootstrap, one idle node at a time.
+
+    `pulumi up` never stops or replaces a running node for a code change; `fab status` names the
+    nodes whose recorded bootstrap version differs from what this checkout renders ("behind").
+    Each idle one is drained, gets the newly rendered files, runs the bootstrap steps that changed,
+    records the new version and is resumed. A node with a job, or stopped by power saving, is
+    skipped and named: run this again later. New nodes boot the current version.
+    """
+    with open_cluster(where) as cl:
+        node_update.update(cl)
+
+
 @cluster_task(positional=("host",), help={
     "host": "controller or a GPU node name, e.g. gpu-node-02 (see `fab status`)",
     "command": "run this command instead of an interactive shell",
@@ -128,5 +142,5 @@ def ssh(c, where, host=None, command=None):
         raise Exit(code=rc)  # the remote command's own exit status
 
 
-ns = Collection(train, estimate, status, logs, cancel, reconfigure, ssh)
+ns = Collection(train, estimate, status, logs, cancel, reconfigure, update_nodes, ssh)
 ns.add_collection(local_ns, "local")

@@ -61,6 +61,9 @@ TRAINING_PYTHON = f"{TRAINING_VENV}/bin/python"
 # Per-host state (under /var/lib/slurm, which the local cluster gives each host).
 STATE_DIR = "/var/lib/slurm/slurm-gpu"
 MARKER_PATH = f"{STATE_DIR}/bootstrap.done"
+# The version of the bootstrap a node last ran to the end (`bootstrap_version`): `fab status` names
+# nodes whose version differs from what this checkout renders, `fab update-nodes` brings them up.
+VERSION_PATH = f"{STATE_DIR}/bootstrap.version"
 # Present while a GPU node holds the munge key it made for itself at first boot: slurmd's
 # drop-in does not start slurmd while it exists (a configless slurmd cannot fetch its config with
 # a key the controller does not share; Slurm 23.11 then exits for good). fab's key sync
@@ -210,6 +213,7 @@ def _context(facts: ClusterFacts) -> dict:
             "venv": TRAINING_VENV,
             "state_dir": STATE_DIR,
             "marker": MARKER_PATH,
+            "version": VERSION_PATH,
             "node_local_key": NODE_LOCAL_KEY_MARKER,
             "apt_lock_conf": APT_LOCK_CONF,
             "steps_dir": STEPS_DIR,
@@ -403,13 +407,21 @@ def wheel_cache(facts: ClusterFacts, requirements: list[str]) -> str | None:
     return f"{scratch}/{WHEEL_CACHE_DIR}/py{facts.platform.python}-{hashlib.sha256(made_of.encode()).hexdigest()[:12]}"
 
 
-def bootstrap_script(facts: ClusterFacts, role: str, hostname: str | None = None) -> str:
+def bootstrap_script(facts: ClusterFacts, role: str, hostname: str | None = None,
+                     version: str | None = None) -> str:
     """The role's bootstrap script (bash). `hostname`: the name to take; None: the
-    cluster host whose IP this machine has (see the script's `hostname` step)."""
+    cluster host whose IP this machine has (see the script's `hostname` step). A GPU node
+    given by name gets the script made from `node_facts`, as in its user-data. `version`:
+    what the script records when it finishes (None: `bootstrap_version`)."""
     _check_role(role)
+    if role == "gpu" and hostname is not None:
+        facts = node_facts(facts, hostname)
+    if version is None:
+        version = bootstrap_version(facts, role, hostname)
     ctx = _context(facts)
     ctx["role"] = role
     ctx["hostname"] = hostname or ""
+    ctx["bootstrap_version"] = version
     ctx["steps"] = STEPS[role]
     ctx["pinned_requirements"] = training_requirements(facts.platform)
     ctx["training_packages"] = TRAINING_PACKAGES
@@ -420,6 +432,35 @@ def bootstrap_script(facts: ClusterFacts, role: str, hostname: str | None = None
     ctx["packages"] = role_packages(facts.platform, role)
     ctx["local_skip"] = LOCAL_SKIP_STEPS[role]
     return _SCRIPTS.get_template(f"bootstrap-{role}.sh.j2").render(**ctx)
+
+
+def _bundle(facts: ClusterFacts, role: str, hostname: str | None, version: str) -> dict[str, str]:
+    if role == "gpu" and hostname is not None:
+        facts = node_facts(facts, hostname)
+    contents = dict(role_files(facts, role))
+    contents[APT_LOCK_CONF] = render_apt_lock_conf(facts)
+    contents[BOOTSTRAP_PATH] = bootstrap_script(facts, role, hostname, version=version)
+    return contents
+
+
+def bootstrap_files(facts: ClusterFacts, role: str, hostname: str | None = None) -> dict[str, str]:
+    """Path -> text of every file a node of `role` gets at first boot (its user-data's
+    write_files), the bootstrap script recording `bootstrap_version`. `fab update-nodes`
+    installs the same files on a running node."""
+    _check_role(role)
+    return _bundle(facts, role, hostname, bootstrap_version(facts, role, hostname))
+
+
+def bootstrap_version(facts: ClusterFacts, role: str, hostname: str | None = None) -> str:
+    """A content hash of `bootstrap_files` (the script with an empty version in it): the same
+    render gives the same version on both sides (infra's user-data, fab's check). No secret is
+    in these files (the munge key is made on the controller), so none is in the hash."""
+    _check_role(role)
+    files = _bundle(facts, role, hostname, version="")
+    digest = hashlib.sha256()
+    for path in sorted(files):
+        digest.update(f"{path}\0{len(files[path])}\0{files[path]}".encode())
+    return digest.hexdigest()[:16]
 
 
 def user_data(facts: ClusterFacts, role: str, hostname: str | None = None) -> str:
@@ -443,11 +484,9 @@ def user_data(facts: ClusterFacts, role: str, hostname: str | None = None) -> st
         hostname = facts.controller.name
     if hostname is not None and hostname not in names:
         raise ValueError(f"{hostname!r} is not a {role} host of cluster {facts.cluster_name!r}")
+    contents = bootstrap_files(facts, role, hostname)
     if role == "gpu" and hostname is not None:
         facts = node_facts(facts, hostname)
-    contents = dict(role_files(facts, role))
-    contents[APT_LOCK_CONF] = render_apt_lock_conf(facts)
-    contents[BOOTSTRAP_PATH] = bootstrap_script(facts, role, hostname)
     ctx = _context(facts)
     ctx.update(role=role, packages=role_packages(facts.platform, role))
     template = _TEMPLATES.get_template("cloud-config.yaml.j2")

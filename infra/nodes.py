@@ -22,6 +22,10 @@ and `ami` changes are ignored unless the config names the image. Where an instan
 replaced (a configured image moved), it is deleted first: its fixed private IP and its
 pre-made interfaces cannot belong to two instances, so create-before-delete would fail.
 The same holds for the interfaces themselves (the primary one has the node's fixed IP).
+
+Code updates: no instance input that a new checkout can change stops, starts or replaces a
+running host (IGNORED_ON_UPDATE, DELIBERATE): user-data is read at first boot only, so every host ignores
+changes to it; `fab update-nodes` brings bootstrap changes to running GPU nodes, idle ones only.
 """
 
 from __future__ import annotations
@@ -33,6 +37,34 @@ import pulumi_aws as aws
 
 from bootstrap.facts import ClusterFacts, Host
 from infra.quotas import STACK_TAG, stack_name
+
+# What the provider does when an instance input changes on `pulumi up` (pulumi_aws 7.x
+# ec2.Instance input docs: "Updates to this field will trigger a stop/start of the EC2 instance";
+# terraform-provider-aws internal/service/ec2/ec2_instance.go: resourceInstanceUpdate changes
+# instance_type, user_data and user_data_base64 through modifyInstanceAttributeWithStopStart
+# (StopInstances, ModifyInstanceAttribute, StartInstances), and the schema's ForceNew inputs
+# replace the instance). A stop/start kills the node's jobs, Slurm marks it DOWN "unexpectedly
+# rebooted", and cloud-init does not run the new user-data (same instance id). So user-data,
+# which the bootstrap templates and pins change with every `git pull`, is ignored on update
+# (IGNORED_ON_UPDATE); the other such inputs the program sets change only with the stack's
+# config or state, never with the code (DELIBERATE, with why). tests/test_infra_updates.py
+# checks both against the installed pulumi_aws.
+IGNORED_ON_UPDATE = ("userData",)
+DELIBERATE = {
+    "ami": "kept per stack (infra/ami.py stash), ignored unless slurm-gpu:amiId/controllerAmiId names "
+           "an image: moving to a newer image replaces the host on purpose",
+    "instanceType": "slurm-gpu:gpuInstanceType / controllerInstanceType: a config change",
+    "keyName": "the key pair made from slurm-gpu:sshPublicKey: a config change",
+    "placementGroup": "the cluster's placement group resource: its name is fixed once made",
+    "subnetId": "the VPC's subnets: fixed once made",
+    "privateIp": "the controller's fixed address (bootstrap.facts.plan_hosts of slurm-gpu:subnetCidr)",
+    "associatePublicIpAddress": "the controller always has one",
+    "primaryNetworkInterface": "the node's own primary interface resource: fixed once made",
+    "networkInterfaces": "the node's own EFA interface resources (cards of its instance type): fixed once made",
+    "rootBlockDevice": "size, encryption key, gp3 throughput and IOPS from slurm-gpu:rootVolumeGiB, ebsKmsKeyId, "
+                       "scratchThroughputMBps, scratchIops: config changes (size, IOPS, throughput modify the "
+                       "volume in place; the key would replace the host)",
+}
 
 
 class NodesComponent(pulumi.ComponentResource):
@@ -96,7 +128,8 @@ class NodesComponent(pulumi.ComponentResource):
             # Boot only once the subnet routes to the internet: cloud-init installs packages.
             # User-data is read at first boot only; node-list changes go by `fab reconfigure`.
             opts=pulumi.ResourceOptions(parent=self, depends_on=list(controller_internet),
-                                        ignore_changes=["userData", *self._ignore_ami(follow_ami, "controller")],
+                                        ignore_changes=[*IGNORED_ON_UPDATE,
+                                                        *self._ignore_ami(follow_ami, "controller")],
                                         delete_before_replace=True),
         )
 
@@ -126,8 +159,10 @@ class NodesComponent(pulumi.ComponentResource):
                 tags=self._instance_tags("gpu", host),
                 # Boot only once the private subnet routes out through the NAT gateway.
                 # Its interfaces (and so its IP) pass to a replacement only once it is gone.
+                # New user-data would stop/start it (IGNORED_ON_UPDATE): `fab update-nodes` instead.
                 opts=pulumi.ResourceOptions(parent=self, depends_on=list(gpu_internet),
-                                            ignore_changes=self._ignore_ami(follow_ami, "gpu"),
+                                            ignore_changes=[*IGNORED_ON_UPDATE,
+                                                            *self._ignore_ami(follow_ami, "gpu")],
                                             delete_before_replace=True),
                 **interfaces,
             )

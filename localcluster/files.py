@@ -105,7 +105,7 @@ def write_files(facts: ClusterFacts, specs: list[HostSpec]) -> None:
         write_file(d / "resolv.conf", RESOLV_CONF)
         write_file(d / "sshd_config", daemons.sshd_config(s.name, s.ip))
         write_file(d / "sbin" / Path(render.BOOTSTRAP_PATH).name,
-                   render.bootstrap_script(facts, s.role, s.name), 0o755)
+                   render.bootstrap_files(facts, s.role, s.name)[render.BOOTSTRAP_PATH], 0o755)
         if s.role == "gpu":
             write_file(d / "sbin" / Path(render.HEALTHCHECK_PATH).name,
                        rendered[render.HEALTHCHECK_PATH], 0o755)

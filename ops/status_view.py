@@ -13,7 +13,7 @@ from collections.abc import Callable
 from paramiko.ssh_exception import SSHException
 
 from bootstrap.inventory import Inventory
-from ops import cloudinit, power, slurm
+from ops import cloudinit, node_update, power, slurm
 from ops.remote import Cluster, HostError, each
 
 Say = Callable[[str], None]
@@ -81,6 +81,9 @@ def show(cl: Cluster, say: Say = print) -> None:
                                                 if not up.get(n, "").startswith("UNREACHABLE")})
     for name, why in failed_boot.items():
         say(f"note: {name}: {why}")
+    answering = [n for n in cl.nodes if n in conns and not up.get(n, "").startswith("UNREACHABLE")]
+    for line in node_update.behind_notes(cl, answering):  # a code update reaches nodes by fab update-nodes
+        say(line)
     if failed_boot:
         raise StatusProblem(f"the first boot failed on {', '.join(failed_boot)} (above: the step and the end "
                             "of its log)")

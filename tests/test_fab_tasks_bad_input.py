@@ -51,7 +51,7 @@ TARGET = ["--target must be 'aws'", "or 'local'", "not 'nowhere'"]
 JOB = ["--job must be a Slurm job id (a number)", "see `fab status`"]
 IDENTITY = ["--identity /nonexistent/id_ed25519: no readable key file", "pass the private key"]
 STACK = ["--stack names a Pulumi stack", "only goes with --target aws"]
-TASKS = {"status": {}, "logs": {}, "cancel": {}, "reconfigure": {}, "ssh": {"host": "controller"},
+TASKS = {"status": {}, "logs": {}, "cancel": {}, "reconfigure": {}, "update_nodes": {}, "ssh": {"host": "controller"},
          "train": {}}
 
 # (task, kwargs, expected substrings): wrong flag values, refused before any host is contacted.

@@ -219,12 +219,12 @@ def test_fab_tasks_share_the_cluster_flags_and_keep_their_menu():
     from ops.options import CLUSTER_FLAGS_HELP
 
     assert sorted(fabfile.ns.task_names) == ["cancel", "estimate", "local.down", "local.status", "local.up",
-                                             "logs", "reconfigure", "ssh", "status", "train"]
+                                             "logs", "reconfigure", "ssh", "status", "train", "update-nodes"]
     own = {"train": {"config", "nodes", "gpus_per_node", "examples", "model", "data", "raw", "estimate"},
            "estimate": {"config", "nodes", "gpus_per_node", "examples", "model", "data", "gpu_instance_type",
                         "region", "model_gb", "tokens_per_row", "scratch_mbps"},
            "status": set(), "logs": {"job", "progress"}, "cancel": {"job"}, "reconfigure": {"force"},
-           "ssh": {"host", "command"}}
+           "ssh": {"host", "command"}, "update-nodes": set()}
     for name, flags in own.items():
         t = fabfile.ns[name]
         assert t.__doc__ and t.__doc__.strip(), name

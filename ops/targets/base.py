@@ -33,6 +33,10 @@ class Target:
     cloud_init: ClassVar[bool]
     # --stack (a Pulumi stack name) selects among clusters of this target.
     takes_stack: ClassVar[bool]
+    # Bootstrap steps its hosts never run (SLURM_GPU_SKIP_STEPS), per role; `fab update-nodes` skips them too.
+    skip_steps: ClassVar[dict[str, tuple[str, ...]]] = {}
+    # The rendered files `fab update-nodes` may install on a node (None: all of them).
+    update_paths: ClassVar[tuple[str, ...] | None] = None
 
     def load(self, stack: str | None) -> Inventory:
         raise NotImplementedError

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from bootstrap import render
 from bootstrap.inventory import LOCAL_INVENTORY, Inventory, InventoryError
 from bootstrap.platform import LOCAL as LOCAL_PLATFORM
 from ops.targets.base import CONFIGS, Target, register
@@ -22,6 +23,10 @@ class Local(Target):
     hub_offline = True  # the job runs with HF_HUB_OFFLINE=1
     cloud_init = False  # `fab local.up` configures the hosts
     takes_stack = False
+    skip_steps = render.LOCAL_SKIP_STEPS
+    # A host's own /usr/local/sbin only: /etc/slurm-gpu is the cluster's shared directory (written by
+    # `fab local.up`), and the rest of /etc is this machine's own.
+    update_paths = (render.BOOTSTRAP_PATH, render.HEALTHCHECK_PATH)
 
     def load(self, stack: str | None) -> Inventory:
         if not LOCAL_INVENTORY.exists():
