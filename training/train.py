@@ -252,6 +252,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     metrics["compiled_layers"] = getattr(trainer, "compiled_layers", None)
     metrics["compile_reason"] = getattr(trainer, "compile_reason", None)
     metrics["choices"] = trainer.choices
+    metrics["train_rows"] = len(dataset)
     if evaluation:
         source = data_args.eval_dataset_name or f"{len(eval_rows)} rows held out of the training rows"
         metrics["eval"] = {**evaluation, "rows": len(eval_rows), "source": source,
