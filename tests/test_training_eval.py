@@ -116,3 +116,19 @@ def test_no_eval_no_samples(tiny, tmp_path):
     metrics = train.main(argv_for(tiny, tmp_path, "--eval_split", "0", "--max_steps", "2", "--report_to", "none"))
     assert "eval" not in metrics and "samples" not in metrics
     assert not (tmp_path / "samples.md").exists() and not (tmp_path / "tensorboard").exists()
+
+
+@pytest.mark.slow
+def test_two_ranks_evaluate_the_same_rows_as_one(tiny, tmp_path, evaluated_run):
+    """Each rank scores its share of the held-out rows; the sums over gloo give one process's numbers."""
+    from tests.test_training_run import torchrun
+
+    out = tmp_path / "two"
+    res = torchrun(tiny, out, "--eval_split", str(HELD_OUT), "--eval_every_steps", "20")
+    assert res.returncode == 0, res.stderr[-3000:]
+    two = json.loads((out / "metrics.json").read_text())["eval"]
+    one = evaluated_run[1]["eval"]
+    assert two["base"]["tokens"] == one["base"]["tokens"]
+    assert two["base"]["loss"] == pytest.approx(one["base"]["loss"], rel=1e-5)  # the same untrained model
+    assert two["tuned"]["loss"] < two["base"]["loss"]
+    assert (out / "samples.md").is_file()
