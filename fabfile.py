@@ -7,12 +7,12 @@ cluster (`fab local.up`). Every task here also takes --target, --stack and --ide
 
 from __future__ import annotations
 
-from invoke import Collection
+from invoke import Collection, task
 from invoke.exceptions import Exit
 
 from localcluster.tasks import ns as local_ns
 from ops import estimate as est
-from ops import finetune, finetune_jobs, node_update, options, slurm, sshcmd, status_view
+from ops import finetune, finetune_jobs, node_update, options, runs, slurm, sshcmd, status_view
 from ops import reconfigure as reconf
 from ops.cluster_task import cluster_task
 from ops.remote import open_cluster
@@ -142,5 +142,20 @@ def ssh(c, where, host=None, command=None):
         raise Exit(code=rc)  # the remote command's own exit status
 
 
-ns = Collection(train, estimate, status, logs, cancel, reconfigure, update_nodes, ssh)
+@task(name="runs", help={"job": "show this run's summary again (a directory name under runs/, e.g. 12)"})
+def runs_(c, job=None):
+    """List the fine-tunes brought home under runs/, newest first; --job N shows one run's summary again.
+
+    One line a run: job, date, model, training (+ held-out) rows, nodes x GPUs, final training loss, held-out
+    loss of the base model -> the tuned adapters, tokens/s, wall time and, where the stack's prices give it,
+    the instances' cost. Reads only local files; `tensorboard --logdir runs` compares the curves.
+    """
+    try:
+        lines = runs.show(finetune.RUNS, str(job)) if job else runs.table(finetune.RUNS)
+    except runs.RunsError as exc:
+        raise Exit(f"fab runs: {exc}", code=2) from None
+    print("\n".join(lines))
+
+
+ns = Collection(train, estimate, status, logs, cancel, reconfigure, update_nodes, ssh, runs_)
 ns.add_collection(local_ns, "local")

@@ -90,7 +90,7 @@ FILE_MODES = {HEALTHCHECK_PATH: 0o755, BOOTSTRAP_PATH: 0o755, SUSPEND_PATH: 0o75
 # The training stack on GPU nodes: pinned to the same versions as the repo's
 # requirements.txt (the one place versions live). torch from the default index
 # is a CUDA build on Linux x86_64, which is what GPU nodes need.
-TRAINING_PACKAGES = ("torch", "transformers", "trl", "peft", "datasets", "accelerate")
+TRAINING_PACKAGES = ("torch", "transformers", "trl", "peft", "datasets", "accelerate", "tensorboardx")
 
 # The GPU nodes' wheel cache on the shared scratch (the controller's `wheels` step fills it,
 # their `training` step installs from it): one directory per pin set, Python and wheel tags.

@@ -7,6 +7,7 @@ fabfile.py only parses flags and calls `run`.
 from __future__ import annotations
 
 import io
+import json
 import os
 import posixpath
 import re
@@ -305,8 +306,13 @@ def reattach_hint(job_id: str, target: str) -> str:
 # ---------------------------------------------------------------- 6-7: summary and artifacts
 
 
+# Subdirectories of output_dir brought home with its files: TensorBoard's events (training/tensorboard_events.py).
+HOME_DIRS = ("tensorboard",)
+
+
 def download(ctl: Connection, output_dir: str, dest: Path) -> list[str]:
-    """Top-level files of the run's output_dir (adapters, tokenizer, state, metrics); no checkpoints."""
+    """Top-level files of the run's output_dir (adapters, tokenizer, state, metrics, samples.md, GPU
+    samples) and the files of HOME_DIRS (TensorBoard events); no checkpoints."""
     sftp = ctl.sftp()
     dest.mkdir(parents=True, exist_ok=True)
     got = []
@@ -320,6 +326,13 @@ def download(ctl: Connection, output_dir: str, dest: Path) -> list[str]:
             sftp.get(posixpath.join(output_dir, entry.filename), str(tmp))
             tmp.replace(dest / entry.filename)
             got.append(entry.filename)
+        elif stat.S_ISDIR(entry.st_mode or 0) and entry.filename in HOME_DIRS:
+            sub = dest / entry.filename
+            sub.mkdir(exist_ok=True)
+            for inner in sftp.listdir_attr(posixpath.join(output_dir, entry.filename)):
+                if stat.S_ISREG(inner.st_mode or 0):
+                    sftp.get(posixpath.join(output_dir, entry.filename, inner.filename), str(sub / inner.filename))
+            got.append(entry.filename + "/")
     return sorted(got)
 
 
@@ -349,16 +362,19 @@ def finish(cl: Cluster, job_id: str, followed: stream.Followed, say: Say,
         dest.mkdir(parents=True, exist_ok=True)
         (dest / "job.log").write_text(read_remote(cl.controller, log_path))
     run = summary.build(job_id, job.run_time if job else "", log, dest if got else None)
+    run.real_gpus, run.dest = targets.of(cl.inventory).real_gpus, dest
     step(say, 6, "summary")
     for line in run.lines(expect_efa=targets.of(cl.inventory).expects_efa(cl.inventory)):
         say(line)
     png = summary.plot_loss(run.losses, dest / "loss.png", f"job {job_id} ({cl.inventory.cluster_name})") \
         if got or run.losses else None
     adapters = [f for f in got if f.startswith("adapter_")]
+    gpus_png = summary.plot_gpus(run.gpus, dest / "gpus.png", f"job {job_id} GPUs") if run.gpus else None
+    extras = [f for f in ("samples.md", "tensorboard/") if f in got] + [p.name for p in (png, gpus_png) if p]
     step(say, 7, f"downloaded to {dest.relative_to(REPO) if dest.is_relative_to(REPO) else dest}/: "
                  f"{', '.join(adapters) or 'no adapters'}, "
                  f"{', '.join(f for f in ('trainer_state.json', 'metrics.json') if f in got) or 'no state'}"
-                 + (f", {png.name}" if png else ""))
+                 + "".join(f", {f}" for f in extras))
     if not adapters:
         raise TrainError(f"job {job_id} finished but {job_dir}/output holds no adapters")
     return run
@@ -459,18 +475,41 @@ def train(opts: TrainOptions, say: Say = print, raw: bool = False,
         say(f"fab train: {inv.target} cluster {inv.cluster_name!r}, {nodes} node(s) x {gpus} GPU(s) "
             f"({inv.gpu_type}), config {opts.config.name}")
         tl.cluster = inv.cluster_name
-    predicted = None
+    predicted, plan = None, None
     with tl.phase("estimate"):
         try:  # the prediction beside the timeline; a cluster the estimate cannot price still trains
-            predicted = est.for_run(opts, inv).predicted(est.scenario_for(RUNS, inv.cluster_name))
+            plan = est.for_run(opts, inv)
+            predicted = plan.predicted(est.scenario_for(RUNS, inv.cluster_name))
         except est.EstimateError as exc:
             say(f"note: no estimate for this run ({exc})")
     with tl.phase("setup"):
         cl = connect(inv, opts.identity)
     try:
-        return run(cl, opts, nodes, gpus, say=say, raw=raw, tl=tl, predicted=predicted)
+        result = run(cl, opts, nodes, gpus, say=say, raw=raw, tl=tl, predicted=predicted)
     finally:
         cl.close()
+    if result.dest is not None:
+        write_run_record(result.dest, opts, inv, nodes, gpus, tl.wall_s, plan)
+    return result
+
+
+def write_run_record(dest: Path, opts: TrainOptions, inv: Inventory, nodes: int, gpus: int, wall_s: float,
+                     plan) -> None:
+    """runs/<job>/run.json: what `fab runs` lists beside metrics.json and timeline.json (the run's model,
+    data, cluster shape and, where the stack's prices give it, the instances' cost over the wall time)."""
+    cost = None
+    if plan is not None and not plan.cluster.calibrated:
+        cl = plan.cluster
+        try:
+            per_h = cl.billed_nodes * est.price_per_h(cl.region, cl.gpu_type) + \
+                est.price_per_h(cl.region, cl.controller_type)
+            cost = round(per_h * wall_s / 3600, 4)
+        except est.EstimateError:
+            cost = None
+    record = {"target": inv.target, "cluster": inv.cluster_name, "gpu_type": inv.gpu_type, "nodes": nodes,
+              "gpus_per_node": gpus, "config": opts.config.name, "model": opts.model_path, "data": opts.data_path,
+              "wall_s": round(wall_s, 3), "cost_usd": cost}
+    (dest / "run.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
 def record_timeline(tl: timeline.Timeline, follow: timeline.Phase, result: summary.RunSummary, dest: Path,

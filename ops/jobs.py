@@ -56,6 +56,7 @@ class JobSpec:
     device_prefix: str = "/dev/nvidia"
     rdzv_port: int = RDZV_PORT
     max_restarts: int = MAX_RESTARTS
+    gpu_sample_s: int = 5  # GPU telemetry: seconds between nvidia-smi samples on each node
     time_limit: str = ""
     # The GPU nodes' torch has a libuv TCPStore (torchrun's c10d rendezvous needs one); else the
     # job rendezvous statically (Platform.os_torch.libuv: Debian's torch in the boot test).

@@ -100,6 +100,26 @@ def test_train_end_to_end(local_cluster, runs_dir):
         after = tuned(**ids).logits
     assert (after - before).abs().max().item() > 1e-3
 
+    # held-out evaluation, sample answers, TensorBoard, GPU telemetry, `fab runs`
+    evaluation = metrics["eval"]
+    assert evaluation["rows"] == 20 and evaluation["tuned"]["loss"] < evaluation["base"]["loss"], evaluation
+    assert re.search(r"eval loss\s+\d+\.\d+ base -> \d+\.\d+ tuned", out), out
+    assert "GPUs          no GPU metrics (stand-in GPUs)" in out and not (run / "gpus.png").exists()
+    samples_md = (run / "samples.md").read_text()
+    assert samples_md.count("**Base**") == samples_md.count("**Tuned**") == 3
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tags = set()
+    for events in (run / "tensorboard").glob("events.out.tfevents.*"):
+        acc = EventAccumulator(str(events))
+        acc.Reload()
+        tags |= set(acc.Tags()["scalars"])
+    assert {"train/loss", "train/learning_rate", "eval/loss", "eval/base_loss", "throughput/tokens_per_s",
+            "phases/steps_s"} <= tags, sorted(tags)
+    rc, listed = fab(runs_dir, "runs")
+    assert rc == 0 and listed.splitlines()[1].split()[0] == job_id, listed
+    assert "2 x 2" in listed and "->" in listed, listed
+
 
 def test_second_run_skips_key_and_survives_ctrl_c(local_cluster, runs_dir):
     inv, job_dirs = local_cluster

@@ -219,7 +219,9 @@ def test_fab_tasks_share_the_cluster_flags_and_keep_their_menu():
     from ops.options import CLUSTER_FLAGS_HELP
 
     assert sorted(fabfile.ns.task_names) == ["cancel", "estimate", "local.down", "local.status", "local.up",
-                                             "logs", "reconfigure", "ssh", "status", "train", "update-nodes"]
+                                             "logs", "reconfigure", "runs", "ssh", "status", "train",
+                                             "update-nodes"]
+    assert fabfile.ns["runs"].__doc__.strip()  # local files only: no cluster flags
     own = {"train": {"config", "nodes", "gpus_per_node", "examples", "model", "data", "raw", "estimate"},
            "estimate": {"config", "nodes", "gpus_per_node", "examples", "model", "data", "gpu_instance_type",
                         "region", "model_gb", "tokens_per_row", "scratch_mbps"},

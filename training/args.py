@@ -71,8 +71,37 @@ class DataArguments:
                           "too); false: TRL's padded batches. One of auto, true, false."},
     )
 
+    eval_split: str = field(
+        default="auto",
+        metadata={"help": "Rows held out of the training rows for evaluation (picked with the seed): a count "
+                          "(32), a fraction (0.05), 0 = no evaluation, or auto: 5% of the rows, at most 64, none "
+                          "below 20 rows. Ignored when eval_dataset_name is set."},
+    )
+    eval_dataset_name: str | None = field(
+        default=None,
+        metadata={"help": "A separate evaluation data set (local file or hub ID, same columns): all of its rows "
+                          "are evaluated and no training row is held out."},
+    )
+    samples: int = field(
+        default=3,
+        metadata={"help": "Prompts answered greedily by the base model and by the tuned one, into samples.md "
+                          "(from samples_file, else the first held-out rows); 0 = none."},
+    )
+    samples_file: str | None = field(
+        default=None,
+        metadata={"help": "A JSON/JSONL file of instruction/input(/output) rows to answer in samples.md "
+                          "instead of held-out rows."},
+    )
+    sample_max_new_tokens: int = field(default=64, metadata={"help": "Most tokens of each sample answer."})
+    sample_max_time_s: float = field(
+        default=60.0, metadata={"help": "Most seconds all sample answers together may take (base and tuned)."}
+    )
+
     def __post_init__(self):
         self.flex_packing = choice("flex_packing", self.flex_packing)
+        if self.samples < 0 or self.sample_max_new_tokens < 1 or self.sample_max_time_s <= 0:
+            raise ValueError("samples must be >= 0, sample_max_new_tokens >= 1 and sample_max_time_s > 0: "
+                             f"got {self.samples}, {self.sample_max_new_tokens}, {self.sample_max_time_s}")
 
 
 @dataclass
@@ -114,7 +143,16 @@ class TrainConfig(SFTConfig):
                           "so that checkpoint (optimizer state included: ~140 MB for Qwen3-4B's adapters) only "
                           "delays the adapters. On: keep it, to continue training from the optimizer state."},
     )
-    report_to: None | str | list[str] = field(default="none", metadata={"help": "Experiment trackers (none)."})
+    report_to: None | str | list[str] = field(
+        default="tensorboard",
+        metadata={"help": "Experiment trackers (Transformers' report_to): tensorboard (events in "
+                          "output_dir/tensorboard, brought home to runs/<job>/), wandb, or none."},
+    )
+    eval_every_steps: int = field(
+        default=0,
+        metadata={"help": "Also evaluate the held-out rows every N optimizer steps (0 = only before and after "
+                          "training)."},
+    )
     ddp_find_unused_parameters: bool | None = field(
         default=False, metadata={"help": "False: frozen base weights are not searched for every step."}
     )

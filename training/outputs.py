@@ -77,7 +77,7 @@ def collect_metrics(trainer, train_output, start_epoch: float, start_step: int, 
 
 
 # Left out of the one-line summaries (the METRICS line, COMPLETED): long lists that only metrics.json keeps.
-LONG_KEYS = ("log_history", "phases")
+LONG_KEYS = ("log_history", "phases", "samples")
 
 
 def summary(metrics: dict) -> dict:

@@ -33,10 +33,13 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from training import samples as sample_answers
+from training import tensorboard_events
 from training.args import DataArguments, ModelArguments, TrainConfig, gpu_available, parse_args, switch
 from training.callbacks import FAULT_RANK_ENV, FAULT_STEP_ENV, LOG_PREFIX, PhaseTimingCallback, make_callbacks
 from training.checkpoints import with_background_checkpoints
 from training.data import DataError, load_instruction_dataset
+from training.evaluate import EvalEveryCallback, base_model, evaluate, log_eval, split_eval
 from training.outputs import (
     COMPLETED_MARKER,
     METRICS_PREFIX,
@@ -79,6 +82,15 @@ def prepare_dataset(data_args: DataArguments):
                                     config=data_args.dataset_config, n_examples=data_args.n_examples or None)
 
 
+def prepare_datasets(data_args: DataArguments, seed: int):
+    """(training rows, held-out rows or None): eval_split's rows held out, or eval_dataset_name's file."""
+    dataset = prepare_dataset(data_args)
+    separate = None
+    if data_args.eval_dataset_name:
+        separate = load_instruction_dataset(data_args.eval_dataset_name, split="train")
+    return split_eval(dataset, data_args.eval_split, seed, separate)
+
+
 def load_tokenizer(model_args: ModelArguments, train_args: TrainConfig):
     from transformers import AutoTokenizer
 
@@ -116,12 +128,12 @@ def use_compile_cache(directory: str | None) -> None:
 
 
 def build_trainer(model, tokenizer, dataset, model_args: ModelArguments, train_args: TrainConfig,
-                  flex_packing: bool = False, callbacks: list[TrainerCallback] | None = None):
+                  flex_packing: bool = False, callbacks: list[TrainerCallback] | None = None, eval_dataset=None):
     from trl import get_peft_config
 
     path = training_path(flex_packing)
     trainer = with_background_checkpoints(path.trainer_class())(
-        model=model, args=train_args, train_dataset=dataset, processing_class=tokenizer,
+        model=model, args=train_args, train_dataset=dataset, eval_dataset=eval_dataset, processing_class=tokenizer,
         data_collator=path.make_collator(tokenizer, train_args), peft_config=get_peft_config(model_args),
         callbacks=callbacks)
     if not trainer.completion_only_loss:
@@ -171,20 +183,35 @@ def main(argv: list[str] | None = None) -> dict | None:
     # Rank 0 first: it fills the (shared) HF_HOME cache from the hub, then the other ranks read it.
     with train_args.main_process_first(local=False, desc="loading data and model"):
         with phases.phase("data"):
-            dataset = prepare_dataset(data_args)  # bad data fails here, before the model loads
+            dataset, eval_rows = prepare_datasets(data_args, train_args.seed)  # bad data fails here
+            prompts = sample_answers.sample_prompts(data_args.samples, data_args.samples_file, eval_rows)
             tokenizer = load_tokenizer(model_args, train_args)
-        log.info("%d examples from %s", len(dataset), data_args.dataset_name)
+        log.info("%d examples from %s; %s", len(dataset), data_args.dataset_name,
+                 f"{len(eval_rows)} held out for evaluation" if eval_rows is not None else "no evaluation")
         timing["data_ready"] = time.time()
         with phases.phase("model_load"):
             model = load_model(model_args, train_args, flex_packing)
         timing["model_loaded"] = time.time()
     clock = PhaseTimingCallback(phases)
+    every = EvalEveryCallback(train_args.eval_every_steps if eval_rows is not None else 0)
+    if tensorboard_events.enabled(train_args):
+        tensorboard_events.use_log_dir(train_args)
     with phases.phase("trainer"):
         trainer = build_trainer(model, tokenizer, dataset, model_args, train_args, flex_packing,
-                                [*make_callbacks(train_args.final_checkpoint), clock])
+                                [*make_callbacks(train_args.final_checkpoint), clock, every], eval_rows)
+    every.trainer = trainer
     timing["trainer_built"] = time.time()
     if trainer.is_world_process_zero():
         log_choices(trainer.choices)
+    evaluation, answers = {}, {}
+    if eval_rows is not None:
+        with phases.phase("eval_base"), base_model(trainer.model):  # before the first step, adapters off
+            evaluation["base"] = evaluate(trainer)
+    sample_s = data_args.sample_max_time_s / 2  # half for the base's answers, half for the tuned's
+    if prompts and trainer.is_world_process_zero():
+        with phases.phase("samples_base"):
+            answers["base"] = sample_answers.answer_base(trainer, tokenizer, prompts,
+                                                         data_args.sample_max_new_tokens, sample_s)
 
     resume = train_args.resume_from_checkpoint or find_resume_checkpoint(train_args.output_dir)
     start_epoch, start_step = 0.0, 0
@@ -196,6 +223,15 @@ def main(argv: list[str] | None = None) -> dict | None:
 
     train_output = trainer.train(resume_from_checkpoint=resume)
     timing["trained"] = time.time()
+    if eval_rows is not None:
+        with phases.phase("eval"):
+            evaluation["tuned"] = evaluate(trainer)
+        if trainer.is_world_process_zero():
+            log_eval(trainer, evaluation["tuned"])
+    if prompts and trainer.is_world_process_zero():
+        with phases.phase("samples"):
+            answers["tuned"] = sample_answers.answer(trainer, tokenizer, prompts,
+                                                     data_args.sample_max_new_tokens, sample_s)
     with phases.phase("save"):
         trainer.save_model(train_args.output_dir)  # the adapters (and tokenizer), rank 0 writes
         timing["adapters_written"] = time.time()
@@ -216,6 +252,17 @@ def main(argv: list[str] | None = None) -> dict | None:
     metrics["compiled_layers"] = getattr(trainer, "compiled_layers", None)
     metrics["compile_reason"] = getattr(trainer, "compile_reason", None)
     metrics["choices"] = trainer.choices
+    metrics["train_rows"] = len(dataset)
+    if evaluation:
+        source = data_args.eval_dataset_name or f"{len(eval_rows)} rows held out of the training rows"
+        metrics["eval"] = {**evaluation, "rows": len(eval_rows), "source": source,
+                           "history": [h for h in trainer.state.log_history if "eval_loss" in h]}
+    if answers:
+        metrics["samples"] = [{**p, "base": b, "tuned": t}
+                              for p, b, t in zip(prompts, answers["base"], answers["tuned"], strict=True)]
+        sample_answers.write(train_args.output_dir, metrics["samples"])
+    if tensorboard_events.enabled(train_args):
+        tensorboard_events.write_run_scalars(os.environ["TENSORBOARD_LOGGING_DIR"], metrics)
     write_metrics(train_args.output_dir, metrics)
     write_completed(train_args.output_dir, metrics)
     return metrics
