@@ -49,6 +49,11 @@ SUSPEND_PATH = "/usr/local/sbin/slurm-gpu-suspend"
 RESUME_PATH = "/usr/local/sbin/slurm-gpu-resume"
 # Both are two-line wrappers of this one program (`slurm-gpu-power suspend|resume HOSTLIST`).
 POWER_PATH = "/usr/local/sbin/slurm-gpu-power"
+# `slurm-gpu-power start-failed HOSTLIST CODE MESSAGE` (the local cluster's programs run it too) tells
+# Slurm at once of nodes that did not start: power_down_force with the reason "start failed: CODE:
+# MESSAGE" (one line, at most START_FAILED_MAX characters), which fab reads (ops/power.py).
+START_FAILED_REASON = "start failed:"
+START_FAILED_MAX = 200
 POWER_LOG = "/var/log/slurm/slurm-gpu-power.log"
 # The controller's own venv for those programs: boto3 (POWER_PACKAGES, pinned in requirements.txt),
 # made by the controller bootstrap's `power` step. Slurm runs the programs with no PATH: their
@@ -224,6 +229,8 @@ def _context(facts: ClusterFacts) -> dict:
             "power_venv": POWER_VENV,
             "power_python": f"{POWER_VENV}/bin/python3",
         },
+        "start_failed_prefix": START_FAILED_REASON,
+        "start_failed_max": START_FAILED_MAX,
         "power": facts.power_save,
         "power_pins": power_pins(),
         "ec2_power": facts.power_save is not None and facts.power_save.provider == "ec2",

@@ -50,12 +50,13 @@ def _ssh_keys(specs: list[HostSpec]) -> None:
         _keygen(layout.host_key(s.name), s.name)
 
 
-def _power_programs() -> None:
+def _power_programs(facts: ClusterFacts) -> None:
     """The power-save programs (localcluster/power.py), SlurmUser's key, and its restricted line
     in the hosts' authorized_keys (call after the cluster's own authorized_keys is written)."""
     for dest in (power.SUSPEND, power.RESUME, power.NODE_COMMAND):
         shutil.copyfile(power.SOURCE, dest)
         dest.chmod(0o755)  # slurmctld refuses a program that is group or world writable
+    write_file(power.SHARED, render.render_power_program(facts), 0o755)
     power.KEY_DIR.mkdir(mode=0o700, exist_ok=True)
     shutil.chown(power.KEY_DIR, power.SLURM_USER, power.SLURM_USER)
     _keygen(power.KEY, "slurm-gpu-local-power")
@@ -89,7 +90,7 @@ def write_files(facts: ClusterFacts, specs: list[HostSpec]) -> None:
     hostkeys.write_known_hosts(layout.KNOWN_HOSTS, [
         ((s.name, s.ip), [layout.host_key(s.name).with_suffix(".pub").read_text()]) for s in specs])
     if facts.power_save is not None:
-        _power_programs()
+        _power_programs(facts)
     for s in specs:
         d = layout.host_dir(s.name)
         install_dir(d, 0o755)

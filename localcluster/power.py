@@ -18,6 +18,8 @@ SOURCE = Path(__file__).resolve().parent / "power.sh"
 SUSPEND = layout.BIN_DIR / "slurm-gpu-suspend"
 RESUME = layout.BIN_DIR / "slurm-gpu-resume"
 NODE_COMMAND = layout.BIN_DIR / "slurm-gpu-power"  # the key's forced command on GPU hosts
+# The AWS controller's power program (bootstrap/render.py): power.sh runs its `start-failed`.
+SHARED = layout.BIN_DIR / "slurm-gpu-power.py"
 KEY_DIR = layout.STATE / "power"  # SlurmUser's own key (SSH_DIR is root's only)
 KEY = KEY_DIR / "id_ed25519"
 # A slurmd stops in well under a second and starts (and registers) in about one, so

@@ -7,6 +7,9 @@
 #                               as root with SSH_ORIGINAL_COMMAND "stop" or "start")
 # SlurmUser may not act on another host's daemons, so the controller side asks each host
 # over SSH with a key that can do nothing but this, checking the host's pinned key.
+# A host that does not start is handed to the AWS controller's own power program
+# (bootstrap/scripts/power-ec2.py.j2, installed as slurm-gpu-power.py): its start-failed
+# action tells Slurm at once, as on AWS.
 set -euo pipefail
 set -o errtrace
 
@@ -39,12 +42,22 @@ controller_side() {
     t0=$(date +%s)
     while [ "$(date +%s)" -le "$t0" ]; do sleep 0.05; done
   fi
+  local out rc code
   for host in $(scontrol show hostnames "$hostlist"); do
-    if ! ssh -F /dev/null -i "$state/power/id_ed25519" -o IdentitiesOnly=yes -o BatchMode=yes \
+    rc=0
+    out=$(ssh -F /dev/null -i "$state/power/id_ed25519" -o IdentitiesOnly=yes -o BatchMode=yes \
         -o StrictHostKeyChecking=yes -o UserKnownHostsFile="$state/known_hosts" \
-        -o GlobalKnownHostsFile=/dev/null -o ConnectTimeout=5 -l root "$host" "$action"; then
-      echo "$(date -u +%FT%TZ) slurm-gpu-power: ${action} on ${host} failed"
+        -o GlobalKnownHostsFile=/dev/null -o ConnectTimeout=5 -l root "$host" "$action" 2>&1) || rc=$?
+    [ -z "$out" ] || echo "$out"
+    if [ "$rc" -ne 0 ]; then
+      echo "$(date -u +%FT%TZ) slurm-gpu-power: ${action} on ${host} failed (exit ${rc})"
       failed=1
+      if [ "$action" = start ]; then
+        # ssh's own exit 255: the host did not answer; else its slurmd did not start.
+        code=SlurmdStartFailed
+        [ "$rc" -ne 255 ] || code=HostUnreachable
+        python3 "$bin/slurm-gpu-power.py" start-failed "$host" "$code" "${out:-exit $rc}" || true
+      fi
     fi
   done
   return "$failed"

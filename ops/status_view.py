@@ -94,9 +94,13 @@ def show(cl: Cluster, say: Say = print) -> None:
                             "(/var/log/slurm/slurmctld.log)")
     say(cl.controller.run(SINFO, hide=True, warn=True).stdout.rstrip())
     say(cl.controller.run(SQUEUE, hide=True, warn=True).stdout.rstrip())
-    sick = [n for n in slurm.node_states(cl.controller).values()
-            if n.needs_resume or n.health_drained or n.state.endswith("*")]
+    nodes = slurm.node_states(cl.controller).values()
+    sick = [n for n in nodes if n.needs_resume or n.health_drained or n.state.endswith("*")]
     for n in sick:
         say(f"note: {n.name} is {n.state}" + (f" ({n.reason})" if n.reason else "") + f": {node_fix(n)}")
-    if sick:
-        raise StatusProblem(f"{len(sick)} of {len(inv.gpu_nodes)} GPU node(s) not in service")
+    # Powered down again at once after its start failed (EC2 capacity, say): the error and what to do.
+    no_start = [n for n in nodes if n not in sick and power.start_failure(n)]
+    for n in no_start:
+        say(f"note: {n.name} could not start ({n.reason}): {power.advice(n.reason)}")
+    if sick or no_start:
+        raise StatusProblem(f"{len(sick) + len(no_start)} of {len(inv.gpu_nodes)} GPU node(s) not in service")

@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import time
@@ -22,7 +23,7 @@ import tests.test_infra_mocks as harness
 from bootstrap import render
 from bootstrap.facts import ClusterFacts, NodeShape, PowerSave, plan_hosts
 from infra.config import ConfigError, StackConfig
-from ops import power
+from ops import power, slurm
 from tests.test_infra_mocks import stack_config
 
 BASE = {"adminCidr": harness.ADMIN_CIDR, "sshPublicKey": harness.SSH_KEY}
@@ -217,6 +218,92 @@ def test_an_ec2_error_is_logged_not_raised(tmp_path, slurm_conf):
         stub.add_client_error("describe_instances", "UnauthorizedOperation", "not authorized")
         assert prog.main(["slurm-gpu-power", "resume", "gpu-node-01"], ec2=ec2) == 1
     assert "failed: ClientError" in (tmp_path / "power.log").read_text()
+
+
+RECORDING_SCONTROL = r"""#!/bin/bash
+# Records `scontrol update ...` (no slurmctld here), one argument a line then a blank line, in CALLS;
+# anything else is the real scontrol's (hostlists).
+if [ "$1" = update ]; then printf '%s\n' "$@" '' >> CALLS; exit 0; fi
+exec /usr/bin/scontrol "$@"
+"""
+
+
+@pytest.fixture
+def start_failed(tmp_path):
+    """A recording scontrol first on a loaded program's PATH; returns the `scontrol update` calls it
+    made (each a list of arguments)."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "scontrol-calls"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(RECORDING_SCONTROL.replace("CALLS", shlex.quote(str(calls))))
+    (bin_dir / "scontrol").chmod(0o755)
+
+    def install(prog):
+        prog.PATH = f"{bin_dir}:/usr/bin:/bin"
+        return lambda: [c.split("\n") for c in calls.read_text().split("\n\n") if c] if calls.exists() else []
+
+    return install
+
+
+ICE = "We currently do not have sufficient g6.12xlarge capacity in the Availability Zone you requested (ap-northeast-2a)."
+
+
+def test_a_node_that_cannot_start_is_powered_down_at_once_with_the_ec2_error(tmp_path, slurm_conf, start_failed):
+    """StartInstances of two nodes in the placement group fails for capacity: each is tried alone,
+    the one that starts is left to boot, and Slurm is told at once of only the one that did not
+    (not after ResumeTimeout), the EC2 error code and message as the reason."""
+    from botocore.stub import Stubber
+
+    prog, ec2 = load_program(tmp_path), ec2_client()
+    calls = start_failed(prog)
+    with Stubber(ec2) as stub:
+        stub.add_response("describe_instances", described(("i-0aaa", "mini-gpu-node-01", "stopped"),
+                                                          ("i-0bbb", "mini-gpu-node-02", "stopped")),
+                          {"Filters": filters("mini-gpu-node-01", "mini-gpu-node-02")})
+        stub.add_client_error("start_instances", "InsufficientInstanceCapacity", ICE,
+                              expected_params={"InstanceIds": ["i-0aaa", "i-0bbb"]})
+        stub.add_response("start_instances", changes("StartingInstances", "i-0aaa"), {"InstanceIds": ["i-0aaa"]})
+        stub.add_client_error("start_instances", "InsufficientInstanceCapacity", ICE,
+                              expected_params={"InstanceIds": ["i-0bbb"]})
+        assert prog.main(["slurm-gpu-power", "resume", "gpu-node-[01-02]"], ec2=ec2) == 1
+        stub.assert_no_pending_responses()
+    assert calls() == [["update", "nodename=gpu-node-02", "state=power_down_force",
+                        f"reason=start failed: InsufficientInstanceCapacity: {ICE}"]]
+    log = (tmp_path / "power.log").read_text()
+    assert "resume requested for i-0aaa" in log
+    assert f"could not start gpu-node-02: start failed: InsufficientInstanceCapacity: {ICE}" in log
+
+
+def test_any_resume_error_tells_slurm_for_every_node_asked(tmp_path, slurm_conf, start_failed):
+    from botocore.stub import Stubber
+
+    prog, ec2 = load_program(tmp_path), ec2_client()
+    calls = start_failed(prog)
+    with Stubber(ec2) as stub:
+        stub.add_client_error("describe_instances", "UnauthorizedOperation", "not authorized")
+        stub.add_response("describe_instances", described(), {"Filters": filters("mini-gpu-node-07")})
+        assert prog.main(["slurm-gpu-power", "resume", "gpu-node-[01-02]"], ec2=ec2) == 1
+        assert prog.main(["slurm-gpu-power", "resume", "gpu-node-07"], ec2=ec2) == 1  # no such instance
+    (first, second) = calls()
+    assert first == ["update", "nodename=gpu-node-[01-02]", "state=power_down_force",
+                     "reason=start failed: UnauthorizedOperation: not authorized"]
+    assert second[:3] == ["update", "nodename=gpu-node-07", "state=power_down_force"]
+    assert second[3].startswith("reason=start failed: InstanceNotFound: no instance tagged Cluster=mini")
+    # A failed stop is only logged: the node is not needed, Slurm powers it down after SuspendTimeout.
+    with Stubber(ec2) as stub:
+        stub.add_client_error("describe_instances", "UnauthorizedOperation", "not authorized")
+        assert prog.main(["slurm-gpu-power", "suspend", "gpu-node-01"], ec2=ec2) == 1
+    assert len(calls()) == 2
+
+
+def test_the_start_failed_reason_is_one_bounded_line(tmp_path, start_failed):
+    """Also the local cluster's programs' way in: `slurm-gpu-power start-failed HOST CODE MESSAGE`."""
+    prog = load_program(tmp_path)
+    calls = start_failed(prog)
+    assert prog.main(["slurm-gpu-power", "start-failed", "gpu-node-01", "Weird",
+                      "line one\nline two\t" + "x" * 500]) == 0
+    ((*_, reason),) = calls()
+    assert reason.startswith("reason=start failed: Weird: line one line two x")
+    assert len(reason.removeprefix("reason=")) == render.START_FAILED_MAX
 
 
 def test_programs_run_from_their_own_venv_with_only_slurm_conf(tmp_path, slurm_conf):
@@ -423,6 +510,20 @@ def test_idle_stop_0_declares_no_role_and_no_power_keys():
 ])
 def test_power_state_from_sinfo(state, want):
     assert power.power_state(state) == want
+
+
+def test_a_failed_start_is_read_from_the_reason_with_what_to_do():
+    ice = "start failed: InsufficientInstanceCapacity: We currently do not have sufficient capacity"
+    assert power.start_failure(slurm.NodeState("gpu-node-01", "idle~", ice)) == ice
+    assert power.start_failure(slurm.NodeState("gpu-node-01", "idle%", ice)) == ice
+    assert power.start_failure(slurm.NodeState("gpu-node-01", "idle", ice)) is None  # it started since
+    assert power.start_failure(slurm.NodeState("gpu-node-01", "drained~", "health check")) is None
+    advice = power.advice(ice)
+    assert "Wait and retry" in advice and "the next job that needs it" in advice
+    assert "slurm-gpu:availabilityZone" in advice and "describe-instance-type-offerings" in advice
+    assert "Capacity Reservation" in advice and "--placement-group-arn" in advice
+    other = power.advice("start failed: UnauthorizedOperation: not authorized")
+    assert "Availability Zone" not in other and render.POWER_LOG in other
 
 
 def test_the_line_fab_train_prints_for_a_stopped_node():
