@@ -96,8 +96,8 @@ def test_controller_boots_the_gpu_nodes_os_python_and_arch():
     assert f"-noble-{version}-amd64-" in images["controller"].name  # Canonical's name: codename, release, arch
     assert AWS.os == "Ubuntu 24.04" and AWS.arch == ARCH == "x86_64"  # noble is 24.04; amd64 is x86_64
     script = render.bootstrap_script(_facts(), "controller")
-    assert f"{AWS.python!r} {AWS.glibc!r} {AWS.arch!r}" in script
-    assert "this controller is not the GPU nodes' platform" in script
+    assert f"nodes='{AWS.python} {AWS.glibc} {AWS.arch}'" in script
+    assert "are not the GPU nodes'" in script
 
 
 def test_inventory_saved_with_the_old_wheel_tags_still_loads():

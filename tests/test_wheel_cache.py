@@ -207,7 +207,7 @@ def test_controller_and_nodes_name_one_cache_per_pins_python_and_tags():
         assert flag in download
     # The controller's own interpreter resolves (no --platform list), after checking it is the nodes'.
     assert "--platform" not in download and "--python-version" not in download
-    assert "'3.12' '2.39' 'x86_64'" in controller
+    assert "nodes='3.12 2.39 x86_64'" in controller
     assert "wheels" in render.LOCAL_SKIP_STEPS["controller"]  # the local cluster uses the repo's .venv
 
 
@@ -294,3 +294,15 @@ def test_platform_wheel_tags_take_torchs_cuda_libraries(cuda_world, monkeypatch)
     reqs = ["nvidia-cudnn-cu13==9.20.0.48", "nvidia-nccl-cu13==2.29.7"]
     check = check_wheels(reqs, cuda_world["facts"].platform)
     assert check.ok, check.missing
+
+
+def test_controller_of_another_platform_records_why_and_fills_nothing(world):
+    """A controller whose Python, glibc or machine is not the GPU nodes' would cache wheels they
+    cannot install: the step records why (the nodes then use the index) and downloads nothing."""
+    facts = replace(world["facts"], platform=replace(world["facts"].platform, glibc="2.99"))
+    world["scripts"]["controller"].write_text(render.bootstrap_script(facts, "controller").rsplit("run_steps", 1)[0])
+    cache = Path(render.wheel_cache(facts, [WANT]))
+    res = world["run"]("controller", "step_wheels")
+    assert res.returncode == 0, res.stderr
+    assert not cache.exists() and not Path(f"{cache}.partial").exists()
+    assert "not the GPU nodes'" in Path(f"{cache}.failed").read_text() and " 2.99 " in Path(f"{cache}.failed").read_text()
