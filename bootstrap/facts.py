@@ -12,7 +12,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bootstrap.platform import AWS, OsTorch, Platform
+from bootstrap.platform import AWS, PLATFORMS, OsTorch, Platform
 
 # Host addresses inside a subnet. AWS reserves the first four addresses of every subnet
 # (network, VPC router, DNS, future use) and the last one (Amazon VPC User Guide, "Subnet CIDR
@@ -206,8 +206,11 @@ def facts_from_dict(data: dict) -> ClusterFacts:
 
 
 def _platform_from(data: dict | None) -> Platform:
-    """Facts saved before the platform was recorded were AWS's."""
+    """Facts saved before the platform was recorded were AWS's. Facts saved before its glibc was
+    recorded carry the wheel tags it now derives: the glibc is the known platform's of that name."""
     if not data:
         return AWS
-    return Platform(**{**data, "wheel_platforms": tuple(data["wheel_platforms"]),
-                       "os_torch": OsTorch(**data["os_torch"]) if data.get("os_torch") else None})
+    data = {k: v for k, v in data.items() if k != "wheel_platforms"}
+    if "glibc" not in data and data.get("name") in PLATFORMS:
+        data["glibc"] = PLATFORMS[data["name"]].glibc
+    return Platform(**{**data, "os_torch": OsTorch(**data["os_torch"]) if data.get("os_torch") else None})

@@ -42,8 +42,8 @@ class Platform:
     ami_name: str | None
     python: str  # the OS's python3 ("3.12"): the training venv's interpreter
     slurm: str  # major.minor of the OS's slurm-wlm package ("23.11")
-    # pip --platform tags of the nodes (wheels the GPU nodes can install).
-    wheel_platforms: tuple[str, ...]
+    # The OS's glibc (major.minor): which manylinux wheels its pip installs (`wheel_platforms`).
+    glibc: str
     nvidia_driver: str | None  # driver branch shipped by the image; None: no real GPU
     cuda: str | None
     efa_dir: str | None  # EFA installer's prefix (fi_info, libfabric); None: no EFA
@@ -75,6 +75,13 @@ class Platform:
     # so none is named: Slurm >= 23.11's unit starts it with --systemd (Type=notify, User=slurm),
     # which skips the pid file. Slurm 22.05's Debian unit runs it as root, which writes one.
     slurmctld_pidfile: str | None = None
+    arch: str = "x86_64"  # the machine (uname -m) of every role
+
+    @property
+    def wheel_platforms(self) -> tuple[str, ...]:
+        """The wheel platform tags pip accepts on this OS, most specific first: what the nodes'
+        `pip install` takes, and what a check for another interpreter passes as --platform."""
+        return manylinux_tags(self.glibc, self.arch)
 
     @property
     def images(self) -> dict[str, MachineImage]:
@@ -97,8 +104,28 @@ class Platform:
         return f"{self.os}, Python {self.python}, Slurm {self.slurm}, {gpu}"
 
 
-MANYLINUX_X86_64 = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
-                    "linux_x86_64")
+# The legacy manylinux names and the glibc they stand for (PEP 600).
+_LEGACY_MANYLINUX = {17: "manylinux2014", 12: "manylinux2010", 5: "manylinux1"}
+
+
+def manylinux_tags(glibc: str, arch: str) -> tuple[str, ...]:
+    """Every platform tag pip accepts for wheels on a glibc `glibc` (e.g. "2.39") Linux of `arch`,
+    in pip's order: manylinux_2_<minor> down to 2_5 (the legacy aliases after their 2_<minor>),
+    then linux_<arch>. pip's own list (packaging.tags, _manylinux.platform_tags) is made this way;
+    `pip download --platform` takes exactly the tags it is given (it expands only the legacy
+    aliases), so a shorter list misses wheels a node would install: the real index publishes
+    torch 2.13.0's nvidia-cudnn-cu13 9.20.0.48 only as manylinux_2_27 and nvidia-nccl-cu13 2.29.7
+    only as manylinux_2_18."""
+    major, minor = (int(x) for x in glibc.split("."))
+    if major != 2:
+        raise ValueError(f"glibc {glibc!r}: manylinux tags exist for glibc 2.x only")
+    tags: list[str] = []
+    for m in range(minor, 4, -1):
+        tags.append(f"manylinux_2_{m}_{arch}")
+        if m in _LEGACY_MANYLINUX:
+            tags.append(f"{_LEGACY_MANYLINUX[m]}_{arch}")
+    return (*tags, f"linux_{arch}")
+
 
 # The AWS Deep Learning Base image for Ubuntu 24.04 (release notes: Python 3.12, driver
 # 595.x, CUDA 13.x, EFA 1.47+, aws-ofi-nccl 1.18+; G4dn, G5, G6, G6e, P4d, P5).
@@ -118,7 +145,7 @@ AWS = Platform(
     controller_ami_owner=CANONICAL,
     python="3.12",
     slurm="23.11",
-    wheel_platforms=MANYLINUX_X86_64,
+    glibc="2.39",  # Ubuntu 24.04's libc6 2.39 (the same release on both images: one glibc)
     nvidia_driver="595",
     cuda="13",
     efa_dir="/opt/amazon/efa",
@@ -136,7 +163,7 @@ LOCAL = Platform(
     ami_name=None,
     python="3.11",
     slurm="22.05",
-    wheel_platforms=MANYLINUX_X86_64,
+    glibc="2.36",
     nvidia_driver=None,
     cuda=None,
     efa_dir=None,
@@ -167,7 +194,6 @@ LOCAL = Platform(
 #   Debian builds it without libuv: the job's rendezvous store is a file (OsTorch.libuv).
 _BOOT = dict(
     ami_name=None,
-    wheel_platforms=MANYLINUX_X86_64,
     nvidia_driver=None,
     cuda=None,
     efa_dir=None,
@@ -181,9 +207,9 @@ _BOOT = dict(
     # _netdev: systemd treats it as the remote mount it stands in for (ordering, as with NFS).
     scratch_options="bind,_netdev,nofail",
 )
-BOOT_DEBIAN12 = Platform(name="boot-debian12", os="Debian 12", python="3.11", slurm="22.05",
+BOOT_DEBIAN12 = Platform(name="boot-debian12", os="Debian 12", python="3.11", slurm="22.05", glibc="2.36",
                          debian_suite="bookworm", slurmctld_pidfile="/run/slurmctld.pid", **_BOOT)
-BOOT_DEBIAN13 = Platform(name="boot-debian13", os="Debian 13", python="3.13", slurm="24.11",
+BOOT_DEBIAN13 = Platform(name="boot-debian13", os="Debian 13", python="3.13", slurm="24.11", glibc="2.41",
                          debian_suite="trixie", os_torch=OsTorch("python3-torch", "2.6.0+debian", libuv=False),
                          **_BOOT)
 

@@ -74,10 +74,17 @@ VERSION_PATH = f"{STATE_DIR}/bootstrap.version"
 # a key the controller does not share; Slurm 23.11 then exits for good). fab's key sync
 # (ops/munge.py) installs the cluster's key, removes it, and starts slurmd.
 NODE_LOCAL_KEY_MARKER = f"{STATE_DIR}/munge-key.node-local"
-# Written by cloud-init's write_files (before its package module runs) so that apt waits for a
-# dpkg lock held by first-boot unattended upgrades instead of failing after 30 s.
+# apt on the node waits this long for a dpkg lock held by another apt (first-boot unattended
+# upgrades): the bootstrap's `packages` step installs every package, not cloud-init's package
+# module, which gives up after 30 s before apt-get even runs (APT_LOCK_WAIT_TIMEOUT in cloud-init's
+# cloudinit/distros/package_management/apt.py), so no apt.conf setting can extend its wait.
 APT_LOCK_CONF = "/etc/apt/apt.conf.d/90slurm-gpu-lock-wait"
 APT_LOCK_TIMEOUT_S = 900
+# Where real_gpus: the image's kernel and NVIDIA packages stay as it shipped them (the GPU
+# bootstrap's `holds` step: apt-mark hold of the installed ones, and unattended-upgrades'
+# Package-Blacklist for these prefixes). A newer image is the way to newer ones (docs/PLATFORM.md).
+HOLD_PREFIXES = ("linux-image", "linux-headers", "linux-modules", "linux-aws", "nvidia", "libnvidia")
+APT_HOLD_CONF = "/etc/apt/apt.conf.d/51slurm-gpu-hold-gpu-stack"
 # Each bootstrap step's record: <step>.status ("running|ok|skipped|failed ... <UTC time>") and
 # <step>.log (its output); ops/cloudinit.py reads them to name a failed step.
 STEPS_DIR = f"{STATE_DIR}/bootstrap"
@@ -108,7 +115,7 @@ WHEEL_START_WAIT_S = 180
 WHEEL_POLL_S = 5
 WHEEL_DOWNLOAD_TIMEOUT_S = 1800
 
-# Debian/Ubuntu packages per role (cloud-init installs them; the `packages` step checks).
+# Debian/Ubuntu packages per role (the bootstrap's `packages` step installs them).
 PACKAGES = {
     # python3-pip: the `wheels` step downloads the GPU nodes' training stack; python3-venv: the
     # power-save programs' boto3 venv (POWER_VENV).
@@ -133,7 +140,7 @@ def role_packages(platform: Platform, role: str) -> tuple[str, ...]:
 STEPS = {
     "controller": ("hostname", "hosts", "packages", "dirs", "munge", "nfs", "scratch", "power", "wheels", "services"),
     "gpu": (
-        "hostname", "hosts", "packages", "dirs", "munge", "healthcheck", "nfs", "scratch",
+        "hostname", "hosts", "holds", "packages", "dirs", "munge", "healthcheck", "nfs", "scratch",
         "training", "gpus", "services",
     ),
 }
@@ -221,6 +228,7 @@ def _context(facts: ClusterFacts) -> dict:
             "version": VERSION_PATH,
             "node_local_key": NODE_LOCAL_KEY_MARKER,
             "apt_lock_conf": APT_LOCK_CONF,
+            "apt_hold_conf": APT_HOLD_CONF,
             "steps_dir": STEPS_DIR,
             "suspend": SUSPEND_PATH,
             "resume": RESUME_PATH,
@@ -237,6 +245,7 @@ def _context(facts: ClusterFacts) -> dict:
         "hosts_begin": HOSTS_BEGIN,
         "hosts_end": HOSTS_END,
         "apt_lock_timeout_s": APT_LOCK_TIMEOUT_S,
+        "hold_prefixes": HOLD_PREFIXES,
     }
 
 
@@ -313,7 +322,7 @@ def render_slurmd_dropin(facts: ClusterFacts) -> str:
 
 
 def render_apt_lock_conf(facts: ClusterFacts) -> str:
-    """apt's wait for the dpkg lock (cloud-init's package module and the bootstrap's apt-get)."""
+    """apt's wait for the dpkg lock (the bootstrap's apt-get, and any apt run on the node)."""
     return _TEMPLATES.get_template("apt-lock-wait.conf.j2").render(**_context(facts))
 
 

@@ -2,8 +2,8 @@
 and bootstrap ask for (render.role_packages), with the dependencies the image lacks, downloaded
 from the host's Debian archive in a throwaway overlay over the image, indexed with
 dpkg-scanpackages. The containers see it read-only at images.APT_REPO_MOUNT
-(`deb [trusted=yes] file:... ./`): cloud-init's package_update/packages and the bootstrap's
-apt-get run unchanged against it, and nothing leaves the machine.
+(`deb [trusted=yes] file:... ./`): the bootstrap's
+apt-get runs unchanged against it, and nothing leaves the machine.
 
 Packages come with their Recommends, as the AMI's apt installs them, except the OS's torch
 (`Platform.os_torch`), a stand-in for a pip wheel: it comes with its Depends only. Its

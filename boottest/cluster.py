@@ -22,7 +22,7 @@ from bootstrap.facts import ClusterFacts, NodeShape, plan_hosts, this_machine_to
 from bootstrap.inventory import Inventory, from_facts
 from bootstrap.platform import Platform
 from bootstrap.render import STEPS_DIR, TRAINING_PYTHON, user_data
-from boottest import aptrepo, host, images, net, nspawn, paths, wheelhouse
+from boottest import aptlock, aptrepo, host, images, net, nspawn, paths, wheelhouse
 from ops import cloudinit, hostkeys
 
 STATE_ROOT, INVENTORY = paths.STATE_ROOT, paths.INVENTORY
@@ -62,6 +62,7 @@ class BootCluster:
     state: Path = STATE_ROOT / "run"
     timings: dict[str, float] = field(default_factory=dict)
     containers: dict[str, nspawn.Container] = field(default_factory=dict)
+    apt_lock: aptlock.AptLockHolder | None = None
 
     def __post_init__(self) -> None:
         self.facts = cluster_facts(self.platform)
@@ -75,6 +76,10 @@ class BootCluster:
             yield
         finally:
             self.timings[name] = round(self.timings.get(name, 0.0) + time.monotonic() - t0, 1)
+
+    @property
+    def apt_lock_node(self) -> str:
+        return self.facts.gpu_nodes[-1].name
 
     @property
     def key_file(self) -> Path:
@@ -112,6 +117,10 @@ class BootCluster:
             net.up()
             for name, role in self.roles.items():
                 self.containers[name] = self._container(name, role)
+            # Another apt holds the dpkg lock on the last GPU node as it boots, longer than
+            # cloud-init would wait for it (boottest/aptlock.py): its first boot must still end clean.
+            self.apt_lock = aptlock.AptLockHolder(self.containers[self.apt_lock_node].root)
+            self.apt_lock.hold()
             for c in self.containers.values():
                 c.start()
             for c in self.containers.values():
@@ -207,4 +216,7 @@ class BootCluster:
         from boottest import teardown
 
         with self.phase("teardown"):
+            if self.apt_lock is not None:
+                self.apt_lock.release()
+                self.timings["apt_lock_held"] = self.apt_lock.held_s
             teardown.everything(self.state)

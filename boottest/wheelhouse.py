@@ -27,6 +27,9 @@ from bootstrap.platform import Platform
 from boottest import cache, host, images
 
 WHEELHOUSE_VERSION = 1
+# The tags the stand-in index is filled for (a subset of every boot platform's `wheel_platforms`;
+# the same since the wheelhouse was first cached, so its key stays).
+WHEELHOUSE_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "linux_x86_64")
 
 
 def os_provided(platform: Platform) -> set[str]:
@@ -43,7 +46,7 @@ def requirements(platform: Platform) -> list[str]:
 def wheelhouse(platform: Platform, apt_repo: Path) -> tuple[Path, bool]:
     """The platform's wheelhouse (built unless cached) and whether it was built now. `apt_repo`:
     the platform's apt repository (aptrepo.repo), which holds the OS's torch where it has one."""
-    made_of = [platform.python, platform.wheel_platforms, requirements(platform), WHEELHOUSE_VERSION]
+    made_of = [platform.python, WHEELHOUSE_PLATFORMS, requirements(platform), WHEELHOUSE_VERSION]
     if platform.os_torch:  # keeps the key of a platform without one as it was
         made_of.append(os_torch_deb(platform, apt_repo).name)
     name = f"py{platform.python}-{cache.key(*made_of)}"
@@ -54,7 +57,7 @@ def wheelhouse(platform: Platform, apt_repo: Path) -> tuple[Path, bool]:
 def _pip_download(out: Path, platform: Platform, *args: str) -> None:
     cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-input", "--only-binary=:all:",
            "--python-version", platform.python, "--implementation", "cp", "-d", str(out)]
-    for tag in platform.wheel_platforms:
+    for tag in WHEELHOUSE_PLATFORMS:
         cmd += ["--platform", tag]
     host.run(*cmd, *args, timeout=1800)
 

@@ -45,6 +45,9 @@ GP3_MAX_MBPS = 1000.0
 SSH_STEP_S = 1.0          # one fab step of a few SSH round trips through the controller
 WHEELS_BYTES = 3.8e9      # the CUDA training stack the GPU node's first boot installs (torch + nvidia-*)
 WHEELS_INSTALL_S = 60.0   # pip unpacking and installing it on a node (assumed)
+# A GPU node's apt packages at first boot (slurm-wlm, munge, nfs-common and their dependencies from
+# the Ubuntu mirror, through the NAT gateway; the image has the compiler and headers): assumed.
+APT_BYTES_PER_NODE = 0.1e9
 # How much sooner the controller boots than the GPU nodes: they wait for the NAT gateway (~2 min to
 # create), it does not (public subnet). Its download of the wheel cache runs in that time.
 CONTROLLER_HEAD_START_S = 120.0
@@ -328,9 +331,10 @@ def _aws(cl: Cluster, job: Job) -> Estimate:
     add("seen", "fab's next poll", 1.0)
     add("download", f"adapters and state ({job.trainable * 4 / 1e6 + 12:.0f} MB) at 12.5 MB/s (100 Mbit/s home)",
         1 + (job.trainable * 4 + 12e6) / 12.5e6)
-    # The controller (public subnet) fetches model, data and the nodes' training stack: the run's
-    # big downloads never cross the NAT gateway.
-    est.nat_bytes = {"new": 0.0, "first": 0.0, "again": 0.0}
+    # The controller (public subnet) fetches model, data and the nodes' training stack (its wheels
+    # step resolves with its own pip, so the cache fills: bootstrap-controller.sh.j2): the big
+    # downloads never cross the NAT gateway. A new stack's nodes fetch only their apt packages through it.
+    est.nat_bytes = {"new": n * APT_BYTES_PER_NODE, "first": 0.0, "again": 0.0}
     return est
 
 

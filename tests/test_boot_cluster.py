@@ -34,6 +34,9 @@ pytestmark = [pytest.mark.boot, pytest.mark.slow]
 # Debian 12 trains on the pinned torch's CPU wheel; Debian 13 on Debian's python3-torch 2.6.0
 # (Platform.os_torch: this machine's index has no CPU torch of the pin for cp313).
 BOOT_PLATFORMS = (BOOT_DEBIAN12, BOOT_DEBIAN13)
+# How long cloud-init's apt package manager waits for the dpkg locks before it fails the module
+# (APT_LOCK_WAIT_TIMEOUT: cloudinit/distros/debian.py in 22.4, .../package_management/apt.py in 25.1).
+CLOUD_INIT_APT_LOCK_WAIT_S = 30
 
 
 @pytest.fixture(scope="module", params=BOOT_PLATFORMS, ids=lambda p: p.name)
@@ -82,6 +85,25 @@ def test_cloud_init_done_and_every_step_ok(booted):
             f"{name}: cloud-init {status}\n{failed}\n"
             f"{bc.containers[name].run('tail -n 30 /var/log/cloud-init-output.log', check=False).stdout}")
         assert not not_ok, f"{name}: {failed}"
+
+
+def test_first_boot_waits_out_another_apt(booted):
+    """The harness held one GPU node's dpkg frontend lock from before it booted until its
+    `packages` step had waited on it (boottest/aptlock.py), longer than cloud-init's own package
+    module waits (30 s, then it fails the boot). The node's first boot still ends clean: the
+    packages are installed by the bootstrap, whose apt waits (DPkg::Lock::Timeout)."""
+    bc = booted
+    name, holder = bc.apt_lock_node, bc.apt_lock
+    assert holder is not None and holder.released, "the apt lock holder never let go"
+    assert holder.held_s > CLOUD_INIT_APT_LOCK_WAIT_S, f"the lock was held only {holder.held_s} s"
+    assert holder.saw_step_waiting, f"{name}: its packages step never ran while the lock was held"
+    status = bc.final[name]
+    assert status.get("status") == "done" and not status.get("errors"), (
+        f"{name}: cloud-init {status} after another apt held the dpkg lock for {holder.held_s} s\n"
+        + bc.containers[name].run("grep -iE 'apt lock|Traceback|Error' /var/log/cloud-init.log | tail -n 15",
+                                  check=False).stdout)
+    steps = bc.steps(name)
+    assert all(steps.get(s, "").startswith("ok") for s in STEPS["gpu"]), steps
 
 
 def test_gpu_nodes_installed_the_training_stack_from_the_controllers_cache(booted):

@@ -8,12 +8,12 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import yaml
 
 from bootstrap import render
 from bootstrap.facts import ClusterFacts, NodeShape, facts_from_dict, facts_to_dict, plan_hosts
 from bootstrap.platform import AWS, BOOT_DEBIAN12, BOOT_DEBIAN13, PLATFORMS
 from boottest import aptrepo, host, wheelhouse
+from tests.test_bootstrap_render import script_packages
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -61,7 +61,7 @@ def test_debian_mirror_from_deb822_sources(tmp_path, monkeypatch):
 def _gpu_node_render(platform):
     facts = _facts(platform)
     script = render.bootstrap_script(facts, "gpu", "gpu-node-01")
-    packages = yaml.safe_load(render.user_data(facts, "gpu", "gpu-node-01"))["packages"]
+    packages = script_packages(script)
     return script, packages
 
 

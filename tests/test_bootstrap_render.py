@@ -225,6 +225,11 @@ def file_text(entry):
     return entry["content"]
 
 
+def script_packages(script: str) -> list[str]:
+    """The apt packages a rendered bootstrap script's `packages` step installs."""
+    return re.search(r"^step_packages\(\) \{\n.*?^  for p in ([^\n]*); do$", script, re.S | re.M)[1].split()
+
+
 def decoded_text(entry: dict) -> str:
     """A write_files entry's text, decoding cloud-init's gz+b64."""
     if entry.get("encoding") == "gz+b64":
@@ -239,9 +244,12 @@ def test_user_data_content(case, role):
     cfg = parse_user_data(render.user_data(facts, role))
     assert cfg["preserve_hostname"] is True
     assert cfg["manage_etc_hosts"] is False
-    assert cfg["package_update"] is True
-    assert {"slurm-wlm", "munge", "nfs-common"} <= set(cfg["packages"])
-    assert ("nfs-kernel-server" in cfg["packages"]) == (role == "controller")
+    # cloud-init's package module never runs (it fails the boot after 30 s of another apt's dpkg
+    # lock): the bootstrap's packages step installs them, with apt's own wait.
+    assert not {"package_update", "package_upgrade", "packages", "apt"} & set(cfg)
+    packages = script_packages(render.bootstrap_script(facts, role))
+    assert {"slurm-wlm", "munge", "nfs-common"} <= set(packages)
+    assert ("nfs-kernel-server" in packages) == (role == "controller")
     written = {f["path"]: f for f in cfg["write_files"]}
     expected = render.role_files(facts, role)
     expected[render.BOOTSTRAP_PATH] = render.bootstrap_script(
@@ -250,8 +258,7 @@ def test_user_data_content(case, role):
     expected[render.APT_LOCK_CONF] = render.render_apt_lock_conf(facts)
     # Every file arrives byte for byte (YAML block scalars keep the text).
     assert {p: file_text(f) for p, f in written.items()} == expected
-    # apt waits for a dpkg lock held by first-boot unattended upgrades (cloud-init's own wait is
-    # 30 s): the file is written by write_files, which runs before the package module.
+    # apt on the node waits for a dpkg lock held by first-boot unattended upgrades.
     assert re.fullmatch(r'DPkg::Lock::Timeout "(\d+)";', expected[render.APT_LOCK_CONF].splitlines()[-1])
     assert int(expected[render.APT_LOCK_CONF].split('"')[1]) >= 600
     # First boot holds the apt timers so background upgrades do not race the bootstrap.

@@ -130,8 +130,10 @@ def test_cost_is_instances_by_the_second_plus_nat_and_ebs():
         nat = p["nat_per_h"] * wall / 3600 + e.nat_bytes[scenario] / 1e9 * p["nat_per_gb"]
         assert bill[2].usd == pytest.approx(nat)
         assert bill[3].usd == pytest.approx(600 * p["gp3_per_gb_month"] * wall / (730 * 3600))
-    # The controller fetches model, data and the nodes' wheels outside the NAT gateway.
-    assert e.nat_bytes["again"] == e.nat_bytes["first"] == e.nat_bytes["new"] == 0
+    # The controller fetches model, data and the nodes' wheels outside the NAT gateway; a new
+    # stack's nodes fetch their apt packages through it.
+    assert e.nat_bytes["again"] == e.nat_bytes["first"] == 0
+    assert e.nat_bytes["new"] == 2 * est.APT_BYTES_PER_NODE
     assert est.idle_tail(e).usd == pytest.approx(2 * p["instance_per_h"]["g6.12xlarge"] * 0.5)
 
 

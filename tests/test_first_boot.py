@@ -12,6 +12,7 @@ import yaml
 from bootstrap import render
 from bootstrap.platform import AWS
 from bootstrap.slurm_keys import unknown_keys
+from tests.test_bootstrap_render import script_packages
 from tests.test_infra_mocks import run_program, stack_config
 from tests.test_infra_program import _decoded_files, _instances
 
@@ -34,7 +35,8 @@ def _files(doc):
 def test_gpu_nodes_get_python_headers_and_a_compiler(user_data):
     for name, doc in user_data.items():
         if name != "controller":
-            assert {"python3-dev", "build-essential", "python3-venv"} <= set(doc["packages"]), name
+            packages = script_packages(_files(doc)[render.BOOTSTRAP_PATH])
+            assert {"python3-dev", "build-essential", "python3-venv"} <= set(packages), name
 
 
 def test_gpus_are_opened_and_checked_before_slurmd_starts(user_data):

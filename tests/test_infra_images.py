@@ -14,6 +14,7 @@ import yaml
 from bootstrap import render
 from bootstrap.platform import AWS
 from infra.config import ConfigError
+from tests.test_bootstrap_render import script_packages
 from tests.test_infra_mocks import (
     CANONICAL,
     DLAMI_ID,
@@ -148,7 +149,7 @@ def test_controller_user_data_needs_no_gpu_driver_or_efa():
             continue
         found = re.findall(r"\b(?:nvidia[\w-]*|cuda|efa|fi_info|fabricmanager)\b|/opt/amazon", text, re.I)
         assert not found, (path, found)
-    assert not any("nvidia" in p or "cuda" in p for p in doc["packages"])
+    assert not any("nvidia" in p or "cuda" in p for p in script_packages(files[render.BOOTSTRAP_PATH]))
 
 
 BAD = [

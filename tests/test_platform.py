@@ -66,3 +66,43 @@ def test_local_cluster_shortens_only_its_own_timers():
         ("15", "15", "sched_interval=5")
     assert (aws["SlurmdTimeout"], aws["HealthCheckInterval"]) == ("180", "60") and "SchedulerParameters" not in aws
     assert facts_from_dict(facts_to_dict(local_plan.cluster_facts(2, 2))).sched_interval == 5
+
+
+def test_wheel_tags_are_pips_own_for_the_platforms_glibc():
+    """`Platform.wheel_platforms` is the list pip itself accepts on that glibc (what a node's `pip
+    install` takes): checked against pip's tag code on this machine, whose glibc is LOCAL's."""
+    import platform as py
+
+    from packaging import tags
+
+    assert py.libc_ver() == ("glibc", LOCAL.glibc) and py.machine() == LOCAL.arch
+    pips = [t for t in dict.fromkeys(tag.platform for tag in tags.sys_tags()) if t != "any"]
+    assert sorted(LOCAL.wheel_platforms) == sorted(pips)
+    assert [t for t in LOCAL.wheel_platforms if t.startswith("manylinux")] == [t for t in pips if t.startswith("manylinux")]
+    # The AMI's glibc 2.39 takes torch's CUDA libraries as the real index tags them.
+    assert {"manylinux_2_27_x86_64", "manylinux_2_18_x86_64", "manylinux_2_28_x86_64"} <= set(AWS.wheel_platforms)
+    assert AWS.wheel_platforms[0] == "manylinux_2_39_x86_64"
+
+
+def test_controller_boots_the_gpu_nodes_os_python_and_arch():
+    """The controller fills the GPU nodes' wheel cache with its own pip (no --platform): its image
+    must be the GPU image's OS release (so the same Python and glibc) and machine. The rendered
+    step checks Python, glibc and machine again at boot and records a mismatch for the nodes."""
+    from infra.instance_types import ARCH
+
+    images = AWS.images
+    version = AWS.os.removeprefix("Ubuntu ")
+    assert f"({AWS.os})" in images["gpu"].name and "ARM64" not in images["gpu"].name
+    assert f"-noble-{version}-amd64-" in images["controller"].name  # Canonical's name: codename, release, arch
+    assert AWS.os == "Ubuntu 24.04" and AWS.arch == ARCH == "x86_64"  # noble is 24.04; amd64 is x86_64
+    script = render.bootstrap_script(_facts(), "controller")
+    assert f"nodes='{AWS.python} {AWS.glibc} {AWS.arch}'" in script
+    assert "are not the GPU nodes'" in script
+
+
+def test_inventory_saved_with_the_old_wheel_tags_still_loads():
+    """Inventories written before the platform recorded its glibc carry a `wheel_platforms` list."""
+    old = facts_to_dict(_facts())
+    del old["platform"]["glibc"], old["platform"]["arch"]
+    old["platform"]["wheel_platforms"] = ["manylinux_2_28_x86_64", "manylinux_2_17_x86_64"]
+    assert facts_from_dict(old).platform == AWS

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import re
 import shutil
 import subprocess
 import sys
 import zipfile
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
@@ -28,22 +29,33 @@ PINS = {"sgpu-tiny": "1.0"}
 WANT = "sgpu-tiny==1.0"
 
 
-def _wheel(directory: Path, name: str, version: str, requires: tuple[str, ...] = ()) -> Path:
-    """A minimal pure-Python wheel (one module) that pip installs for real."""
+def this_machine(platform):
+    """`platform` with this machine's Python, glibc and machine: the controller's `wheels` step
+    downloads only where its own interpreter is the GPU nodes' (it checks), and here the
+    controller's python3 is this one."""
+    import platform as py
+
+    have = {"python": f"{sys.version_info[0]}.{sys.version_info[1]}", "glibc": py.libc_ver()[1], "arch": py.machine()}
+    return replace(platform, **{k: v for k, v in have.items() if k in {f.name for f in fields(platform)}})
+
+
+def _wheel(directory: Path, name: str, version: str, requires: tuple[str, ...] = (),
+           tag: str = "py3-none-any") -> Path:
+    """A minimal wheel (one module) with the given tag that pip installs for real."""
     mod = name.replace("-", "_")
     dist = f"{mod}-{version}.dist-info"
     files = {
         f"{mod}.py": f"VERSION = {version!r}\n",
         f"{dist}/METADATA": "Metadata-Version: 2.1\n" + f"Name: {name}\nVersion: {version}\n"
         + "".join(f"Requires-Dist: {r}\n" for r in requires),
-        f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: slurm-gpu-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        f"{dist}/WHEEL": f"Wheel-Version: 1.0\nGenerator: slurm-gpu-tests\nRoot-Is-Purelib: true\nTag: {tag}\n",
     }
     record = []
     for path, text in files.items():
         digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
         record.append(f"{path},sha256={digest},{len(text.encode())}")
     files[f"{dist}/RECORD"] = "\n".join(record + [f"{dist}/RECORD,,"]) + "\n"
-    out = directory / f"{mod}-{version}-py3-none-any.whl"
+    out = directory / f"{mod}-{version}-{tag}.whl"
     with zipfile.ZipFile(out, "w") as z:
         for path, text in files.items():
             z.writestr(path, text)
@@ -78,7 +90,8 @@ def world(tmp_path, monkeypatch, venv_template):
     shutil.copytree(venv_template, venv, symlinks=True)
     state = tmp_path / "state"
     state.mkdir()
-    facts = replace(FACTS["l4x2"], scratch=str(tmp_path / "scratch"))
+    facts = FACTS["l4x2"]
+    facts = replace(facts, scratch=str(tmp_path / "scratch"), platform=this_machine(facts.platform))
     (tmp_path / "scratch").mkdir()
 
     def script(role: str) -> Path:
@@ -111,7 +124,8 @@ def test_controller_fills_the_cache_once_for_the_gpu_platform(world):
     res = world["run"]("controller", "step_wheels")
     assert res.returncode == 0, res.stdout + res.stderr
     cache = world["cache"]
-    assert cache.parent == Path(world["facts"].scratch) / "wheels" and cache.name.startswith("py3.12-")
+    assert cache.parent == Path(world["facts"].scratch) / "wheels"
+    assert cache.name.startswith(f"py{world['facts'].platform.python}-")
     assert sorted(p.name for p in cache.iterdir()) == [
         ".complete", "sgpu_dep-2.0-py3-none-any.whl", "sgpu_tiny-1.0-py3-none-any.whl"]  # the dependency too
     assert (cache / ".complete").read_text().strip() == WANT
@@ -188,7 +202,107 @@ def test_controller_and_nodes_name_one_cache_per_pins_python_and_tags():
     assert render.wheel_cache(facts, want[:-1]) != cache  # other pins: another directory
     assert render.wheel_cache(replace(facts, platform=BOOT_DEBIAN12), want).startswith("/scratch/wheels/py3.11-")
     controller = render.bootstrap_script(facts, "controller")
-    for flag in ("--only-binary=:all:", "--implementation cp", "--python-version '3.12'",
-                 "--platform 'manylinux_2_28_x86_64'", "--no-cache-dir"):
-        assert flag in controller
+    download = controller[controller.index("python3 -m pip download"):].split("; then", 1)[0]
+    for flag in ("--only-binary=:all:", "--no-cache-dir"):
+        assert flag in download
+    # The controller's own interpreter resolves (no --platform list), after checking it is the nodes'.
+    assert "--platform" not in download and "--python-version" not in download
+    assert "nodes='3.12 2.39 x86_64'" in controller
     assert "wheels" in render.LOCAL_SKIP_STEPS["controller"]  # the local cluster uses the repo's .venv
+
+
+# torch 2.13.0 (CUDA 13.0 build) and two of the CUDA libraries it pins, with the only tags the
+# real index publishes them under for x86_64 (its file lists): cuDNN only manylinux_2_27, NCCL only
+# manylinux_2_18. torch itself is cp312-cp312-manylinux_2_28_x86_64 there; py3-none here, so the
+# test runs on any Python. The aarch64 builds are there too: an x86_64 node must not take them.
+CUDA_TORCH = "torch==2.13.0"
+CUDA_WHEELS = [
+    ("torch", "2.13.0", "py3-none-manylinux_2_28_x86_64", ("nvidia-cudnn-cu13==9.20.0.48", "nvidia-nccl-cu13==2.29.7")),
+    ("nvidia-cudnn-cu13", "9.20.0.48", "py3-none-manylinux_2_27_x86_64", ()),
+    ("nvidia-cudnn-cu13", "9.20.0.48", "py3-none-manylinux_2_27_aarch64", ()),
+    ("nvidia-nccl-cu13", "2.29.7", "py3-none-manylinux_2_18_x86_64", ()),
+    ("nvidia-nccl-cu13", "2.29.7", "py3-none-manylinux_2_18_aarch64", ()),
+]
+
+
+def pip_failure(output: str, index: Path) -> str:
+    """What a failed pip resolution means, told apart by the index's own files: "tag mismatch:
+    FILES" where the index holds that version but pip took none of its wheels (their tags), else
+    "missing: NAME==VERSION" (pip prints the same "No matching distribution" for both)."""
+    m = re.search(r"No matching distribution found for ([A-Za-z0-9_.\-]+)==(\S+)", output)
+    assert m, f"pip did not fail to resolve:\n{output}"
+    stem = f"{re.sub(r'[-_.]+', '_', m[1]).lower()}-{m[2]}-"
+    files = sorted(f.name for f in index.glob("*.whl") if f.name.lower().startswith(stem))
+    return f"tag mismatch: {', '.join(files)}" if files else f"missing: {m[1]}=={m[2]}"
+
+
+@pytest.fixture
+def cuda_world(world, monkeypatch):
+    """`world` with the index holding torch's CUDA wheels as the real index tags them."""
+    for wheel in world["index"].iterdir():
+        wheel.unlink()
+    for name, version, tag, requires in CUDA_WHEELS:
+        _wheel(world["index"], name, version, requires, tag)
+    monkeypatch.setattr(render, "TRAINING_PACKAGES", ("torch",))
+    monkeypatch.setattr(render, "training_pins", lambda *a: {"torch": "2.13.0"})
+    world["cache"] = Path(render.wheel_cache(world["facts"], [CUDA_TORCH]))
+    for role in render.ROLES:  # re-rendered with these pins
+        text = render.bootstrap_script(world["facts"], role)
+        world["scripts"][role].write_text(text.rsplit("run_steps", 1)[0])
+    return world
+
+
+def test_wheels_step_downloads_torchs_cuda_libraries_under_their_real_tags(cuda_world):
+    """The rendered `wheels` step with real pip: every wheel a node of this platform accepts is
+    taken (manylinux_2_27 and 2_18 alike), no other machine's."""
+    res = cuda_world["run"]("controller", "step_wheels")
+    cache = cuda_world["cache"]
+    out = res.stdout + res.stderr
+    assert (cache / ".complete").exists(), (
+        f"the wheel cache did not fill: {pip_failure(out, cuda_world['index'])}\n{out}")
+    assert sorted(p.name for p in cache.glob("*.whl")) == sorted(
+        f"{re.sub('-', '_', n)}-{v}-{t}.whl" for n, v, t, _ in CUDA_WHEELS if t.endswith("x86_64"))
+
+
+@pytest.mark.parametrize("change, meaning", [
+    ("cudnn_for_a_newer_glibc", "tag mismatch: nvidia_cudnn_cu13-9.20.0.48-"),
+    ("nccl_gone", "missing: nvidia-nccl-cu13==2.29.7"),
+])
+def test_wheels_step_failure_tells_a_tag_mismatch_from_a_missing_distribution(cuda_world, change, meaning):
+    index, glibc = cuda_world["index"], cuda_world["facts"].platform.glibc
+    if change == "cudnn_for_a_newer_glibc":  # a wheel this machine's glibc cannot take
+        for f in index.glob("nvidia_cudnn_cu13-*"):
+            f.unlink()
+        newer = f"manylinux_2_{int(glibc.split('.')[1]) + 1}_x86_64"
+        _wheel(index, "nvidia-cudnn-cu13", "9.20.0.48", (), f"py3-none-{newer}")
+    else:
+        for f in index.glob("nvidia_nccl_cu13-*"):
+            f.unlink()
+    res = cuda_world["run"]("controller", "step_wheels")
+    assert res.returncode == 0, res.stderr  # recorded for the nodes, not fatal
+    assert Path(f"{cuda_world['cache']}.failed").exists()
+    assert pip_failure(res.stdout + res.stderr, index).startswith(meaning)
+
+
+def test_platform_wheel_tags_take_torchs_cuda_libraries(cuda_world, monkeypatch):
+    """`check_wheels` (the pins against another Python's tags, tests/test_target_pins.py) passes
+    the platform's tags to pip as --platform: they must include every manylinux tag of its glibc."""
+    from bootstrap.wheels import check_wheels
+
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # the environment's settings win over any pip.conf
+    monkeypatch.setenv("PIP_FIND_LINKS", str(cuda_world["index"]))
+    reqs = ["nvidia-cudnn-cu13==9.20.0.48", "nvidia-nccl-cu13==2.29.7"]
+    check = check_wheels(reqs, cuda_world["facts"].platform)
+    assert check.ok, check.missing
+
+
+def test_controller_of_another_platform_records_why_and_fills_nothing(world):
+    """A controller whose Python, glibc or machine is not the GPU nodes' would cache wheels they
+    cannot install: the step records why (the nodes then use the index) and downloads nothing."""
+    facts = replace(world["facts"], platform=replace(world["facts"].platform, glibc="2.99"))
+    world["scripts"]["controller"].write_text(render.bootstrap_script(facts, "controller").rsplit("run_steps", 1)[0])
+    cache = Path(render.wheel_cache(facts, [WANT]))
+    res = world["run"]("controller", "step_wheels")
+    assert res.returncode == 0, res.stderr
+    assert not cache.exists() and not Path(f"{cache}.partial").exists()
+    assert "not the GPU nodes'" in Path(f"{cache}.failed").read_text() and " 2.99 " in Path(f"{cache}.failed").read_text()
