@@ -489,8 +489,8 @@ def user_data(facts: ClusterFacts, role: str, hostname: str | None = None) -> st
     machine has. One user-data then serves every GPU node. cloud-init is told
     `preserve_hostname: true` so it never renames the node on later boots (with
     it, cloud-init ignores `hostname:`/`fqdn:` keys, so the script sets the name).
-    The text always fits EC2's 16 KiB: big clusters get their biggest files
-    gzip+base64 encoded inside write_files.
+    The text is for reading and tests; EC2 gets it gzip-compressed (`user_data_base64`),
+    which is what must fit its 16 KiB.
     """
     _check_role(role)
     names = [facts.controller.name] if role == "controller" else [h.name for h in facts.gpu_nodes]
@@ -505,44 +505,29 @@ def user_data(facts: ClusterFacts, role: str, hostname: str | None = None) -> st
         facts = node_facts(facts, hostname)
     ctx = _context(facts)
     ctx.update(role=role, packages=role_packages(facts.platform, role))
-    template = _TEMPLATES.get_template("cloud-config.yaml.j2")
-    # EC2 takes at most 16 KiB. Files stay readable while they fit; beyond that the
-    # biggest ones go gzip+base64 encoded (cloud-init's write_files decodes them).
-    by_size = sorted(contents, key=lambda p: len(contents[p]), reverse=True)
-    for n_compressed in range(len(by_size) + 1):
-        text = template.render(files=_write_files(contents, set(by_size[:n_compressed])), **ctx)
-        if len(text.encode()) <= MAX_USER_DATA_BYTES:
-            return text
-    raise ValueError(
-        f"{role} user-data is {len(text.encode())} bytes even compressed, over EC2's "
-        f"{MAX_USER_DATA_BYTES}; use fewer GPU nodes"
-    )
+    files = [{"path": path, "permissions": f"0{FILE_MODES.get(path, 0o644):o}", "content": text}
+             for path, text in contents.items()]
+    return _TEMPLATES.get_template("cloud-config.yaml.j2").render(files=files, **ctx)
 
 
-def _write_files(contents: dict[str, str], compress: set[str]) -> list[dict]:
-    files = []
-    for path, text in contents.items():
-        entry = {"path": path, "permissions": f"0{FILE_MODES.get(path, 0o644):o}"}
-        if path in compress:
-            raw = gzip.compress(text.encode(), mtime=0)
-            entry.update(encoding="gz+b64", content=base64.b64encode(raw).decode())
-        else:
-            entry.update(encoding=None, content=text)
-        files.append(entry)
-    return files
-
-
-def user_data_base64(facts: ClusterFacts, role: str, hostname: str | None = None) -> str:
-    """`user_data` gzip-compressed and base64-encoded, for EC2's `user_data_base64`
-    (cloud-init unpacks gzip user-data itself). Optional: `user_data` already fits
-    EC2's 16 KiB limit by encoding its biggest files when it must."""
+def user_data_gzip(facts: ClusterFacts, role: str, hostname: str | None = None) -> bytes:
+    """`user_data` gzip-compressed: the bytes EC2 hands the instance. cloud-init unpacks gzip
+    user-data before it reads it (cloudinit/user_data.py: `util.decomp_gzip`), and EC2's 16 KiB
+    limit applies to these bytes, before base64: about a third of the plain text's size, so
+    a /26 full of nodes fits with room to spare."""
     raw = gzip.compress(user_data(facts, role, hostname).encode(), mtime=0)
     if len(raw) > MAX_USER_DATA_BYTES:
         raise ValueError(
             f"{role} user-data is {len(raw)} bytes gzip-compressed, over EC2's "
             f"{MAX_USER_DATA_BYTES}; use fewer GPU nodes"
         )
-    return base64.b64encode(raw).decode()
+    return raw
+
+
+def user_data_base64(facts: ClusterFacts, role: str, hostname: str | None = None) -> str:
+    """`user_data_gzip` base64-encoded, for the instances' `user_data_base64` input (pulumi_aws
+    ec2/instance.py: "gzip-encoded user data must be base64-encoded and passed via this argument")."""
+    return base64.b64encode(user_data_gzip(facts, role, hostname)).decode()
 
 
 def _check_role(role: str) -> None:

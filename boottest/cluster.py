@@ -1,6 +1,6 @@
 """The boot test's cluster: the controller and two GPU nodes of a boot platform, each a
 container booted from the platform's image with the user-data the stack renders for its
-role (bootstrap/render.py `user_data`, the same call infra/program.py makes), and the
+role (bootstrap/render.py `user_data_gzip`, the bytes infra/program.py gives EC2), and the
 inventory `fab --target boot` reaches them with.
 
 `BootCluster(platform).up()` builds (or reuses) the image, apt repository and wheelhouse,
@@ -21,7 +21,7 @@ from pathlib import Path
 from bootstrap.facts import ClusterFacts, NodeShape, plan_hosts, this_machine_topology
 from bootstrap.inventory import Inventory, from_facts
 from bootstrap.platform import Platform
-from bootstrap.render import STEPS_DIR, TRAINING_PYTHON, user_data
+from bootstrap.render import STEPS_DIR, TRAINING_PYTHON, user_data_gzip
 from boottest import aptlock, aptrepo, host, images, net, nspawn, paths, wheelhouse
 from ops import cloudinit, hostkeys
 
@@ -149,7 +149,8 @@ class BootCluster:
         c.seed({
             "meta-data": json.dumps({"instance-id": f"i-boot-{name}", "local-hostname": ec2_style_name(ip),
                                      "public-keys": [pub]}, indent=1) + "\n",
-            "user-data": user_data(self.facts, role, hostname),
+            # The bytes EC2 would hand the node: gzip, which cloud-init unpacks itself.
+            "user-data": user_data_gzip(self.facts, role, hostname),
             "network-config": (f"version: 2\nethernets:\n  host0:\n    addresses: [{ip}/{net.PREFIX}]\n"),
         })
         return c

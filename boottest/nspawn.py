@@ -60,12 +60,12 @@ class Container:
                      f"lowerdir={self.image},upperdir={self.state / 'upper'},workdir={self.state / 'work'}",
                      str(self.root))
 
-    def seed(self, files: dict[str, str]) -> None:
+    def seed(self, files: dict[str, str | bytes]) -> None:
         """The NoCloud seed (meta-data, user-data, network-config) cloud-init finds at boot."""
         seed = self.root / "var/lib/cloud/seed/nocloud"
         seed.mkdir(parents=True, exist_ok=True)
-        for name, text in files.items():
-            (seed / name).write_text(text)
+        for name, data in files.items():
+            (seed / name).write_bytes(data if isinstance(data, bytes) else data.encode())
             (seed / name).chmod(0o600)
 
     def nspawn_argv(self) -> list[str]:

@@ -49,7 +49,7 @@ from infra.quotas import STACK_TAG, stack_name
 # (IGNORED_ON_UPDATE); the other such inputs the program sets change only with the stack's
 # config or state, never with the code (DELIBERATE, with why). tests/test_infra_updates.py
 # checks both against the installed pulumi_aws.
-IGNORED_ON_UPDATE = ("userData",)
+IGNORED_ON_UPDATE = ("userData", "userDataBase64")
 DELIBERATE = {
     "ami": "kept per stack (infra/ami.py stash), ignored unless slurm-gpu:amiId/controllerAmiId names "
            "an image: moving to a newer image replaces the host on purpose",
@@ -123,7 +123,7 @@ class NodesComponent(pulumi.ComponentResource):
             # Its root volume holds the shared /scratch: gp3 throughput and IOPS as configured.
             root_block_device=self._root("controller", facts.controller,
                                          throughput=scratch_throughput_mbps, iops=scratch_iops),
-            user_data=user_data["controller"],
+            user_data_base64=user_data["controller"],
             tags=self._instance_tags("controller", facts.controller),
             # Boot only once the subnet routes to the internet: cloud-init installs packages.
             # User-data is read at first boot only; node-list changes go by `fab reconfigure`.
@@ -155,7 +155,7 @@ class NodesComponent(pulumi.ComponentResource):
                 placement_group=self.placement_group.name,
                 metadata_options=self._imdsv2(),
                 root_block_device=self._root("gpu", host),
-                user_data=user_data[host.name],
+                user_data_base64=user_data[host.name],
                 tags=self._instance_tags("gpu", host),
                 # Boot only once the private subnet routes out through the NAT gateway.
                 # Its interfaces (and so its IP) pass to a replacement only once it is gone.

@@ -68,13 +68,14 @@ def plan(cfg: stack_config.StackConfig) -> tuple[ClusterFacts, str, dict[str, Am
 
 
 def render_user_data(facts: ClusterFacts) -> dict[str, str]:
-    """The controller's cloud-config and each GPU node's own, keyed "controller" and by
-    node name, from bootstrap/ (which owns the content). A GPU node's depends on it alone."""
-    from bootstrap.render import user_data
+    """The controller's cloud-config and each GPU node's own, gzip-compressed and base64-encoded
+    (EC2's user_data_base64), keyed "controller" and by node name, from bootstrap/ (which owns
+    the content). A GPU node's depends on it alone."""
+    from bootstrap.render import user_data_base64
 
     try:
-        texts = {"controller": user_data(facts, "controller")}
-        texts.update({h.name: user_data(facts, "gpu", h.name) for h in facts.gpu_nodes})
+        texts = {"controller": user_data_base64(facts, "controller")}
+        texts.update({h.name: user_data_base64(facts, "gpu", h.name) for h in facts.gpu_nodes})
         return texts
     except ValueError as exc:  # e.g. over EC2's 16 KiB user-data limit
         raise stack_config.ConfigError(

@@ -13,7 +13,7 @@ from bootstrap import render
 from bootstrap.platform import AWS
 from bootstrap.slurm_keys import unknown_keys
 from tests.test_bootstrap_render import script_packages
-from tests.test_infra_mocks import run_program, stack_config
+from tests.test_infra_mocks import run_program, stack_config, user_data_of, user_data_size
 from tests.test_infra_program import _decoded_files, _instances
 
 
@@ -22,9 +22,9 @@ def user_data():
     run = run_program(stack_config())  # the defaults: 2 x g6.12xlarge (4 x L4 each)
     controller, gpus = _instances(run)
     assert [g.inputs["instanceType"] for g in gpus] == ["g6.12xlarge"] * 2
-    raw = {"controller": controller[0].inputs["userData"]}
-    raw.update({g.inputs["tags"]["Name"]: g.inputs["userData"] for g in gpus})
-    assert all(len(text.encode()) <= render.MAX_USER_DATA_BYTES for text in raw.values())
+    raw = {"controller": user_data_of(controller[0])}
+    raw.update({g.inputs["tags"]["Name"]: user_data_of(g) for g in gpus})
+    assert all(user_data_size(i) <= render.MAX_USER_DATA_BYTES for i in controller + gpus)
     return {name: yaml.safe_load(text) for name, text in raw.items()}
 
 

@@ -23,6 +23,7 @@ from tests.test_infra_mocks import (
     Run,
     run_program,
     stack_config,
+    user_data_of,
 )
 from tests.test_infra_program import _decoded_files, _instances
 
@@ -103,7 +104,7 @@ def test_moving_to_a_newer_image_is_a_config_setting():
     moved = _later_up(first, stack_config(controllerAmiId=NEWER_UBUNTU), newest_ubuntu=NEWER_UBUNTU)
     controller, gpus = _instances(moved)
     assert controller[0].inputs["ami"] == NEWER_UBUNTU
-    assert controller[0].ignore_changes == ("userData",) and controller[0].delete_before_replace
+    assert controller[0].ignore_changes == ("userData", "userDataBase64") and controller[0].delete_before_replace
     assert {g.inputs["ami"] for g in gpus} == {DLAMI_ID}
 
 
@@ -141,7 +142,7 @@ def test_controller_user_data_needs_no_gpu_driver_or_efa():
     """Guard: plain Ubuntu has neither; only the configs it serves to the nodes name devices."""
     run = run_program(stack_config(gpuInstanceType="p5.48xlarge"))
     controller, _ = _instances(run)
-    doc = yaml.safe_load(controller[0].inputs["userData"])
+    doc = yaml.safe_load(user_data_of(controller[0]))
     files = _decoded_files(doc)
     served = {render.SLURM_CONF, render.GRES_CONF, render.CGROUP_CONF}
     for path, text in files.items():

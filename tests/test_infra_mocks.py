@@ -6,7 +6,9 @@ The instance-type figures are AWS's published ones (DescribeInstanceTypes).
 
 from __future__ import annotations
 
+import base64
 import fnmatch
+import gzip
 import json
 from dataclasses import dataclass, field
 
@@ -149,6 +151,17 @@ def ami_result(image_id: str = DLAMI_ID, root_gib: int = DLAMI_ROOT_GIB, arch: s
         ],
         "state": "available",
     }
+
+
+def user_data_of(instance: Registered) -> str:
+    """The cloud-config an instance boots: its userDataBase64 input, base64 and gzip undone as
+    EC2 and cloud-init do."""
+    return gzip.decompress(base64.b64decode(instance.inputs["userDataBase64"])).decode()
+
+
+def user_data_size(instance: Registered) -> int:
+    """What EC2's 16 KiB limit counts: the user-data bytes before base64 (here gzip's)."""
+    return len(base64.b64decode(instance.inputs["userDataBase64"]))
 
 
 @dataclass

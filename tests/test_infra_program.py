@@ -29,6 +29,8 @@ from tests.test_infra_mocks import (
     Run,
     run_program,
     stack_config,
+    user_data_of,
+    user_data_size,
 )
 
 
@@ -364,7 +366,7 @@ def _node_lines(slurm_conf: str) -> list[dict[str, str]]:
 def test_user_data_is_rendered_from_the_cluster_facts(deployed):
     case, run = deployed
     controller, gpus = _instances(run)
-    ctl_ud = controller[0].inputs["userData"]
+    ctl_ud = user_data_of(controller[0])
     doc = yaml.safe_load(ctl_ud)
     files = _decoded_files(doc)
     nodes = _node_lines(files[render.SLURM_CONF])
@@ -399,15 +401,16 @@ def test_user_data_is_rendered_from_the_cluster_facts(deployed):
     assert ctl_ud == render.user_data(facts, "controller")
     # Each GPU node gets its own user-data, made from the controller and itself only.
     for node, host in zip(gpus, facts.gpu_nodes, strict=True):
-        assert node.inputs["userData"] == render.user_data(facts, "gpu", host.name)
-        files = _decoded_files(yaml.safe_load(node.inputs["userData"]))
+        assert user_data_of(node) == render.user_data(facts, "gpu", host.name)
+        files = _decoded_files(yaml.safe_load(user_data_of(node)))
         assert render.SLURM_CONF not in files and render.GRES_CONF not in files  # configless
-    assert len({n.inputs["userData"] for n in gpus}) == len(gpus)
+    assert len({user_data_of(n) for n in gpus}) == len(gpus)
     # The controller's user-data is read at first boot only: node-list changes go by
     # `fab reconfigure`, so the program never stops the controller to change it.
     # (`ami` is ignored too unless the config names the image: tests/test_infra_images.py.)
-    assert "userData" in controller[0].ignore_changes and not controller[0].replace_on_changes
-    assert set(controller[0].ignore_changes) <= {"userData", "ami"}
+    assert {"userData", "userDataBase64"} <= set(controller[0].ignore_changes)
+    assert not controller[0].replace_on_changes
+    assert set(controller[0].ignore_changes) <= {"userData", "userDataBase64", "ami"}
 
 
 def _decoded_files(doc: dict) -> dict[str, str]:
@@ -429,8 +432,8 @@ def _decoded_files(doc: dict) -> dict[str, str]:
 def test_user_data_holds_no_munge_key(deployed):
     case, run = deployed
     for inst in run.of_type("instance"):
-        ud = inst.inputs["userData"]
-        assert len(ud.encode()) <= 16384  # EC2's user-data limit
+        ud = user_data_of(inst)
+        assert user_data_size(inst) <= 16384  # EC2's user-data limit
         doc = yaml.safe_load(ud)
         files = _decoded_files(doc)
         assert not any("munge" in p for p in files), sorted(files)
@@ -451,11 +454,11 @@ def test_the_largest_cluster_a_small_subnet_holds_fits_in_user_data():
     controller, gpus = _instances(run)
     assert count == 52 and len(gpus) == 52
     assert gpus[-1].inputs["tags"]["Name"] == "mini-gpu-node-52"
-    conf = _decoded_files(yaml.safe_load(controller[0].inputs["userData"]))[render.SLURM_CONF]
+    conf = _decoded_files(yaml.safe_load(user_data_of(controller[0])))[render.SLURM_CONF]
     lines = _node_lines(conf)
     assert len(lines) == 52 and lines[-1]["NodeAddr"] == "10.0.1.62"
     for inst in controller + gpus[:1]:
-        assert len(inst.inputs["userData"].encode()) <= 16384
+        assert user_data_size(inst) <= 16384
 
 
 # ---------------------------------------------------------------- outputs
@@ -487,7 +490,7 @@ def test_inventory_output_is_what_fab_reads(deployed):
     facts = facts_from_dict(inv.facts)  # what `fab reconfigure` renders slurm.conf from
     assert [(h.name, h.ip) for h in facts.hosts] == [(n.name, n.private_ip) for n in inv.nodes]
     assert (facts.subnet_cidr, facts.shape.gpu_count, facts.efa) == (case.subnet, case.gpus, case.efa)
-    ctl_files = _decoded_files(yaml.safe_load(_instances(run)[0][0].inputs["userData"]))
+    ctl_files = _decoded_files(yaml.safe_load(user_data_of(_instances(run)[0][0])))
     assert render.render_slurm_conf(facts) == ctl_files[render.SLURM_CONF]
     assert (inv.gpus_per_node, inv.gpu_type, inv.nvlink, inv.efa) == (case.gpus, case.gres, case.nvlink, case.efa)
     assert inv.python == "/opt/slurm-gpu/venv/bin/python"

@@ -46,9 +46,9 @@ def _changed(old: dict, new: dict) -> list[str]:
         (a_in, a_ign, a_rep, a_par), (b_in, b_ign, b_rep, b_par) = old[key], new[key]
         if key == CONTROLLER:
             # Its user-data holds the node list; its image is kept (infra/ami.py).
-            assert a_ign == b_ign == ("userData", "ami")
-            a_in = {k: v for k, v in a_in.items() if k != "userData"}
-            b_in = {k: v for k, v in b_in.items() if k != "userData"}
+            assert a_ign == b_ign == ("userData", "userDataBase64", "ami")
+            a_in = {k: v for k, v in a_in.items() if k != "userDataBase64"}
+            b_in = {k: v for k, v in b_in.items() if k != "userDataBase64"}
         if (a_in, a_ign, a_rep, a_par) != (b_in, b_ign, b_rep, b_par):
             fields = sorted(k for k in set(a_in) | set(b_in) if a_in.get(k) != b_in.get(k))
             diffs.append(f"{key[1]}: {fields or 'options'}")
@@ -80,7 +80,7 @@ def test_the_common_resources_cover_what_scaling_must_not_touch(runs):
     shared = {typ for typ, _ in set(two) & set(three)}
     assert {TYPES[k] for k in ("instance", "eni", "eip", "subnet", "pg", "nat", "sg")} <= shared
     # And a change would be seen: the controller's user-data does differ.
-    assert two[CONTROLLER][0]["userData"] != three[CONTROLLER][0]["userData"]
+    assert two[CONTROLLER][0]["userDataBase64"] != three[CONTROLLER][0]["userDataBase64"]
 
 
 def test_the_same_config_twice_declares_the_same_stack(runs):
@@ -92,5 +92,5 @@ def test_the_comparison_sees_a_changed_input(runs):
     two, _, _, _ = runs
     node = (TYPES["instance"], "mini-nodes-gpu-node-01")
     changed = dict(two)
-    changed[node] = ({**two[node][0], "userData": "#cloud-config\n"}, *two[node][1:])
-    assert _changed(two, changed) == ["mini-nodes-gpu-node-01: ['userData']"]
+    changed[node] = ({**two[node][0], "userDataBase64": "I2Nsb3VkLWNvbmZpZwo="}, *two[node][1:])
+    assert _changed(two, changed) == ["mini-nodes-gpu-node-01: ['userDataBase64']"]

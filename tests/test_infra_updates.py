@@ -116,10 +116,10 @@ def test_a_code_update_changes_no_running_instance(monkeypatch):
     changed = []
     for name in first:
         a, b = first[name], second[name]
-        assert a.inputs["userData"] != b.inputs["userData"], f"{name}: the code change did not reach it"
-        assert "userData" in b.ignore_changes, f"{name}: new user-data would stop and start it"
-        same = {k: v for k, v in a.inputs.items() if k != "userData"}
-        if same != {k: v for k, v in b.inputs.items() if k != "userData"}:
+        assert a.inputs["userDataBase64"] != b.inputs["userDataBase64"], f"{name}: the code change did not reach it"
+        assert {"userData", "userDataBase64"} <= set(b.ignore_changes), f"{name}: new user-data would stop and start it"
+        same = {k: v for k, v in a.inputs.items() if k != "userDataBase64"}
+        if same != {k: v for k, v in b.inputs.items() if k != "userDataBase64"}:
             changed.append(f"{name}: inputs")
         if (a.ignore_changes, a.replace_on_changes, a.delete_before_replace) != \
                 (b.ignore_changes, b.replace_on_changes, b.delete_before_replace):

@@ -269,10 +269,17 @@ PRIVATE_KEY = ("-----BEGIN OPENSSH PRIVATE KEY-----\n"
                "-----END OPENSSH PRIVATE KEY-----\n")
 
 
+def _user_data(props) -> dict:
+    """The cloud-config the stack gives an instance (userDataBase64: gzip, as EC2 gets it)."""
+    return yaml.safe_load(gzip.decompress(base64.b64decode(props["userDataBase64"])))
+
+
 def _cloud_config(edit):
+    """Edit the cloud-config and hand it over as plain userData (the policy reads both inputs)."""
     def change(props):
-        doc = yaml.safe_load(props["userData"])
+        doc = _user_data(props)
         edit(doc)
+        del props["userDataBase64"]
         props["userData"] = "#cloud-config\n" + yaml.safe_dump(doc, sort_keys=False)
     return change
 
@@ -289,7 +296,7 @@ _as_legacy_rule.new_type = rules.SG_RULE
 
 
 def _gzip_user_data_with_private_key(props):
-    doc = yaml.safe_load(props.pop("userData"))
+    doc = _user_data(props)
     doc["write_files"].append({"path": "/root/.ssh/id_ed25519", "content": PRIVATE_KEY})
     text = "#cloud-config\n" + yaml.safe_dump(doc)
     props["userDataBase64"] = base64.b64encode(gzip.compress(text.encode())).decode()

@@ -26,7 +26,7 @@ import yaml
 
 from bootstrap import render
 from bootstrap.facts import ClusterFacts, NodeShape, plan_hosts
-from tests.test_infra_mocks import SSH_KEY, run_program, stack_config
+from tests.test_infra_mocks import SSH_KEY, run_program, stack_config, user_data_of
 
 REPO = Path(__file__).resolve().parent.parent
 ADMIN = "198.51.100.16/28"  # TEST-NET-2, not the harness's default: rules follow config
@@ -68,7 +68,7 @@ def test_ssh_by_key_only(run):
     assert len(instances) == 4
     assert {i.inputs["keyName"] for i in instances} == {f"{key.name}-1a2b3c"}  # the mock's key name
     for inst in instances:
-        doc = yaml.safe_load(inst.inputs["userData"])
+        doc = yaml.safe_load(user_data_of(inst))
         # cloud-init must not turn password login on or set passwords.
         assert doc.get("ssh_pwauth") in (None, False)
         assert not {"chpasswd", "password", "users"} & set(doc)
@@ -230,7 +230,7 @@ def test_munge_key_absent_from_user_data_outputs_and_state(run, real_key, tmp_pa
     for name, text in texts.items():
         assert not _found(forms, text), f"the munge key is in {name}"
     for inst in fresh.of_type("instance"):
-        ud = _UserData("userData", inst.inputs["userData"])
+        ud = _UserData("userDataBase64", user_data_of(inst))
         assert [p for _, p, _, _ in ud.files if "munge" in p] == []
         assert [b for _, t in ud.decoded_texts() for b in _key_blobs(t)] == []
     # The probe itself finds a key that is there (the check can fail).
