@@ -103,6 +103,12 @@ FILE_MODES = {HEALTHCHECK_PATH: 0o755, BOOTSTRAP_PATH: 0o755, SUSPEND_PATH: 0o75
 # requirements.txt (the one place versions live). torch from the default index
 # is a CUDA build on Linux x86_64, which is what GPU nodes need.
 TRAINING_PACKAGES = ("torch", "transformers", "trl", "peft", "datasets", "accelerate", "tensorboardx")
+# The module each imports where it is not the package's name (the `training` step imports them all).
+IMPORT_NAMES = {"tensorboardx": "tensorboardX"}
+
+
+def training_modules() -> list[str]:
+    return [IMPORT_NAMES.get(name, name) for name in TRAINING_PACKAGES]
 
 # The GPU nodes' wheel cache on the shared scratch (the controller's `wheels` step fills it,
 # their `training` step installs from it): one directory per pin set, Python and wheel tags.
@@ -440,7 +446,7 @@ def bootstrap_script(facts: ClusterFacts, role: str, hostname: str | None = None
     ctx["bootstrap_version"] = version
     ctx["steps"] = STEPS[role]
     ctx["pinned_requirements"] = training_requirements(facts.platform)
-    ctx["training_packages"] = TRAINING_PACKAGES
+    ctx["training_modules"] = training_modules()
     ctx["wheel_cache"] = wheel_cache(facts, ctx["pinned_requirements"])
     ctx["wheel_cache_dir"] = WHEEL_CACHE_DIR
     ctx["wheel"] = {"wait_s": WHEEL_WAIT_S, "start_wait_s": WHEEL_START_WAIT_S, "poll_s": WHEEL_POLL_S,

@@ -376,6 +376,19 @@ def test_gpu_script_mounts_scratch_with_netdev_nofail():
     assert f"HF_HOME={facts.scratch}/hf-cache" in gpu
 
 
+def test_training_step_imports_what_the_pins_install():
+    """The `training` step's import check, run here against the same pins (requirements.txt): a
+    package whose module has another name (tensorboardx -> tensorboardX) must be imported by it."""
+    import subprocess
+    import sys
+
+    gpu = render.bootstrap_script(FACTS["l4x2"], "gpu")
+    line = re.search(r'"\$\{venv\}/bin/python" -c "(import [^"]+)"', gpu)[1]
+    assert line == "import " + ", ".join(render.training_modules())
+    res = subprocess.run([sys.executable, "-c", line], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-500:]
+
+
 def test_training_stack_pinned_like_requirements(tmp_path):
     pins = render.training_pins()
     gpu = render.bootstrap_script(FACTS["l4x2"], "gpu")
