@@ -160,7 +160,7 @@ class BootCluster:
     def cloud_init_status(self, name: str) -> dict:
         res = self.containers[name].run("cloud-init status --format json", check=False, timeout=60)
         try:
-            return json.loads(res.stdout)
+            return cloudinit.without_uptime_times(json.loads(res.stdout))
         except json.JSONDecodeError:
             return {"status": "unreadable", "errors": [res.stdout[-300:], res.stderr[-300:]]}
 

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from boottest import host
+from boottest import host, units
 
 CGROUP_ROOTS = (Path("/sys/fs/cgroup/systemd"), Path("/sys/fs/cgroup/unified"))
 CGROUP_PARENT = "slurm-gpu-boot"  # every container's cgroups live under this one
@@ -123,21 +123,39 @@ echo "$rc" > {shlex.quote(str(self.state / 'exit'))}
                         check=check, timeout=timeout)
 
     def wait_running(self, timeout: float = 120, settled: bool = False) -> str:
-        """Until systemd inside answers (with `settled`: until it is running or degraded,
-        which is after cloud-init's final stage): its state."""
+        """Until systemd inside answers (with `settled`: until it finished booting, which is after
+        cloud-init's final stage, with no failed unit but units.ALLOWED_FAILED; another failed
+        unit raises BootError naming it): its state."""
         deadline = time.monotonic() + timeout
         state = "not started"
         while time.monotonic() < deadline:
             if self.pid1() is not None:
                 res = self.run("systemctl is-system-running", check=False, timeout=30)
                 state = res.stdout.strip() or res.stderr.strip()
-                if state in ("running", "degraded") or (not settled and res.stdout.strip()):
+                if state in ("running", "degraded"):
+                    if settled:
+                        self.check_failed_units()
+                    return state
+                if not settled and res.stdout.strip():
                     return state
             elif (self.state / "exit").exists():
                 raise host.BootError(f"container {self.name} exited ({self.tail()})")
             time.sleep(1)
         raise host.BootError(f"container {self.name} did not finish booting in {timeout:.0f} s "
                              f"(systemd says {state!r}); {self.tail()}")
+
+    def failed_units(self) -> list[str]:
+        return units.parse_failed(self.run(units.FAILED_CMD, check=False, timeout=30).stdout)
+
+    def check_failed_units(self) -> None:
+        """Raise BootError naming every failed unit not in units.ALLOWED_FAILED, with its log."""
+        bad = units.not_allowed(self.failed_units())
+        if bad:
+            logs = "\n".join(self.run(f"journalctl -b -u {shlex.quote(u)} --no-pager -n 8 -o cat", check=False,
+                                       timeout=30).stdout.rstrip() for u in bad)
+            raise host.BootError(f"container {self.name}: failed unit(s) {', '.join(bad)} (only "
+                                 f"{', '.join(units.ALLOWED_FAILED)} may fail in a container); their "
+                                 f"last log lines:\n{logs}")
 
     def tail(self, lines: int = 20) -> str:
         try:

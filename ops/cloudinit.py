@@ -78,6 +78,28 @@ def check_bootstrap(c: Connection) -> None:
         raise BootstrapFailed(failure)
 
 
+# Any real wall-clock time is after this (2001-09-09); smaller "times" are seconds since boot.
+EPOCH_FLOOR = 1_000_000_000
+
+
+def without_uptime_times(status: dict) -> dict:
+    """`cloud-init status --format json` without the times that are not times: newer cloud-init
+    records each stage's start/finished as seconds since the kernel booted (cloudinit/cmd/main.py,
+    status_wrapper: `float(util.uptime())`) and prints their latest as if it were a unix time
+    (cloudinit/cmd/status.py, `last_update`), so Debian 13's 25.1 says 1970 (and in a container
+    counts from the machine's boot, not the container's). Those are left out; a real time stays."""
+    def real(t) -> bool:
+        return isinstance(t, (int, float)) and t >= EPOCH_FLOOR
+    stages = {k: v for k, v in status.items() if isinstance(v, dict) and ("start" in v or "finished" in v)}
+    bogus = any(t is not None and not real(t) for v in stages.values() for t in (v.get("start"), v.get("finished")))
+    if not bogus:
+        return status
+    out = {k: v for k, v in status.items() if k != "last_update"}
+    for k, v in stages.items():
+        out[k] = {f: x for f, x in v.items() if f not in ("start", "finished")}
+    return out
+
+
 def interpret(status_json: str) -> str | None:
     """None while cloud-init still runs, "" when it is done, else the error to report."""
     try:

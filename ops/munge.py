@@ -3,12 +3,16 @@
 `fab train` and `fab local.up` both call `distribute_key`. The key is read from
 the controller into memory only and written to each node through the ssh
 channel's stdin: it never touches the local disk, a log, or a command line.
+Before any node is touched, the controller's key file is proved to be the key its
+running munged uses (`check_controller_key`): a file that is not would be copied
+over every node's working key.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
+import shlex
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +24,8 @@ from bootstrap.render import NODE_LOCAL_KEY_MARKER
 from ops.remote import WholeInput, sudo
 
 KEY_PATH = "/etc/munge/munge.key"
+CONTROLLER = "controller"  # how every message names it (not by its address)
+MUNGE_USER = "munge"  # the packages' munge.service runs munged as this user
 # unmunge pads the field: "STATUS:          Success (0)".
 SUCCESS = re.compile(r"^STATUS:\s+Success \(0\)", re.M)
 
@@ -43,11 +49,68 @@ def read_key(c: Connection) -> bytes:
     # warn=True: a failure is reported without the command's output (which would be the key).
     r = sudo(c, f"base64 -w0 {KEY_PATH}", warn=True)
     if not r.ok:
-        raise MungeKeyError(c.host, f"cannot read {KEY_PATH} (exit {r.exited}): {r.stderr.strip()}")
+        raise MungeKeyError(CONTROLLER, f"cannot read {KEY_PATH} (exit {r.exited}): {r.stderr.strip()}; "
+                                        f"no node was changed. {RESTORE}")
     key = base64.b64decode(r.stdout.strip())
-    if len(key) < 32:
-        raise MungeKeyError(c.host, f"{KEY_PATH} is too short ({len(key)} bytes)")
+    if len(key) < 32:  # munged's own minimum (MUNGE_KEY_LEN_MIN_BYTES, dun/munge src/libcommon/munge_defs.h)
+        raise MungeKeyError(CONTROLLER, f"{KEY_PATH} is too short ({len(key)} bytes; munge needs 32 or more); "
+                                        f"no node was changed. {RESTORE}")
     return key
+
+
+RESTORE = (f"Put the key the controller's munged runs with back at {KEY_PATH} "
+           "(a file, munge:munge, mode 0400), then run this again")
+
+# Whether the key FILE is the key the RUNNING munged uses. `munge -n | unmunge` on the controller
+# cannot tell: both ends are the running daemon, whatever the file now holds, and restarting munged
+# to load the file would make a wrong file the cluster's key. So a throwaway munged is started on a
+# private socket with the key file (nothing else on the host changes) and decodes a credential of
+# the running one: decoding checks the credential's MAC, keyed from the key file
+# (dun/munge src/munged/dec.c, dec_validate_mac), so it succeeds only when both hold the same key.
+# The throwaway runs as munged's user (munged refuses a key file another user owns) in a directory
+# others may enter (munged insists its socket's directory is), and is stopped before the directory
+# goes. Prints unmunge's STATUS line, or "NO-PROBE: why" when the throwaway cannot start.
+PROBE = f"""d=$(mktemp -d /tmp/slurm-gpu-munge-probe.XXXXXX) || exit 3
+stop() {{
+  p=$(cat "$d/pid" 2>/dev/null) && kill "$p" 2>/dev/null &&
+    for _ in $(seq 50); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
+  rm -rf "$d"
+}}
+trap stop EXIT
+chown {MUNGE_USER}:{MUNGE_USER} "$d" && chmod 0711 "$d" || exit 3
+if ! setpriv --reuid={MUNGE_USER} --regid={MUNGE_USER} --init-groups munged --socket="$d/socket" \
+    --key-file={KEY_PATH} --pid-file="$d/pid" --seed-file="$d/seed" --log-file="$d/log" 2>"$d/err"; then
+  echo "NO-PROBE: $(tail -n 1 "$d/err")"; exit 0
+fi
+cred=$(munge -n 2>&1) || {{ echo "NO-RUNNING: $cred"; exit 0; }}
+printf '%s\n' "$cred" | unmunge --socket="$d/socket" 2>&1 | grep -m 1 -E 'STATUS|unmunge:'
+exit 0
+"""
+
+
+def check_controller_key(c: Connection, service_cmd: str) -> None:
+    """Raise MungeKeyError naming the controller unless its key file is the key its running
+    munged uses (see PROBE); nothing on any host changes either way."""
+    r = sudo(c, f"sh -c {shlex.quote(PROBE)}", warn=True)
+    line = " ".join(r.stdout.strip().split())
+    if r.ok and SUCCESS.search(r.stdout):
+        return
+    restart = service_cmd.format(action="restart", service="munge")
+    if line.startswith("NO-RUNNING:"):
+        why = (f"its munged does not answer ({line.removeprefix('NO-RUNNING:').strip()}); no node was changed. "
+               f"Start munge there (`{restart}`) and run this again")
+    elif line.startswith("NO-PROBE:"):
+        why = (f"munged cannot use {KEY_PATH} ({line.removeprefix('NO-PROBE:').strip()}), so restarting munge "
+               f"there would fail; no node was changed. {RESTORE}")
+    elif "Invalid credential" in line:
+        why = (f"{KEY_PATH} is not the key its running munged uses (a credential of the running munged "
+               f"does not decode with the file: {line}); no node was changed, they would all have lost "
+               f"their working key. If the file is the key you mean the cluster to use, restart munge "
+               f"there (`{restart}`) and run this again. If it is not: {RESTORE}")
+    else:
+        why = (f"cannot check that {KEY_PATH} is the key its munged uses (exit {r.exited}: "
+               f"{line or r.stderr.strip() or 'no output'}); no node was changed")
+    raise MungeKeyError(CONTROLLER, why)
 
 
 def key_digest(c: Connection) -> str | None:
@@ -104,6 +167,7 @@ def distribute_key(
     """
     named = _named(nodes)
     key = read_key(controller)
+    check_controller_key(controller, service_cmd)  # before any node is touched
     want = hashlib.sha256(key).hexdigest()
     credential = make_credential(controller)
     result = KeySync()

@@ -43,10 +43,37 @@ def node_fix(n: slurm.NodeState) -> str:
     return f"`fab train` resumes it, or {resume}"
 
 
-def reachability(conns: dict) -> dict[str, str]:
-    """host -> its `uptime -p`, or "UNREACHABLE: why"."""
+# How long the host's own systemd (PID 1) has run, and the host's clock now, in unix seconds.
+# Not the kernel's uptime (`uptime`, /proc/uptime): a container shares its machine's kernel and
+# would show the machine's. A host with no systemd of its own (a local-cluster namespace) prints
+# no start time, and its line shows none. (`-P`: systemd 246; `--timestamp=unix`: 248.)
+UPTIME_CMD = "systemctl show --timestamp=unix -P UserspaceTimestamp 2>/dev/null; date +%s"
+
+
+def uptime_text(out: str) -> str:
+    """UPTIME_CMD's output -> "up 5 min" (how long the host's systemd has run), or "up" (reachable,
+    no start time to trust)."""
+    words = out.split()
     try:
-        return each("ssh", conns, lambda n, conn: conn.run("uptime -p || true", hide=True).stdout.strip())
+        start, now = float(words[0].removeprefix("@")), int(words[1])
+    except (IndexError, ValueError):
+        return "up"
+    secs = int(now - start)
+    if len(words) != 2 or not words[0].startswith("@") or start <= 0 or secs < 0:
+        return "up"
+    if secs < 60:
+        return f"up {secs} s"
+    days, mins = divmod(secs // 60, 1440)
+    hours, mins = divmod(mins, 60)
+    if days:
+        return f"up {days} d {hours} h"
+    return f"up {hours} h {mins} min" if hours else f"up {mins} min"
+
+
+def reachability(conns: dict) -> dict[str, str]:
+    """host -> "up 5 min" (see uptime_text), or "UNREACHABLE: why"."""
+    try:
+        return each("ssh", conns, lambda n, conn: uptime_text(conn.run(UPTIME_CMD, hide=True, warn=True).stdout))
     except HostError as exc:
         # A jump host (the controller) that cannot be reached is reported under its own key,
         # before any host ran anything: then no host is reachable.

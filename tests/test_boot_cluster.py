@@ -85,6 +85,18 @@ def test_cloud_init_done_and_every_step_ok(booted):
             f"{name}: cloud-init {status}\n{failed}\n"
             f"{bc.containers[name].run('tail -n 30 /var/log/cloud-init-output.log', check=False).stdout}")
         assert not not_ok, f"{name}: {failed}"
+        # Debian 13's cloud-init 25.1 prints seconds since boot as a 1970 date: left out, not shown.
+        assert " 1970 " not in status.get("last_update", ""), f"{name}: {status}"
+
+
+def test_every_host_settled_with_no_failed_unit_but_those_a_container_cannot_run(booted):
+    """systemd finished booting on every host and no unit failed but boottest.units.ALLOWED_FAILED
+    (`wait_running(settled=True)` raises naming any other, with its log)."""
+    from boottest import units
+
+    for name, c in booted.containers.items():
+        c.wait_running(timeout=120, settled=True)
+        assert not units.not_allowed(c.failed_units()), name
 
 
 def test_first_boot_waits_out_another_apt(booted):
@@ -176,6 +188,31 @@ def test_fab_train_reaches_adapters(booted):
         assert (run / name).is_file(), f"{name} not brought home:\n{out}"
 
 
+def _age_s(c) -> float:
+    """How long the container's systemd (PID 1) has run, from this machine's /proc."""
+    ticks = int(Path(f"/proc/{c.pid1()}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    return float(Path("/proc/uptime").read_text().split()[0]) - ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _shown_s(text: str) -> int:
+    """`fab status`'s "up 1 h 5 min" -> 3900 (the lower bound it stands for)."""
+    unit = {"s": 1, "min": 60, "h": 3600, "d": 86400}
+    return sum(int(n) * unit[u] for n, u in re.findall(r"(\d+) (s|min|h|d)\b", text))
+
+
+def test_fab_status_shows_how_long_each_host_has_run_not_the_machines_uptime(booted):
+    """A container shares this machine's kernel, so `uptime` there is the machine's; fab status
+    shows how long the host's own systemd has run."""
+    bc = booted
+    rc, out = fab(bc, "status", "--target", "boot", timeout=120)
+    assert rc == 0, out
+    for h in bc.facts.hosts:
+        m = re.search(rf"^\s+{h.name}\s+\S+\s+{re.escape(h.ip)}\s.*?\b(up\b.*)$", out, re.M)
+        assert m, out
+        shown, age = _shown_s(m[1]), _age_s(bc.containers[h.name])
+        assert m[1] != "up" and shown <= age + 5 < shown + 65, f"{h.name}: {m[1]!r}, its systemd has run {age:.0f} s"
+
+
 def _sinfo(bc) -> dict[str, tuple[str, str]]:
     ctl = bc.containers[bc.facts.controller.name]
     out = ctl.run("sinfo -N -h -o '%N %t %G'", check=False).stdout
@@ -190,6 +227,40 @@ def test_slurm_nodes_idle_with_gres(booted):
         assert bc.containers[h.name].run("systemctl is-active slurmd", check=False).stdout.strip() == "active"
         assert nodes.get(h.name, ("missing", ""))[0] == "idle", nodes
         assert nodes[h.name][1].startswith(want_gres), nodes
+
+
+KEY = "/etc/munge/munge.key"
+
+
+def test_a_controller_key_its_munged_does_not_use_changes_no_node(booted):
+    """The controller's key file replaced by 1024 random bytes (a valid-looking key its running
+    munged does not use): `fab train` refuses at the key step naming `controller` and the fix, and
+    every GPU node keeps its working key."""
+    bc = booted
+    ctl = bc.containers[bc.facts.controller.name]
+
+    def digests() -> dict[str, str]:
+        return {n: bc.containers[n].run(f"sha256sum {KEY}").stdout.split()[0] for n in bc.roles}
+
+    good = digests()
+    assert len(set(good.values())) == 1, good
+    ctl.run(f"cp -p {KEY} {KEY}.good && head -c 1024 /dev/urandom > {KEY}.bad && "
+            f"install -o munge -g munge -m 0400 {KEY}.bad {KEY} && rm {KEY}.bad")
+    try:
+        with bc.phase("bad_controller_key"):
+            rc, out = fab(bc, "train", "--target", "boot", timeout=300)
+    finally:
+        ctl.run(f"mv -f {KEY}.good {KEY}")
+        now = digests()
+        for n in (n for n in bc.roles if now[n] != good[n]):  # the code before the check copied it
+            (bc.containers[n].root / KEY.lstrip("/")).write_bytes((ctl.root / KEY.lstrip("/")).read_bytes())
+            bc.containers[n].run("systemctl restart munge")
+    assert now == good, f"a node's key changed:\n{out}"
+    assert rc == 1, out
+    assert "munge key failed on controller:" in out and "is not the key its running munged uses" in out, out
+    assert "no node was changed" in out and "restart munge there (`sudo systemctl restart munge`)" in out, out
+    assert bc.facts.controller.ip not in out and "[3/7]" not in out and "Traceback" not in out, out
+    assert ctl.run("ls -d /tmp/slurm-gpu-munge-probe.* 2>/dev/null || true").stdout == "", "the check left a directory"
 
 
 def test_gpu_node_reboot_comes_back_idle(booted):
@@ -220,3 +291,19 @@ def test_gpu_node_reboot_comes_back_idle(booted):
     times = c.run("systemctl show -p ActiveEnterTimestampMonotonic --value scratch.mount; "
                   "systemctl show -p ExecMainStartTimestampMonotonic --value slurmd.service").stdout.split()
     assert len(times) == 2 and 0 < int(times[0]) <= int(times[1]), times
+
+
+def test_a_failed_unit_of_ours_keeps_a_host_unsettled(booted):
+    """A unit of ours that failed (here a transient one that exits 1) makes the host not settled,
+    and the harness names it: "degraded" alone is no longer enough."""
+    from boottest import host
+
+    c = booted.containers[booted.facts.gpu_nodes[-1].name]
+    c.run("systemd-run --unit=slurm-gpu-canary -p Type=oneshot false", check=False)
+    try:
+        assert c.run("systemctl is-failed slurm-gpu-canary.service", check=False).stdout.strip() == "failed"
+        with pytest.raises(host.BootError, match=r"failed unit\(s\) slurm-gpu-canary\.service"):
+            c.wait_running(timeout=60, settled=True)
+    finally:
+        c.run("systemctl reset-failed slurm-gpu-canary.service", check=False)
+    c.wait_running(timeout=60, settled=True)

@@ -126,6 +126,55 @@ def test_config_naming_a_missing_model_fails_before_any_host_is_changed(lc, tmp_
     assert "[2/7]" not in out and "submitted job" not in out and "Traceback" not in out, out
 
 
+# ------------------------------------------------------------------ the controller's munge key
+
+KEY = "/etc/munge/munge.key"
+BAD_KEYS = {
+    # a valid-looking key that the controller's running munged does not use
+    "random": (f"head -c 1024 /dev/urandom > {KEY}.bad && install -o munge -g munge -m 0400 {KEY}.bad {KEY} "
+               f"&& rm {KEY}.bad", "is not the key its running munged uses"),
+    "short": (f"head -c 16 /dev/urandom > {KEY}.bad && install -o munge -g munge -m 0400 {KEY}.bad {KEY} "
+              f"&& rm {KEY}.bad", "is too short (16 bytes"),
+    "directory": (f"rm -f {KEY} && mkdir {KEY}", "Is a directory"),
+}
+
+
+def test_a_controller_key_that_is_not_its_munged_key_changes_no_node(lc):
+    """The controller's key file replaced (by 1024 random bytes its running munged does not use, by
+    a short key, by a directory): `fab train` refuses at the key step naming `controller` (not its
+    address) with the fix, every node keeps its key, and the check leaves nothing on the controller."""
+    from ops import munge
+
+    inv, cl, _ = lc
+    names = ["controller", *(n.name for n in inv.gpu_nodes)]
+
+    def digests() -> dict[str, str]:
+        return {n: on(n, "sha256sum", KEY).stdout.split()[0] for n in names}
+
+    good = digests()
+    assert len(set(good.values())) == 1, good
+    for case, (spoil, says) in BAD_KEYS.items():
+        assert on("controller", "cp", "-p", KEY, f"{KEY}.good").returncode == 0
+        try:
+            assert on("controller", "sh", "-c", spoil).returncode == 0, case
+            rc, out = fab("train", "--target", "local")
+        finally:
+            on("controller", "sh", "-c", f"rm -rf {KEY} && mv {KEY}.good {KEY}")
+            now = digests()
+            if now != good:  # the code before this check copied the bad key: repair for the next tests
+                munge.distribute_key(cl.controller, cl.nodes, inv.service_cmd)
+        assert now == good, f"{case}: a node's key changed:\n{out}"
+        assert rc == 1, out
+        assert "munge key failed on controller:" in out and "controller: " in out, f"{case}: {out}"
+        assert says in out and "no node was changed" in out, f"{case}: {out}"
+        assert inv.controller.private_ip not in out and "[3/7]" not in out and "Traceback" not in out, out
+        if case == "random":
+            assert "If the file is the key you mean the cluster to use, restart munge there (`" in out, out
+        left = on("controller", "sh", "-c", "ls -d /tmp/slurm-gpu-munge-probe.* 2>/dev/null; "
+                                            "pgrep -a -f '[m]unged --socket=/tmp/slurm-gpu-munge-probe'")
+        assert left.stdout.strip() == "", f"{case}: the key check left {left.stdout}"
+
+
 # ------------------------------------------------------------------ slurmctld down
 
 

@@ -235,3 +235,32 @@ def test_fab_tasks_share_the_cluster_flags_and_keep_their_menu():
         assert all(args[f].help == CLUSTER_FLAGS_HELP[f] for f in CLUSTER_FLAGS_HELP), name
         assert all(args[f].help for f in flags), f"{name}: a flag without --help text"
     assert [a.name for a in fabfile.ns["ssh"].get_arguments() if a.positional] == ["host"]
+
+
+@pytest.mark.parametrize("out,shown", [
+    ("@1796564193\n1796564234\n", "up 41 s"),  # systemctl's --timestamp=unix, then `date +%s`
+    ("@1796564193.5\n1796564372\n", "up 2 min"),
+    ("@1796564193\n1796568000\n", "up 1 h 3 min"),
+    ("@1796564193\n1796764193\n", "up 2 d 7 h"),
+    ("\n1796564372\n", "up"),  # no systemd of its own (a local-cluster host): no time to show
+    ("@1796564400\n1796564372\n", "up"),  # a start in the future is not shown
+])
+def test_status_shows_how_long_the_hosts_own_systemd_has_run(out, shown):
+    from ops import status_view
+
+    assert status_view.uptime_text(out) == shown
+    assert "uptime" not in status_view.UPTIME_CMD and "/proc/uptime" not in status_view.UPTIME_CMD
+
+
+def test_cloud_init_times_counted_from_boot_are_left_out():
+    # Debian 13's cloud-init 25.1: stage times are seconds since boot, last_update a 1970 date.
+    d13 = {"status": "done", "errors": [], "last_update": "Thu, 01 Jan 1970 00:09:37 +0000",
+           "init": {"errors": [], "start": 563.2, "finished": 566.9},
+           "modules-init": {"errors": [], "start": None, "finished": None}}
+    shown = cloudinit.without_uptime_times(d13)
+    assert "1970" not in json.dumps(shown) and "563" not in json.dumps(shown)
+    assert shown["status"] == "done" and shown["init"] == {"errors": []}
+    # Debian 12's cloud-init 22.4: real unix times, kept as they are.
+    d12 = {"status": "done", "errors": [], "last_update": "Sun, 06 Dec 2026 13:37:50 +0000",
+           "init": {"errors": [], "start": 1796564195.48, "finished": 1796564197.30}}
+    assert cloudinit.without_uptime_times(d12) == d12
