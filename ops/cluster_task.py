@@ -25,6 +25,7 @@ from ops import (
     hostkeys,
     inventory,
     munge,
+    netcheck,
     options,
     prefetch,
     reconfigure,
@@ -40,7 +41,7 @@ FLAG_PARSERS: dict[str, Callable] = {"job": options.parse_job, "host": options.p
 USER_ERRORS = (options.OptionError, inventory.InventoryError, HostError, slurm.SlurmError,
                munge.MungeKeyError, CloudInitFailed, finetune.TrainError, reconfigure.ReconfigureError,
                hostkeys.HostKeyError, status_view.StatusProblem, sshcmd.SshFailed, estimate.EstimateError,
-               prefetch.PrefetchError)
+               prefetch.PrefetchError, netcheck.NetCheckError)
 
 
 def identity_of(c, identity: str | None) -> str | None:

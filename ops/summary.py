@@ -23,6 +23,7 @@ class RunSummary:
     nccl: nccl.NcclPicture
     restarts: int = 0
     resumed_from: int | None = None
+    network: str | None = None  # the network check's line (ops/netcheck.py), when it ran
 
     def value(self, key: str):
         return self.metrics.get(key)
@@ -49,6 +50,8 @@ class RunSummary:
         out.append(f"  tokens/s      {_num(m.get('tokens_per_s'), ',.0f')}")
         if self.restarts:
             out.append(f"  requeued      {self.restarts} time(s); resumed from step {self.resumed_from}")
+        if self.network:
+            out.append(f"  network       {self.network}")
         out.append(f"  NCCL          {self.nccl.describe()}")
         out.extend(f"  warning       {w}" for w in self.nccl.warnings(expect_efa))
         return out

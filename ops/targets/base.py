@@ -33,6 +33,9 @@ class Target:
     cloud_init: ClassVar[bool]
     # --stack (a Pulumi stack name) selects among clusters of this target.
     takes_stack: ClassVar[bool]
+    # The interface gloo's traffic must use on every node (GLOO_SOCKET_IFNAME; None: gloo's own
+    # choice, the host name's address). The network check names a node that lacks it.
+    gloo_ifname: ClassVar[str | None] = None
 
     def load(self, stack: str | None) -> Inventory:
         raise NotImplementedError
