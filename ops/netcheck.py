@@ -81,7 +81,9 @@ def expected_local(gloo_ifname: str | None) -> Expected:
 def expected(inv: Inventory, stack: str | None) -> Expected:
     target = targets.of(inv)
     if not target.real_gpus:
-        return expected_local(target.gloo_ifname)
+        if target.measured_network:
+            return expected_local(target.gloo_ifname)
+        return Expected(None, None, threshold(), f"no expected figure for {target.describe}")
     itype = inv.extra.get("gpu_instance_type")
     if not itype:
         from ops import estimate  # the stack's settings file names the type the inventory does not

@@ -53,6 +53,8 @@ def test_expected_figures_per_instance_type():
     assert data["date"] and data["sources"] and 0 < data["threshold"] < 1
     local = netcheck.expected(inventory(target="local", gpus=1), None)
     assert local.transport == "gloo over eth0" and local.busbw_gbps > 0
+    boot = netcheck.expected(inventory(target="boot", gpus=1), None)  # figures reported, not judged
+    assert boot.busbw_gbps is None and boot.transport is None
 
 
 def result(pairs: dict[tuple[str, str], float], nodes=None, node_info=None) -> dict:

@@ -4,7 +4,7 @@
   ranks on the interface the target names, runs/<job>/network.json and the timeline kept;
 - a node made slow with `tc` (a token-bucket filter on both ends of its veth pair: its traffic
   stays on our own bridge) makes `fab train` stop before submitting: the node is named slow and
-  drained with the reason;
+  drained with the reason; with --healthy-only the fine-tune runs on the two others;
 - a node without its transport is named. The local stand-in for "no EFA device, NCCL fell back
   to sockets": the node's eth0 (GLOO_SOCKET_IFNAME on this target) is renamed, so the check's
   ranks there fall back to the host name's address, as NCCL falls back to sockets; the traffic
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -60,7 +61,7 @@ def sinfo(ctl) -> dict[str, tuple[str, str]]:
 def newest_network_json(runs: Path) -> dict:
     files = sorted(runs.glob("*/network.json"), key=lambda p: p.stat().st_mtime)
     assert files, f"no network.json under {runs}"
-    return json.loads(files[-1].read_text())
+    return {**json.loads(files[-1].read_text()), "dir": files[-1].parent}
 
 
 def sh(*argv: str) -> None:
@@ -86,23 +87,31 @@ def test_check_passes_across_every_node(lc):
     print("\n".join(line for line in out.splitlines() if " - " in line or "all ranks" in line))
 
 
-def test_slow_node_is_named_and_drained_and_train_stops(lc):
+def test_slow_node_is_named_and_drained_and_train_stops_or_goes_on_without_it(lc):
     inv, cl, runs = lc
     veth, ns = layout.veth_name(SLOW_INDEX), layout.netns_name(SLOW)
     sh("tc", "qdisc", "add", "dev", veth, "root", *TBF)
     try:
         sh("tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", *TBF)
         res = fab(runs, "train")
+        stopped = sinfo(cl.controller)[SLOW], run(cl.controller, "squeue -h -o %j").stdout
+        on = fab(runs, "train", "--healthy-only")
     finally:
         subprocess.run(["tc", "qdisc", "del", "dev", veth, "root"], capture_output=True)
         subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", "eth0", "root"], capture_output=True)
     out = res.stdout + res.stderr
     assert res.returncode == 1, out
     assert f"{SLOW}: slow" in out and "Nothing was submitted" in out, out
-    state, reason = sinfo(cl.controller)[SLOW]
+    (state, reason), queue = stopped
     assert "drain" in state and reason.startswith("network check: slow"), (state, reason)
-    assert all("drain" not in s for n, (s, _) in sinfo(cl.controller).items() if n != SLOW)
-    assert "slurm-gpu-finetune" not in run(cl.controller, "squeue -h -o %j").stdout
+    assert "slurm-gpu-finetune" not in queue
+    out = on.stdout + on.stderr
+    assert on.returncode == 0, out
+    assert "--healthy-only: training on 2 of the 2 node(s) that passed (gpu-node-01, gpu-node-02)" in out, out
+    assert re.search(r"^\s+network\s+slowest pair .* failed: gpu-node-03: slow", out, re.M), out
+    net = newest_network_json(runs)
+    assert net["drained"] == [SLOW] and (net["dir"] / "metrics.json").exists()  # kept with the training run
+    assert "drain" in sinfo(cl.controller)[SLOW][0]
     assert "qdisc tbf" not in subprocess.run(["tc", "qdisc", "show", "dev", veth], capture_output=True,
                                              text=True).stdout
 

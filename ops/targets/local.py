@@ -22,6 +22,7 @@ class Local(Target):
     hub_offline = True  # the job runs with HF_HUB_OFFLINE=1
     cloud_init = False  # `fab local.up` configures the hosts
     takes_stack = False
+    measured_network = True
     gloo_ifname = "eth0"  # each host's end of its veth pair on the bridge (localcluster/netns.py add_host)
 
     def load(self, stack: str | None) -> Inventory:
