@@ -51,7 +51,8 @@ def transport(backend: str) -> dict:
         want = os.environ.get("GLOO_SOCKET_IFNAME", "")
         if not want:
             return {"transport": "gloo (host-name address)", "interface": None}
-        if Path("/sys/class/net", want).exists():
+        # The interfaces of this process's own network namespace (sysfs may show another's).
+        if want in {name for _, name in socket.if_nameindex()}:
             return {"transport": f"gloo over {want}", "interface": want}
         os.environ.pop("GLOO_SOCKET_IFNAME")
         return {"transport": "gloo (host-name address)", "interface": None,

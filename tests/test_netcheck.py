@@ -109,6 +109,8 @@ def test_nccl_transport_per_node_from_its_lines():
     v = netcheck.judge(res, netcheck.expected_for_type("g6.12xlarge", efa=True),
                        {A: "EFA", B: "sockets"})
     assert list(v.failed) == [B] and v.failed[B] == "transport sockets, expected EFA"
+    one = {"nodes": [A], "all": result({(A, B): 30.0})["all"], "pairs": []}  # one node: nothing crosses a link
+    assert netcheck.judge(one, netcheck.expected_for_type("g6.12xlarge", efa=True), {A: netcheck.NO_INTER}).ok
 
 
 def test_result_line_table_summary_and_json(tmp_path):
