@@ -27,19 +27,37 @@ from ops.remote import open_cluster
     "data": "Hub data set ID or absolute path on the cluster (JSON/JSONL/Parquet, Alpaca columns)",
     "raw": "stream the raw job log instead of compact progress lines",
     "estimate": "print each phase's predicted time and the run's cost, then stop (no host is touched)",
+    "skip-check": "do not run the network check (all-reduce of every node) before the job",
+    "healthy-only": "when the network check fails nodes, drain them and train on the others instead of stopping",
 })
 def train(c, where, config=None, nodes=None, gpus_per_node=None, examples=None, model=None, data=None, raw=False,
-          estimate=False):
+          estimate=False, skip_check=False, healthy_only=False):
     """Fine-tune with LoRA across the cluster and bring the adapters home to runs/<job-id>/.
 
     Waits for cloud-init, shares the controller's munge key, returns nodes to service, runs a
-    sanity job, submits the fine-tune, streams its progress, prints the summary (loss, token
-    accuracy, tokens/s, NCCL transports) and downloads adapters, trainer state and a loss curve.
+    sanity job and the network check (`fab check`; --skip-check skips it), submits the fine-tune,
+    streams its progress, prints the summary (loss, token accuracy, tokens/s, network check, NCCL
+    transports) and downloads adapters, trainer state and a loss curve.
     Ctrl-C stops following; the job keeps running (`fab logs --job JOB` reattaches).
     """
     opts = options.parse_train(where, config=config, nodes=nodes, gpus_per_node=gpus_per_node,
-                               examples=examples, model=model, data=data)
+                               examples=examples, model=model, data=data, skip_check=skip_check,
+                               healthy_only=healthy_only)
     finetune.train(opts, raw=raw, estimate=estimate)
+
+
+@cluster_task()
+def check(c, where):
+    """Check the network before a job: all-reduce across every GPU node's ranks, then per node pair.
+
+    The fine-tune's own torch.distributed (NCCL over EFA on AWS, gloo locally) measures bus bandwidth
+    and latency at a few message sizes; each pair is compared with what the instance type should give
+    (ops/data/instances.json) and each node's transport (EFA or sockets) with what it should use. Prints
+    a table per node pair, keeps runs/<job>/network.json; a node that fails is drained with the reason.
+    `fab train` runs the same check first (--skip-check skips it).
+    """
+    with open_cluster(where) as cl:
+        finetune.check_network(cl, where.stack)
 
 
 @cluster_task(help={
@@ -157,5 +175,5 @@ def runs_(c, job=None):
     print("\n".join(lines))
 
 
-ns = Collection(train, estimate, status, logs, cancel, reconfigure, update_nodes, ssh, runs_)
+ns = Collection(train, check, estimate, status, logs, cancel, reconfigure, update_nodes, ssh, runs_)
 ns.add_collection(local_ns, "local")

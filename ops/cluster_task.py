@@ -25,6 +25,7 @@ from ops import (
     hostkeys,
     inventory,
     munge,
+    netcheck,
     node_update,
     options,
     prefetch,
@@ -41,7 +42,7 @@ FLAG_PARSERS: dict[str, Callable] = {"job": options.parse_job, "host": options.p
 USER_ERRORS = (options.OptionError, inventory.InventoryError, HostError, slurm.SlurmError,
                munge.MungeKeyError, CloudInitFailed, finetune.TrainError, reconfigure.ReconfigureError,
                hostkeys.HostKeyError, status_view.StatusProblem, sshcmd.SshFailed, estimate.EstimateError,
-               node_update.UpdateError,
+               node_update.UpdateError, netcheck.NetCheckError,
                prefetch.PrefetchError)
 
 

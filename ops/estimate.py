@@ -304,6 +304,7 @@ def _aws(cl: Cluster, job: Job) -> Estimate:
     add("reconfigure", "slurm.conf compared (no change: no restart)", SSH_STEP_S)
     add("service", "every node idle in sinfo", SSH_STEP_S)
     add("sanity", "sbatch of nvidia-smi on every node, its log read", 4.0)
+    add("network", "all-reduce check: torchrun start-up, a few sizes across all ranks and per pair", 30.0)
     add("staging", "training/ as a tarball, config and script uploaded, sbatch", 2 * SSH_STEP_S)
     add("queue", "an idle cluster schedules the job within a scheduler pass", 1.0)
     add("startup", f"srun, torchrun rendezvous, Python imports: measured {startup_s:.1f} s (benchmark)", startup_s)

@@ -27,6 +27,7 @@ from ops import (
     inventory,
     jobs,
     munge,
+    netcheck,
     power,
     prefetch,
     reconfigure,
@@ -150,6 +151,55 @@ def sanity(cl: Cluster, say: Say, timeout_s: float = 600) -> None:
                          + f"\n{log_path}:\n{detail}")
     per_node = ", ".join(f"{h} {m['found']} GPUs ({m['rest'].split()[0]})" for h, m in sorted(seen.items()))
     step(say, 4, f"sanity job {job_id}: {per_node}")
+
+
+def network_check(cl: Cluster, opts: TrainOptions, nodes: int, say: Say) -> tuple[netcheck.Checked, int]:
+    """The all-reduce check of every node (ops/netcheck.py): failed nodes are drained; the run stops
+    with the reason unless --healthy-only, then it goes on with fewer nodes. Returns (check, nodes)."""
+    checked = netcheck.run(cl, opts.stack, say)
+    v = checked.verdict
+    for line in netcheck.table(v):
+        say("      " + line)
+    step(say, 4, f"network check job {checked.job_id}: {netcheck.summary_line(v)}")
+    if v.ok:
+        return checked, nodes
+    drained = (f"; drained {', '.join(checked.drained)} (sinfo -R shows why; the next `fab train` returns "
+               "them to service and checks them again)") if checked.drained else ""
+    flag = targets.of(cl.inventory).flag()
+    if not opts.healthy_only or v.unattributed or not v.healthy:
+        raise TrainError(f"network check job {checked.job_id}: {v.problems()}{drained}. Nothing was submitted. "
+                         f"Fix the node(s) and run `fab check{flag}`; or pass --healthy-only to train on the nodes "
+                         "that passed (when the check could name the bad ones), or --skip-check to train anyway")
+    use = min(nodes, len(v.healthy))
+    say(f"      --healthy-only: training on {use} of the {len(v.healthy)} node(s) that passed "
+        f"({', '.join(v.healthy)}){drained}")
+    return checked, use
+
+
+def check_network(cl: Cluster, stack: str | None, say: Say = print) -> netcheck.Checked:
+    """`fab check`: nodes awake and idle, the check, its table; runs/<job>/network.json and timeline.json.
+    A failed node is drained with the reason and the task fails naming it."""
+    tl = timeline.Timeline(started=timeline.process_started(), cluster=cl.inventory.cluster_name)
+    names = [n.name for n in cl.inventory.gpu_nodes]
+    with tl.phase("wake"):
+        power.wake(cl, say)
+    with tl.phase("service"):  # down or earlier-drained nodes back to service, so every node is checked
+        slurm.wait_idle(cl.controller, names, say=say)
+    with tl.phase("network"):
+        checked = netcheck.run(cl, stack, say)
+    for line in netcheck.table(checked.verdict):
+        say(line)
+    dest = run_dir(checked.job_id, checked.check_dir)
+    tl.job_id = checked.job_id
+    netcheck.save(dest / "network.json", checked.verdict, checked.result, checked.job_id, checked.drained)
+    tl.save(dest / "timeline.json")
+    say(f"network check took {tl.seconds('network'):.1f} s; results in {dest}/network.json")
+    if not checked.verdict.ok:
+        drained = (f"; drained {', '.join(checked.drained)}: `fab train` returns them to service and checks "
+                   "them again, or `scontrol update nodename=NODE state=resume` on the controller"
+                   ) if checked.drained else ""
+        raise netcheck.NetCheckError(f"{checked.verdict.problems()}{drained}")
+    return checked
 
 
 # ---------------------------------------------------------------- 5: the fine-tune
@@ -350,7 +400,8 @@ def run_dir(job_id: str, job_dir: str | None) -> Path:
 
 
 def finish(cl: Cluster, job_id: str, followed: stream.Followed, say: Say,
-           job_dir: str | None = None, log_path: str | None = None) -> summary.RunSummary:
+           job_dir: str | None = None, log_path: str | None = None,
+           checked: netcheck.Checked | None = None) -> summary.RunSummary:
     """Print the summary and bring the run home to runs/<job-id>/."""
     log, job = followed.log, followed.job
     job_dir = job_dir or log.job_dir
@@ -363,6 +414,9 @@ def finish(cl: Cluster, job_id: str, followed: stream.Followed, say: Say,
         (dest / "job.log").write_text(read_remote(cl.controller, log_path))
     run = summary.build(job_id, job.run_time if job else "", log, dest if got else None)
     run.real_gpus, run.dest = targets.of(cl.inventory).real_gpus, dest
+    if checked is not None:  # the check that preceded this run, kept beside it
+        run.network = netcheck.summary_line(checked.verdict)
+        netcheck.save(dest / "network.json", checked.verdict, checked.result, checked.job_id, checked.drained)
     step(say, 6, "summary")
     for line in run.lines(expect_efa=targets.of(cl.inventory).expects_efa(cl.inventory)):
         say(line)
@@ -440,6 +494,9 @@ def run(cl: Cluster, opts: TrainOptions, nodes: int, gpus: int, say: Say = print
         tl.timed("reconfigure", reconfigure.apply, cl, say=lambda s: say("      " + s))
     tl.timed("service", nodes_to_service, cl, changed, say)
     tl.timed("sanity", sanity, cl, say)
+    checked = None
+    if not opts.skip_check:
+        checked, nodes = tl.timed("network", network_check, cl, opts, nodes, say)
     submitted: list[str] = []
     try:
         with tl.phase("staging"):
@@ -455,7 +512,7 @@ def run(cl: Cluster, opts: TrainOptions, nodes: int, gpus: int, say: Say = print
         raise controller_lost(exc, job_id, cl.inventory.target) from None
     if not outcome(cl, job_id, followed, job_dir, lambda s: say("      " + s)):
         raise failure(job_id, followed, log_path)
-    result = tl.timed("download", finish, cl, job_id, followed, say, job_dir, log_path)
+    result = tl.timed("download", finish, cl, job_id, followed, say, job_dir, log_path, checked)
     record_timeline(tl, follow, result, run_dir(job_id, job_dir), say, predicted)
     return result
 

@@ -19,6 +19,8 @@ from ops import targets
 JOBS_DIR = Path(__file__).resolve().parent.parent / "jobs"
 FINETUNE_NAME = "slurm-gpu-finetune"
 SANITY_NAME = "slurm-gpu-sanity"
+NETCHECK_NAME = "slurm-gpu-netcheck"
+NETCHECK_PROGRAM = JOBS_DIR / "allreduce_check.py"  # uploaded beside the rendered script
 RDZV_PORT = 29500
 MAX_RESTARTS = 3
 
@@ -95,3 +97,9 @@ def render_finetune(spec: JobSpec) -> str:
 
 def render_sanity(spec: JobSpec) -> str:
     return render("sanity.sbatch.j2", spec)
+
+
+def render_netcheck(spec: JobSpec, sizes: tuple[int, ...], budget_s: float, gloo_ifname: str | None) -> str:
+    """The network check's script; `gloo_ifname`: the interface gloo must use (None: gloo's own choice)."""
+    return _env.get_template("netcheck.sbatch.j2").render(
+        **asdict(spec), sizes=",".join(str(s) for s in sizes), budget_s=budget_s, gloo_ifname=gloo_ifname or "")

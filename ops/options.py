@@ -47,6 +47,10 @@ class TrainOptions:
     model: str | None
     data: str | None
     identity: str | None
+    # The network check before the job (skip_check: not at all); healthy_only: a node that fails it is
+    # drained and the job runs on the others instead of stopping.
+    skip_check: bool = False
+    healthy_only: bool = False
     # Where the job will read its model and data: the flag, else the config's setting (or its default).
     config_model: str | None = None
     config_data: str | None = None
@@ -159,15 +163,25 @@ def parse_host(host) -> str:
 
 
 def parse(target=None, stack=None, config=None, nodes=None, gpus_per_node=None, examples=None,
-          model=None, data=None, identity=None) -> TrainOptions:
+          model=None, data=None, identity=None, skip_check=False, healthy_only=False) -> TrainOptions:
     """Check `fab train`'s flags on their own (no inventory needed)."""
     return parse_train(parse_cluster(target=target, stack=stack, identity=identity), config=config,
-                       nodes=nodes, gpus_per_node=gpus_per_node, examples=examples, model=model, data=data)
+                       nodes=nodes, gpus_per_node=gpus_per_node, examples=examples, model=model, data=data,
+                       skip_check=skip_check, healthy_only=healthy_only)
+
+
+def parse_check_flags(skip_check, healthy_only) -> tuple[bool, bool]:
+    """--skip-check and --healthy-only: the second acts on the check's result, so not with the first."""
+    if skip_check and healthy_only:
+        raise OptionError("--healthy-only goes on without the nodes the network check fails, and --skip-check "
+                          "skips that check: pass one of them (`fab check` runs the check on its own)")
+    return bool(skip_check), bool(healthy_only)
 
 
 def parse_train(where: ClusterOptions, config=None, nodes=None, gpus_per_node=None, examples=None,
-                model=None, data=None) -> TrainOptions:
+                model=None, data=None, skip_check=False, healthy_only=False) -> TrainOptions:
     """`fab train`'s own flags, for the cluster `where` names (already checked by `parse_cluster`)."""
+    skip_check, healthy_only = parse_check_flags(skip_check, healthy_only)  # before the config: no TRL import
     tgt, identity = targets.get(where.target), where.identity
     path, settings = _config(config, tgt)
     model, data = _model_or_data("model", model, tgt), _model_or_data("data", data, tgt)
@@ -182,6 +196,7 @@ def parse_train(where: ClusterOptions, config=None, nodes=None, gpus_per_node=No
         target=where.target, stack=where.stack, config=path,
         nodes=_int("nodes", nodes), gpus_per_node=_int("gpus-per-node", gpus_per_node),
         examples=_int("examples", examples), model=model, data=data, identity=identity,
+        skip_check=skip_check, healthy_only=healthy_only,
         config_model=None if model else from_config("model_name_or_path", "model"),
         config_data=None if data else from_config("dataset_name", "data"),
     )

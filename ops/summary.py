@@ -28,6 +28,7 @@ class RunSummary:
     gpus: dict[str, list[tuple[float, int, float, float, float]]] = field(default_factory=dict)
     real_gpus: bool = True  # False: the local cluster's stand-in GPUs (nothing to sample)
     dest: Path | None = None  # runs/<job>/ on this machine, once brought home
+    network: str | None = None  # the network check's line (ops/netcheck.py), when it ran
 
     def value(self, key: str):
         return self.metrics.get(key)
@@ -56,6 +57,8 @@ class RunSummary:
         out.append(f"  GPUs          {self.gpu_line()}")
         if self.restarts:
             out.append(f"  requeued      {self.restarts} time(s); resumed from step {self.resumed_from}")
+        if self.network:
+            out.append(f"  network       {self.network}")
         out.append(f"  NCCL          {self.nccl.describe()}")
         out.extend(f"  warning       {w}" for w in self.nccl.warnings(expect_efa))
         return out

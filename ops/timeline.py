@@ -33,6 +33,7 @@ LABELS: dict[str, str] = {
     "reconfigure": "reconfigure",
     "service": "nodes to service",
     "sanity": "sanity job",
+    "network": "network check (all-reduce)",
     "staging": "staging (code, config, submit)",
     "queue": "queue wait",
     "startup": "start-up (srun, rendezvous, imports)",

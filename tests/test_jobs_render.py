@@ -143,6 +143,9 @@ def rendered_scripts():
         out[f"finetune-{name}"] = finetune(inv, gpus=gpus)
         out[f"sanity-{name}"] = jobs.render_sanity(jobs.base_spec(inv, jobs.SANITY_NAME, 2, gpus, "/scratch/j",
                                                                   script_path="/scratch/j/sanity.sbatch"))
+        out[f"netcheck-{name}"] = jobs.render_netcheck(
+            jobs.base_spec(inv, jobs.NETCHECK_NAME, 2, gpus, "/scratch/j", time_limit="00:03:00"),
+            (4096, 1 << 20), 0.3, "eth0" if name == "local" else None)
     return out
 
 

@@ -37,6 +37,12 @@ class Target:
     skip_steps: ClassVar[dict[str, tuple[str, ...]]] = {}
     # The rendered files `fab update-nodes` may install on a node (None: all of them).
     update_paths: ClassVar[tuple[str, ...] | None] = None
+    # The interface gloo's traffic must use on every node (GLOO_SOCKET_IFNAME; None: gloo's own
+    # choice, the host name's address). The network check names a node that lacks it.
+    gloo_ifname: ClassVar[str | None] = None
+    # CPU targets: the network check has a measured figure of this cluster's own network to expect
+    # (ops/data/local.json); without one it reports figures and judges transports only.
+    measured_network: ClassVar[bool] = False
 
     def load(self, stack: str | None) -> Inventory:
         raise NotImplementedError

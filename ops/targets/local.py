@@ -27,6 +27,8 @@ class Local(Target):
     # A host's own /usr/local/sbin only: /etc/slurm-gpu is the cluster's shared directory (written by
     # `fab local.up`), and the rest of /etc is this machine's own.
     update_paths = (render.BOOTSTRAP_PATH, render.HEALTHCHECK_PATH)
+    measured_network = True
+    gloo_ifname = "eth0"  # each host's end of its veth pair on the bridge (localcluster/netns.py add_host)
 
     def load(self, stack: str | None) -> Inventory:
         if not LOCAL_INVENTORY.exists():
