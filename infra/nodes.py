@@ -53,10 +53,8 @@ IGNORED_ON_UPDATE = ("userData", "userDataBase64")
 DELIBERATE = {
     "ami": "kept per stack (infra/ami.py stash), ignored unless slurm-gpu:amiId/controllerAmiId names "
            "an image: moving to a newer image replaces the host on purpose",
-    "instanceType": "slurm-gpu:gpuInstanceType / controllerInstanceType: a config change (stops and starts "
-                    "every such host, power-saved ones too: docs/CONFIG.md says to drain first)",
-    "keyName": "the key pair made from slurm-gpu:sshPublicKey: a config change (replaces every host: "
-               "docs/CONFIG.md says to rotate keys through authorized_keys instead)",
+    "instanceType": "slurm-gpu:gpuInstanceType / controllerInstanceType: a config change",
+    "keyName": "the key pair made from slurm-gpu:sshPublicKey: a config change",
     "placementGroup": "the cluster's placement group resource: its name is fixed once made",
     "subnetId": "the VPC's subnets: fixed once made",
     "privateIp": "the controller's fixed address (bootstrap.facts.plan_hosts of slurm-gpu:subnetCidr)",

@@ -136,8 +136,6 @@ def _check(group: QuotaGroup, needs: list[Need], *, cluster_name: str, region: s
     need = sum(n.total for n in needs)
     try:
         found = aws.servicequotas.get_service_quota(service_code=SERVICE_CODE, quota_code=quota.code)
-        if found.value is None:
-            raise ValueError("the API returned no value")
         value = float(found.value)
     except Exception as exc:  # e.g. AccessDeniedException: the deployer may not read quotas
         pulumi.log.warn(
@@ -167,15 +165,9 @@ def _others_running(group: QuotaGroup, cluster_name: str) -> int:
     """vCPUs of the account's pending and running instances in this quota group that are not
     this stack's own (those are in its need already)."""
     patterns = [f"{fam}*" for fam in sorted(group.families)]  # EC2 filter wildcards
-    by_type = {"name": "instance-type", "values": patterns}
     try:
-        ids = aws.ec2.get_instances(filters=[by_type], instance_state_names=RUNNING).ids or []
-        # Spot instances count against the Spot quotas, not this one (EC2 User Guide, "Spot Instance
-        # quotas"); DescribeInstances' instance-lifecycle filter names them. Capacity Block instances
-        # are still counted: no AWS page says they are outside the On-Demand quota.
-        spot = aws.ec2.get_instances(filters=[by_type, {"name": "instance-lifecycle", "values": ["spot"]}],
-                                     instance_state_names=RUNNING).ids or []
-        ids = sorted(set(ids) - set(spot))
+        ids = aws.ec2.get_instances(filters=[{"name": "instance-type", "values": patterns}],
+                                    instance_state_names=RUNNING).ids or []
     except Exception as exc:
         pulumi.log.warn(f"could not list the running instances for the quota \"{group.on_demand.name}\" "
                         f"({_first_line(exc)}); only this stack's own vCPUs are counted against it")
@@ -186,7 +178,7 @@ def _others_running(group: QuotaGroup, cluster_name: str) -> int:
     me = stack_name()
     vcpus_of: dict[str, int] = {}
     total = 0
-    for instance_id in ids[:MAX_LOOKUPS]:
+    for instance_id in sorted(ids)[:MAX_LOOKUPS]:
         try:
             inst = aws.ec2.get_instance(instance_id=instance_id)
         except Exception:  # gone since it was listed

@@ -28,7 +28,6 @@ from ops import (
     jobs,
     munge,
     netcheck,
-    node_update,
     power,
     prefetch,
     reconfigure,
@@ -105,10 +104,6 @@ def nodes_to_service(cl: Cluster, changed: list[str], say: Say, timeout_s: float
     slurm.wait_idle(cl.controller, names, timeout_s=timeout_s, say=say)
     restarted = f"restarted slurmd on {', '.join(changed)}; " if changed else ""
     step(say, 3, f"slurm: {restarted}all {len(names)} nodes idle ({', '.join(names)})")
-    # A node behind this checkout's bootstrap (a replacement boots the user-data in the stack's
-    # state; a code update reaches running nodes only by `fab update-nodes`) still trains: say so.
-    for note in node_update.behind_notes(cl, names):
-        say("      warning: " + note.removeprefix("note: "))
 
 
 # ---------------------------------------------------------------- 4: sanity job

@@ -91,16 +91,11 @@ def behind_notes(cl: Cluster, names: list[str]) -> list[str]:
     return [f"note: {v.describe()}: behind; `fab update-nodes` brings idle nodes up to date" for v in late]
 
 
-def _ours(state: slurm.NodeState | None) -> bool:
-    """Drained by an update of ours that did not finish (interrupted): ours to finish and resume."""
-    return state is not None and "drain" in state.state and state.reason == REASON
-
-
 def _skip_reason(ctl: Connection, name: str, state: slurm.NodeState | None) -> str | None:
-    """Why this node cannot be updated now (None: it is idle and in service, or drained by us)."""
+    """Why this node cannot be updated now (None: it is idle and in service)."""
     if state is None:
         return "Slurm does not know it (`fab reconfigure` adds it)"
-    if state.idle or _ours(state):
+    if state.idle:
         return None
     busy = slurm.jobs_on(ctl, [name])
     if busy:
@@ -129,34 +124,6 @@ def _drain(ctl: Connection, name: str) -> str | None:
             slurm.resume(ctl, [name])
             return f"job {', '.join(j.id for j in jobs)} still completing after {COMPLETING_WAIT_S} s: skipped, resumed"
         time.sleep(1)
-
-
-def _hold_power(ctl: Connection, name: str, on: bool, say: Say) -> None:
-    """Keep power saving from stopping the node while it updates: a drained idle node is still
-    suspended once SuspendTime passes since its last job (power_save.c checks IS_NODE_IDLE; a drain
-    does not reset last_busy), and the update runs inside that window. `SuspendExcNodes+=/-=`
-    (scontrol(1), Slurm 23.02 and later: the AMI's 23.11) does it; an older Slurm refuses it, which
-    is said once: there the update must finish within the idle-stop time."""
-    op = "+=" if on else "-="
-    res = sudo(ctl, f"scontrol update SuspendExcNodes{op}{shlex.quote(name)}", warn=True)
-    if on and not res.ok:
-        say(f"update-nodes: this Slurm cannot exclude {name} from power saving "
-            f"({(res.stderr or res.stdout).strip()[:120]}); the update must end before its idle stop")
-
-
-def _resume_if_ours(ctl: Connection, name: str) -> str | None:
-    """Resume the node only if its drain is still ours: the health check (run again when slurmd
-    restarts, and on drained nodes) may have drained it with its own reason meanwhile. Returns why
-    it was left drained, or None."""
-    state = slurm.node_states(ctl).get(name)
-    if state is None or not _ours(state):
-        reason = f"{state.state} ({state.reason})" if state else "unknown to Slurm"
-        return f"updated, but now {reason}: left as it is (not resumed)"
-    res = sudo(ctl, f"scontrol update nodename={shlex.quote(name)} state=resume", warn=True)
-    if not res.ok:
-        return (f"updated, but `scontrol update nodename={name} state=resume` failed: "
-                f"{(res.stderr or res.stdout).strip()[:200]}")
-    return None
 
 
 def _apply(node: Connection, facts: ClusterFacts, name: str, target: targets.Target) -> list[str]:
@@ -203,38 +170,21 @@ def update(cl: Cluster, say: Say = print) -> Result:
             why = "its first boot has not finished (`fab status`)"
         elif not v.behind:
             result.current.append(name)
-            if _ours(states.get(name)):  # an earlier run updated it and stopped before resuming it
-                left = _resume_if_ours(ctl, name)
-                say(f"update-nodes: {name} " + (left or "was current but still drained by an update: resumed"))
             continue
         else:  # the state again: a job may have started while earlier nodes were updated
-            state = slurm.node_states(ctl).get(name)
-            why = _skip_reason(ctl, name, state) or (None if _ours(state) else _drain(ctl, name))
+            why = _skip_reason(ctl, name, slurm.node_states(ctl).get(name)) or _drain(ctl, name)
         if why:
             result.skipped[name] = why
             say(f"update-nodes: {name} skipped: {why}")
             continue
         say(f"update-nodes: {v.describe()}: drained, updating")
-        _hold_power(ctl, name, True, say)
-        try:
-            ran = _apply(cl.nodes[name], facts, name, target)
-            now = versions(facts, {name: cl.nodes[name]}).get(name)
-            if now is None or now.behind:
-                recorded = now.recorded if now else "nothing (it stopped answering)"
-                raise UpdateError(f"{name}: the bootstrap ran but recorded {recorded}, not "
-                                  f"{current_version(facts, name)}; the node stays drained "
-                                  f"(`scontrol update nodename={name} state=resume` returns it)")
-        except (OSError, SSHException) as exc:
-            raise UpdateError(f"{name}: lost during its update ({exc}); the node stays drained: run `fab "
-                              f"update-nodes` again, or `scontrol update nodename={name} state=resume`") from exc
-        finally:
-            _hold_power(ctl, name, False, say)
+        ran = _apply(cl.nodes[name], facts, name, target)
+        now = versions(facts, {name: cl.nodes[name]})[name]
+        if now.behind:
+            raise UpdateError(f"{name}: the bootstrap ran but recorded {now.recorded}, not {now.current}; the node "
+                              f"stays drained (`scontrol update nodename={name} state=resume` returns it)")
+        slurm.resume(ctl, [name])
         result.updated[name] = ran
-        left = _resume_if_ours(ctl, name)
-        if left:
-            result.skipped[name] = left
-            say(f"update-nodes: {name} {left}")
-            continue
         say(f"update-nodes: {name} up to date (ran {' '.join(ran) or 'no step: only its record'}), resumed")
     left = ", ".join(result.skipped) or "none"
     say(f"update-nodes: {len(result.updated)} updated, {len(result.current)} already current, skipped: {left}")

@@ -116,7 +116,6 @@ class Running:
     instance_type: str
     tags: dict = field(default_factory=dict)
     state: str = "running"
-    lifecycle: str = ""  # DescribeInstances' instance-lifecycle: "spot", "capacity-block", or none (on demand)
 
 
 def instance_type_result(itype: str) -> dict:
@@ -276,8 +275,7 @@ class ClusterMocks(pulumi.runtime.Mocks):
             filters = {f["name"]: f["values"] for f in args.args.get("filters", [])}
             states = args.args.get("instanceStateNames") or ["running"]  # the provider's default
             found = [r for r in self.running if r.state in states
-                     and any(fnmatch.fnmatchcase(r.instance_type, p) for p in filters.get("instance-type", ["*"]))
-                     and ("instance-lifecycle" not in filters or r.lifecycle in filters["instance-lifecycle"])]
+                     and any(fnmatch.fnmatchcase(r.instance_type, p) for p in filters.get("instance-type", ["*"]))]
             return {"id": REGION, "ids": [r.id for r in found], "privateIps": [], "publicIps": [],
                     "ipv6Addresses": []}
         if args.token == "aws:ec2/getInstance:getInstance":

@@ -80,7 +80,6 @@ def test_other_running_instances_of_the_family_count():
         Running("i-0a3", "g6.48xlarge", state="stopped"),  # a stopped instance counts for nothing
         Running("i-0a4", "p5.48xlarge"),  # another quota
         Running("i-0a5", "c6i.xlarge"),
-        Running("i-0a6", "g6.48xlarge", lifecycle="spot"),  # 192 vCPUs of the Spot quota, not this one
     ]
     msg = refused(ClusterMocks(quotas={G: 100.0}, running=running))
     assert "other instances of this account already run 8 vCPUs against it: 104 in all" in msg

@@ -84,37 +84,3 @@ def test_status_names_nodes_behind_and_update_takes_idle_ones_only():
             assert _behind(said) == ["gpu-node-02"]
         finally:
             cl.close()
-
-
-def test_update_leaves_a_health_drain_and_finishes_an_interrupted_update(monkeypatch):
-    """The health check runs again when the update restarts slurmd and may drain the node with its
-    own reason: the update must not resume that. A node an earlier run left drained with the
-    update's reason (interrupted) is the update's own: updated and resumed."""
-    with fresh_cluster(nodes=1, gpus=1) as (inventory, _):
-        cl = remote.connect(inventory)
-        ctl = cl.controller
-        node, health = "gpu-node-01", "gpu health check: /dev/nvidia0 missing"
-        apply = node_update._apply
-
-        def apply_then_health_drain(conn, facts, name, target):
-            ran = apply(conn, facts, name, target)
-            ctl.run(f"scontrol update nodename={name} state=drain reason='{health}'", hide=True)
-            return ran
-
-        try:
-            _age(node)
-            monkeypatch.setattr(node_update, "_apply", apply_then_health_drain)
-            said: list[str] = []
-            result = node_update.update(cl, say=said.append)
-            assert node in result.updated and "not resumed" in result.skipped[node], said
-            state = slurm.node_states(ctl)[node]
-            assert "drain" in state.state and state.reason == health, state
-
-            monkeypatch.setattr(node_update, "_apply", apply)
-            _age(node)  # as if a run was cut off after its drain
-            ctl.run(f"scontrol update nodename={node} state=drain reason='{node_update.REASON}'", hide=True)
-            result = node_update.update(cl, say=said.append)
-            assert result.updated == {node: ["healthcheck"]} and not result.skipped, said
-            assert slurm.node_states(ctl)[node].idle
-        finally:
-            cl.close()
