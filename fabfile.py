@@ -139,7 +139,8 @@ def update_nodes(c, where):
     nodes whose recorded bootstrap version differs from what this checkout renders ("behind").
     Each idle one is drained, gets the newly rendered files, runs the bootstrap steps that changed,
     records the new version and is resumed. A node with a job, or stopped by power saving, is
-    skipped and named: run this again later. New nodes boot the current version.
+    skipped and named: run this again later. Nodes added by gpuNodeCount boot the current version;
+    nodes that `pulumi up` replaced (image, key) boot the recorded one and need this.
     """
     with open_cluster(where) as cl:
         node_update.update(cl)

@@ -26,6 +26,10 @@ The same holds for the interfaces themselves (the primary one has the node's fix
 Code updates: no instance input that a new checkout can change stops, starts or replaces a
 running host (IGNORED_ON_UPDATE, DELIBERATE): user-data is read at first boot only, so every host ignores
 changes to it; `fab update-nodes` brings bootstrap changes to running GPU nodes, idle ones only.
+An instance replaced on purpose (a new image, key pair or EBS key) boots the user-data kept in the
+state, not the current one: the engine puts the old inputs of ignored properties into the goal
+state, replacement included (pulumi/pulumi#2657; Pulumi docs, "Resource option: ignoreChanges").
+Its bootstrap record says so: `fab status` names it behind and `fab update-nodes` updates it.
 """
 
 from __future__ import annotations
@@ -53,8 +57,12 @@ IGNORED_ON_UPDATE = ("userData", "userDataBase64")
 DELIBERATE = {
     "ami": "kept per stack (infra/ami.py stash), ignored unless slurm-gpu:amiId/controllerAmiId names "
            "an image: moving to a newer image replaces the host on purpose",
-    "instanceType": "slurm-gpu:gpuInstanceType / controllerInstanceType: a config change",
-    "keyName": "the key pair made from slurm-gpu:sshPublicKey: a config change",
+    "instanceType": "slurm-gpu:gpuInstanceType / controllerInstanceType: a config change; it stops and starts "
+                    "every GPU node, power-saved ones included (modifyInstanceAttributeWithStopStart starts the "
+                    "instance whatever its state was): drain the nodes and let them idle first (docs/CONFIG.md)",
+    "keyName": "the key pair made from slurm-gpu:sshPublicKey: a config change that replaces every host "
+               "(key_name is ForceNew), the controller's /scratch with it: rotate keys through "
+               "~/.ssh/authorized_keys instead (docs/CONFIG.md)",
     "placementGroup": "the cluster's placement group resource: its name is fixed once made",
     "subnetId": "the VPC's subnets: fixed once made",
     "privateIp": "the controller's fixed address (bootstrap.facts.plan_hosts of slurm-gpu:subnetCidr)",

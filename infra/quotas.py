@@ -12,7 +12,16 @@ permissions) is reported and not checked: the check only moves a failure forward
 
 Which instances are the stack's own (already counted in its need, so not again as "others" on a
 later `pulumi up`): those tagged STACK_TAG with this stack's name; instances made before that tag
-existed are recognised by their Cluster tag.
+existed are recognised by their Cluster tag. A later `pulumi up` is refused only for growth: when
+the stack's own instances (in any state: stopped ones start again) already cover its need, a full
+quota is a warning, not a refusal (the instances exist; another team's may have filled the quota).
+
+Only On-Demand instances count: spot instances are under the Spot quotas, and instances in a
+Capacity Block for ML are paid for by the block, under its own instance limit (EC2 User Guide,
+"Capacity Blocks for ML": up to 64 instances a block, 256 across blocks), so both are left out
+(DescribeInstances filter instance-lifecycle: spot | scheduled | capacity-block; EC2 API Reference,
+DescribeInstances). Leaving out one that did count only moves a failure back to launch time; counting
+one that does not would refuse a stack that fits.
 """
 
 from __future__ import annotations
@@ -29,6 +38,9 @@ from infra.config import NAMESPACE, ConfigError, StackConfig
 SERVICE_CODE = "ec2"
 STACK_TAG = "slurm-gpu:stack"  # on each instance: the Pulumi stack that owns it (stack_name())
 RUNNING = ["pending", "running"]  # what counts against a vCPU quota (pending: about to run)
+EXISTING = [*RUNNING, "stopping", "stopped"]  # the stack's own instances: what it already has
+# Instance lifecycles outside the On-Demand quotas (above); an On-Demand instance has none.
+NOT_ON_DEMAND = ["spot", "capacity-block"]
 # At most this many instances of the account are looked up one by one (the API lists ids, not
 # types) per quota: each is a call at every preview.
 MAX_LOOKUPS = 64
@@ -62,7 +74,8 @@ QUOTA_GROUPS = (
     QuotaGroup(frozenset({"p"}),
                Quota("Running On-Demand P instances", "L-417A185B"),
                Quota("All P Spot Instance Requests", "L-7212CCBC")),
-    QuotaGroup(frozenset({"a", "c", "d", "h", "i", "m", "r", "t", "z"}),
+    # "im", "is": im4gn, is4gen (I family, storage optimised).
+    QuotaGroup(frozenset({"a", "c", "d", "h", "i", "im", "is", "m", "r", "t", "z"}),
                Quota("Running On-Demand Standard (A, C, D, H, I, M, R, T, Z) instances", "L-1216C47A"),
                Quota("All Standard (A, C, D, H, I, M, R, T, Z) Spot Instance Requests", "L-34B43A08")),
 )
@@ -136,15 +149,19 @@ def _check(group: QuotaGroup, needs: list[Need], *, cluster_name: str, region: s
     need = sum(n.total for n in needs)
     try:
         found = aws.servicequotas.get_service_quota(service_code=SERVICE_CODE, quota_code=quota.code)
-        value = float(found.value)
+        value = None if found.value is None else float(found.value)
+        problem = "Service Quotas answered without a value" if value is None else ""
     except Exception as exc:  # e.g. AccessDeniedException: the deployer may not read quotas
+        problem = _first_line(exc)
+    if problem:
         pulumi.log.warn(
-            f"could not read the EC2 quota \"{quota.name}\" ({quota.code}): {_first_line(exc)}. "
+            f"could not read the EC2 quota \"{quota.name}\" ({quota.code}): {problem}. "
             f"Its check needs servicequotas:GetServiceQuota and servicequotas:GetAWSDefaultServiceQuota; "
             f"going on without it (if the quota is below the {need} vCPUs the stack needs, launching "
             f"the instances fails with VcpuLimitExceeded once the network exists)")
         return
-    others = _others_running(group, cluster_name)
+    usage = _usage(group, cluster_name)
+    others = usage.others
     if need + others <= value:
         return
     total = need + others
@@ -152,45 +169,77 @@ def _check(group: QuotaGroup, needs: list[Need], *, cluster_name: str, region: s
     verb = "need" if len(needs) > 1 or needs[0].count > 1 else "needs"
     running = (f", and other instances of this account already run {others} vCPUs against it"
                if others else "")
+    name = found.quota_name or quota.name
+    where = f" in {region}" if region else ""
+    command = request_command(quota, math.ceil(total), region)
+    if usage.own_count >= sum(n.count for n in needs) and usage.own_vcpus >= need:
+        # The stack has these instances already: this `pulumi up` adds no vCPUs to refuse.
+        pulumi.log.warn(
+            f"starting every node would exceed the quota \"{name}\" ({quota.code}){where}: {parts} "
+            f"{verb} {need} vCPUs{running}, {total} in all, but the quota is {value:g}. The stack has "
+            f"these instances already, so this update goes on; a stopped node that power saving starts "
+            f"fails with VcpuLimitExceeded until others stop or the quota is raised: `{command}`")
+        return
     settings = ", ".join(f"{NAMESPACE}:{s}" for n in needs for s in n.settings)
     raise QuotaError(
-        f"{parts} {verb} {need} vCPUs of the EC2 quota \"{found.quota_name or quota.name}\" "
-        f"({quota.code}){f' in {region}' if region else ''}{running}: {total} in all, but the quota "
+        f"{parts} {verb} {need} vCPUs of the EC2 quota \"{name}\" "
+        f"({quota.code}){where}{running}: {total} in all, but the quota "
         f"is {value:g}. Nothing was created. Ask AWS to raise it (approval can take a day or more): "
-        f"`{request_command(quota, math.ceil(total), region)}`; or need fewer vCPUs ({settings})"
+        f"`{command}`; or need fewer vCPUs ({settings})"
     )
 
 
-def _others_running(group: QuotaGroup, cluster_name: str) -> int:
-    """vCPUs of the account's pending and running instances in this quota group that are not
-    this stack's own (those are in its need already)."""
-    patterns = [f"{fam}*" for fam in sorted(group.families)]  # EC2 filter wildcards
+@dataclass
+class Usage:
+    others: int = 0  # vCPUs of the account's other running On-Demand instances in the group
+    own_count: int = 0  # the stack's own instances in the group, in any state but terminated
+    own_vcpus: int = 0
+
+
+def _ids(filters: list[dict], states: list[str]) -> list[str]:
+    return aws.ec2.get_instances(filters=filters, instance_state_names=states).ids or []
+
+
+def _usage(group: QuotaGroup, cluster_name: str) -> Usage:
+    """What the account runs against this quota group besides the stack (On-Demand, pending and
+    running), and what the stack itself already has in it."""
+    types = {"name": "instance-type", "values": [f"{fam}*" for fam in sorted(group.families)]}  # wildcards
+    me = stack_name()
     try:
-        ids = aws.ec2.get_instances(filters=[{"name": "instance-type", "values": patterns}],
-                                    instance_state_names=RUNNING).ids or []
+        running = set(_ids([types], RUNNING))
+        # Spot and Capacity Block instances are under other limits (module docstring).
+        running -= set(_ids([types, {"name": "instance-lifecycle", "values": NOT_ON_DEMAND}], RUNNING))
+        # The stack's own, in any state: by its stack tag, or (made before that tag) its cluster's.
+        own = set(_ids([types, {"name": f"tag:{STACK_TAG}", "values": [me]}], EXISTING))
+        own |= set(_ids([types, {"name": "tag:Cluster", "values": [cluster_name]}], EXISTING))
     except Exception as exc:
-        pulumi.log.warn(f"could not list the running instances for the quota \"{group.on_demand.name}\" "
+        pulumi.log.warn(f"could not list the instances for the quota \"{group.on_demand.name}\" "
                         f"({_first_line(exc)}); only this stack's own vCPUs are counted against it")
-        return 0
+        return Usage()
+    ids = sorted(own) + sorted(running - own)
     if len(ids) > MAX_LOOKUPS:
         pulumi.log.warn(f"{len(ids)} instances run against the quota \"{group.on_demand.name}\"; "
                         f"the check counts the first {MAX_LOOKUPS} of them")
-    me = stack_name()
     vcpus_of: dict[str, int] = {}
-    total = 0
-    for instance_id in sorted(ids)[:MAX_LOOKUPS]:
+    usage = Usage()
+    for instance_id in ids[:MAX_LOOKUPS]:
         try:
             inst = aws.ec2.get_instance(instance_id=instance_id)
         except Exception:  # gone since it was listed
             continue
         # The wildcards match too much (d* matches dl1, t* trn1): keep the group's own families.
-        if family(inst.instance_type) not in group.families or _ours(inst.tags or {}, me, cluster_name):
+        if family(inst.instance_type) not in group.families:
             continue
         if inst.instance_type not in vcpus_of:
             vcpus_of[inst.instance_type] = int(aws.ec2.get_instance_type(
                 instance_type=inst.instance_type).default_vcpus)
-        total += vcpus_of[inst.instance_type]
-    return total
+        vcpus = vcpus_of[inst.instance_type]
+        if _ours(inst.tags or {}, me, cluster_name):
+            usage.own_count += 1
+            usage.own_vcpus += vcpus
+        elif instance_id in running:
+            usage.others += vcpus
+    return usage
 
 
 def _ours(tags: dict[str, str], me: str, cluster_name: str) -> bool:

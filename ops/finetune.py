@@ -28,6 +28,7 @@ from ops import (
     jobs,
     munge,
     netcheck,
+    node_update,
     power,
     prefetch,
     reconfigure,
@@ -486,6 +487,9 @@ def run(cl: Cluster, opts: TrainOptions, nodes: int, gpus: int, say: Say = print
     with tl.phase("wake"):
         power.wake(cl, say)  # every later step reaches the nodes over SSH
         wait_cloud_init(cl, say)
+        behind = node_update.behind_warning(cl)  # e.g. nodes replaced by `pulumi up` boot older user-data
+        if behind:
+            say(behind)
     tl.timed("inputs", check_inputs, cl, opts, say)
     opts = tl.timed("prefetch", prefetch.fetch_inputs, cl, opts, say)  # Hub IDs -> copies on /scratch
     changed = tl.timed("keys", sync_munge_key, cl, say)

@@ -102,7 +102,7 @@ QUOTA_NAMES = {
 ROOMY_QUOTA = 100000.0
 
 
-def quota_result(code: str, value: float) -> dict:
+def quota_result(code: str, value: float | None) -> dict:
     arn = f"arn:aws:servicequotas:{REGION}:{ACCOUNT}:ec2/{code}"
     return {"id": arn, "arn": arn, "quotaCode": code, "quotaName": QUOTA_NAMES[code], "serviceCode": "ec2",
             "serviceName": "Amazon Elastic Compute Cloud (Amazon EC2)", "value": value, "defaultValue": value,
@@ -116,6 +116,7 @@ class Running:
     instance_type: str
     tags: dict = field(default_factory=dict)
     state: str = "running"
+    lifecycle: str = ""  # DescribeInstances' InstanceLifecycle: spot, capacity-block; "" for On-Demand
 
 
 def instance_type_result(itype: str) -> dict:
@@ -211,7 +212,7 @@ class ClusterMocks(pulumi.runtime.Mocks):
     def __init__(self, ami_root_gib: int = DLAMI_ROOT_GIB, ami_arch: str = "x86_64",
                  newest_dlami: str = DLAMI_ID, newest_ubuntu: str = UBUNTU_ID,
                  default_ebs_key: str = AWS_EBS_ALIAS, stashed: dict | None = None,
-                 arches: dict[str, str] | None = None, quotas: dict[str, float | str] | None = None,
+                 arches: dict[str, str] | None = None, quotas: dict[str, float | str | None] | None = None,
                  running: list[Running] | None = None):
         self.resources: list[Registered] = []  # custom resources, with their inputs
         self.components: list[Registered] = []  # everything registered, components included
@@ -227,7 +228,8 @@ class ClusterMocks(pulumi.runtime.Mocks):
         self.prior_stash = dict(stashed or {})
         self.stashed: dict[str, object] = {}
         self._public = 0
-        # quota code -> its value, or the provider's error reading it (ROOMY_QUOTA where not given)
+        # quota code -> its value (None: answered without one), or the provider's error reading it
+        # (ROOMY_QUOTA where not given)
         self.quotas = dict(quotas or {})
         self.running = list(running or [])
 
@@ -274,8 +276,7 @@ class ClusterMocks(pulumi.runtime.Mocks):
         if args.token == "aws:ec2/getInstances:getInstances":
             filters = {f["name"]: f["values"] for f in args.args.get("filters", [])}
             states = args.args.get("instanceStateNames") or ["running"]  # the provider's default
-            found = [r for r in self.running if r.state in states
-                     and any(fnmatch.fnmatchcase(r.instance_type, p) for p in filters.get("instance-type", ["*"]))]
+            found = [r for r in self.running if r.state in states and self._matches(r, filters)]
             return {"id": REGION, "ids": [r.id for r in found], "privateIps": [], "publicIps": [],
                     "ipv6Addresses": []}
         if args.token == "aws:ec2/getInstance:getInstance":
@@ -285,6 +286,22 @@ class ClusterMocks(pulumi.runtime.Mocks):
             return {"id": inst.id, "instanceType": inst.instance_type, "tags": dict(inst.tags),
                     "instanceState": inst.state}
         raise Exception(f"unexpected call {args.token}")
+
+    @staticmethod
+    def _matches(inst: Running, filters: dict[str, list[str]]) -> bool:
+        """DescribeInstances filters: instance-type (with wildcards), instance-lifecycle, tag:KEY."""
+        for name, values in filters.items():
+            if name == "instance-type":
+                ok = any(fnmatch.fnmatchcase(inst.instance_type, p) for p in values)
+            elif name == "instance-lifecycle":
+                ok = inst.lifecycle in values
+            elif name.startswith("tag:"):
+                ok = inst.tags.get(name[4:]) in values
+            else:
+                raise Exception(f"unexpected filter {name}")
+            if not ok:
+                return False
+        return True
 
     def new_resource(self, args: pulumi.runtime.MockResourceArgs):
         inputs = dict(args.inputs)

@@ -101,7 +101,7 @@ def test_the_stacks_own_instances_are_not_counted_twice():
     assert len(run.of_type("instance")) == 3
     # Another stack of the same cluster name is not ours.
     other = [Running("i-0b4", "g6.12xlarge", {"Cluster": "mini", "slurm-gpu:stack": "slurm-gpu/dev"})]
-    msg = refused(ClusterMocks(quotas={G: 96.0}, running=own + other))
+    msg = refused(ClusterMocks(quotas={G: 96.0}, running=other))
     assert "already run 48 vCPUs" in msg and request(G, 144) in msg
 
 
@@ -123,3 +123,55 @@ def test_quota_groups_as_data_with_their_spot_quotas():
     assert family("u-6tb1.metal") == "u"
     codes = [q.code for g in QUOTA_GROUPS for q in (g.on_demand, g.spot)]
     assert len(set(codes)) == len(codes)
+
+
+def test_spot_and_capacity_block_instances_do_not_count():
+    """Only On-Demand instances count against an On-Demand quota: spot ones are under the Spot
+    quotas, Capacity Block ones under the block's own limit (infra/quotas.py)."""
+    running = [
+        Running("i-0c1", "g6.12xlarge", lifecycle="spot"),
+        Running("i-0c2", "g6.48xlarge", lifecycle="capacity-block"),
+        Running("i-0c3", "g4dn.xlarge"),  # On-Demand: 4 vCPUs
+    ]
+    msg = refused(ClusterMocks(quotas={G: 96.0}, running=running))
+    assert "other instances of this account already run 4 vCPUs against it: 100 in all" in msg
+    run = run_program(stack_config(), ClusterMocks(quotas={G: 100.0}, running=running))
+    assert len(run.of_type("instance")) == 3
+
+
+def test_a_later_up_that_adds_no_vcpus_warns_instead_of_refusing(caplog):
+    """Another team filled the quota after the stack was made: a `pulumi up` that adds nothing goes on
+    with a warning (its own nodes count in any state: a stopped one starts again); growth is refused."""
+    own = [
+        Running("i-0d1", "g6.12xlarge", {"Cluster": "mini", "slurm-gpu:stack": OURS}),
+        Running("i-0d2", "g6.12xlarge", {"Cluster": "mini"}, state="stopped"),  # power saving stopped it
+        Running("i-0d3", "c6i.xlarge", {"Cluster": "mini", "slurm-gpu:stack": OURS}),
+    ]
+    team = [Running("i-0d4", "g6.12xlarge", {"Cluster": "their-cluster"})]
+    mocks = ClusterMocks(quotas={G: 96.0, STANDARD: 4.0}, running=own + team)
+    with caplog.at_level(logging.WARNING):
+        run = run_program(stack_config(), mocks)
+    assert len(run.of_type("instance")) == 3
+    warned = "\n".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert "starting every node would exceed the quota" in warned and "(L-DB2E81BA)" in warned
+    assert "already run 48 vCPUs against it, 144 in all" in warned and request(G, 144) in warned
+    # One more node: growth beyond what the stack has is refused.
+    msg = refused(ClusterMocks(quotas={G: 96.0}, running=own + team), gpuNodeCount=3)
+    assert "3 GPU nodes (3 x g6.12xlarge, 48 vCPUs each) need 144 vCPUs" in msg and request(G, 192) in msg
+
+
+def test_a_quota_without_a_value_is_reported_and_a_zero_quota_refuses(caplog):
+    with caplog.at_level(logging.WARNING):
+        run = run_program(stack_config(), ClusterMocks(quotas={G: None}))
+    assert len(run.of_type("instance")) == 3
+    warned = "\n".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert 'could not read the EC2 quota "Running On-Demand G and VT instances" (L-DB2E81BA): ' \
+           "Service Quotas answered without a value" in warned
+    msg = refused(ClusterMocks(quotas={G: 0.0}))
+    assert "the quota is 0." in msg and request(G, 96) in msg
+
+
+def test_im_and_is_families_are_standard():
+    for itype in ("im4gn.large", "is4gen.medium", "i4i.xlarge"):
+        group = quota_group(itype)
+        assert group and group.on_demand.code == STANDARD, itype
