@@ -74,7 +74,7 @@ class NetworkComponent(pulumi.ComponentResource):
             name, "gpu", subnet_cidr, availability_zone, tags("gpu-private"), child,
             nat_gateway_id=self.nat_gateway.id)
 
-        # What a host must wait for to have a route out at first boot (cloud-init installs packages).
+        # What a host must wait for to have a route out at first boot (the bootstrap installs packages).
         self.controller_internet = [self.internet_gateway, self.public_default_route,
                                     self.public_route_table_association]
         self.gpu_internet = [self.nat_gateway, self.gpu_default_route, self.gpu_route_table_association]

@@ -133,7 +133,7 @@ class NodesComponent(pulumi.ComponentResource):
                                          throughput=scratch_throughput_mbps, iops=scratch_iops),
             user_data_base64=user_data["controller"],
             tags=self._instance_tags("controller", facts.controller),
-            # Boot only once the subnet routes to the internet: cloud-init installs packages.
+            # Boot only once the subnet routes to the internet: the bootstrap installs packages.
             # User-data is read at first boot only; node-list changes go by `fab reconfigure`.
             opts=pulumi.ResourceOptions(parent=self, depends_on=list(controller_internet),
                                         ignore_changes=[*IGNORED_ON_UPDATE,

@@ -120,7 +120,7 @@ NVIDIA_SMI = "#!/bin/bash\nfor i in 0 1 2 3 4 5 6 7; do echo \"GPU $i: NVIDIA H1
 def p5(tmp_path, info, monkeypatch):
     """A p5's gpus step and health check, run for real against stand-in devices with systemctl,
     nvidia-smi and scontrol as recording stubs; the bootstrap's state under tmp_path."""
-    for name in ("STATE_DIR", "STEPS_DIR", "MARKER_PATH"):
+    for name in ("STATE_DIR", "STEPS_DIR", "MARKER_PATH", "VERSION_PATH"):
         monkeypatch.setattr(render, name, str(tmp_path / "state" / name.lower()))
     devdir = tmp_path / "dev"
     devdir.mkdir()

@@ -47,20 +47,29 @@ cp "$T/status" /var/lib/dpkg/status && : > /var/lib/dpkg/available
 for d in /var/lib/apt /var/cache/apt /etc/apt/apt.conf.d; do mount -t tmpfs none "$d"; done
 mkdir -p /var/lib/apt/lists/partial /var/cache/apt/archives/partial
 source "$T/gpu.sh"
+if [ -n "${LOCK_S:-}" ]; then  # another apt holds dpkg's frontend lock (fcntl, as dpkg takes it)
+  /usr/bin/python3 -c 'import fcntl, os, sys, time
+f = open("/var/lib/dpkg/lock-frontend", "w"); fcntl.lockf(f, fcntl.LOCK_EX); open(sys.argv[1], "w").close()
+time.sleep(float(sys.argv[2]))' "$T/locked" "$LOCK_S" &
+  until [ -e "$T/locked" ]; do sleep 0.1; done
+fi
 step_holds
+wait
 echo "--- held"; apt-mark showhold
 echo "--- conf"; cat /etc/apt/apt.conf.d/* 2>/dev/null || true
 echo "--- u-u"; apt-config dump Unattended-Upgrade::Package-Blacklist
 """
 
 
-def _run_step(tmp_path, facts) -> subprocess.CompletedProcess:
+def _run_step(tmp_path, facts, lock_s: float = 0) -> subprocess.CompletedProcess:
     (tmp_path / "status").write_text(_status())
     script = render.bootstrap_script(facts, "gpu").rsplit("run_steps", 1)[0]
     (tmp_path / "gpu.sh").write_text(script)
+    env = {"T": str(tmp_path), "PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"}
+    if lock_s:
+        env["LOCK_S"] = str(lock_s)
     return subprocess.run(["unshare", "--mount", "--propagation", "private", "bash", "-c", SANDBOX],
-                          env={"T": str(tmp_path), "PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"},
-                          capture_output=True, text=True, timeout=120)
+                          env=env, capture_output=True, text=True, timeout=120)
 
 
 def test_gpu_image_holds_its_installed_kernel_and_nvidia_packages(tmp_path):
@@ -73,6 +82,15 @@ def test_gpu_image_holds_its_installed_kernel_and_nvidia_packages(tmp_path):
     # apt's own parser reads the blacklist: one entry per prefix (unattended-upgrades re.match()es each).
     assert sorted(v.split('"')[1] for v in uu.splitlines() if ':: "' in v) == sorted(render.HOLD_PREFIXES)
     assert "kept as the image shipped them (held): " + " ".join(WANT_HELD) in res.stdout
+
+
+def test_holds_wait_for_another_apt_holding_the_dpkg_lock(tmp_path):
+    """First boot with an unattended upgrade running: apt-mark (dpkg --set-selections) does not wait
+    for dpkg's lock by itself, so the step waits and holds once the other apt is done."""
+    res = _run_step(tmp_path, FACTS["l4x2"], lock_s=6)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "another apt holds the dpkg lock; waiting" in res.stdout + res.stderr
+    assert sorted(res.stdout.split("--- held\n", 1)[1].split("--- conf\n", 1)[0].split()) == WANT_HELD
 
 
 @pytest.mark.parametrize("platform", [LOCAL, BOOT_DEBIAN12], ids=lambda p: p.name)

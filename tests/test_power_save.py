@@ -409,7 +409,7 @@ def test_power_programs_compile_and_the_bootstrap_passes_shellcheck(tmp_path):
 @pytest.fixture
 def power_step(tmp_path, monkeypatch):
     """The controller bootstrap with only its `power` step, its venv and state under tmp_path."""
-    for name in ("STATE_DIR", "STEPS_DIR", "MARKER_PATH"):
+    for name in ("STATE_DIR", "STEPS_DIR", "MARKER_PATH", "VERSION_PATH"):
         monkeypatch.setattr(render, name, str(tmp_path / "state" / name.lower()))
     monkeypatch.setattr(render, "POWER_VENV", str(tmp_path / "power"))
 
