@@ -28,7 +28,8 @@ GAP_SLACK_S = 1.0
 ESTIMATE_FACTOR = 2.0
 STARTUP_SLACK_S = 15.0
 # fab-side phases, then the job's own (from the log's stamps and metrics.json), then the download.
-EXPECTED = ["setup", "estimate", "setup", "wake", "inputs", "prefetch", "keys", "reconfigure", "service", "sanity", "staging",
+EXPECTED = ["setup", "estimate", "setup", "wake", "inputs", "prefetch", "keys", "reconfigure", "service", "sanity", "network",
+            "staging",
             "queue",
             "startup", "data", "model", "build", "first_step", "steps", "save", "exit", "seen", "download"]
 

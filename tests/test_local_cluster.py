@@ -221,8 +221,8 @@ def test_failed_up_cleans_up(lc, monkeypatch):
     # A bootstrap script that fails on the GPU hosts, after the controller is made.
     real = render.bootstrap_script
 
-    def failing(facts, role, hostname=None):
-        text = real(facts, role, hostname)
+    def failing(facts, role, hostname=None, **kwargs):
+        text = real(facts, role, hostname, **kwargs)
         return text if role == "controller" else "#!/bin/bash\necho 'no GPUs here' >&2\nexit 7\n"
 
     monkeypatch.setattr(render, "bootstrap_script", failing)

@@ -183,7 +183,8 @@ def test_node_loss_requeues_and_resumes_from_checkpoint(local_cluster, tmp_path)
     cfg = yaml.safe_load((REPO / "training" / "configs" / "local-tiny.yaml").read_text())
     # Five epochs (100 optimizer steps): the packed path trains one epoch of these rows in a few seconds, and the
     # job log reaches `fab train` in chunks (one per poll), so a shorter run can end before the kill lands.
-    cfg.update(save_steps=save_steps, save_total_limit=3, num_train_epochs=5)
+    # eval_split 0: every row trains, so the step count below is an uninterrupted run's.
+    cfg.update(save_steps=save_steps, save_total_limit=3, num_train_epochs=5, eval_split=0)
     config = tmp_path / "node-loss.yaml"
     config.write_text(yaml.safe_dump(cfg))
     # What an uninterrupted run does: each rank sees ceil(examples / ranks) rows per epoch.

@@ -163,7 +163,8 @@ def test_defaults_are_the_seed_recipe():
     assert model.lora_target_modules == ["q_proj", "k_proj", "v_proj", "o_proj"]
     assert (cfg.learning_rate, cfg.num_train_epochs) == (2e-4, 1.0)
     assert (cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps, cfg.max_length) == (2, 8, 1024)
-    assert cfg.ddp_find_unused_parameters is False and cfg.report_to == []
+    # Logging: TensorBoard events beside the adapters (report_to), as Transformers/TRL scripts do.
+    assert cfg.ddp_find_unused_parameters is False and cfg.report_to == ["tensorboard"]
     assert cfg.save_steps > 0 and cfg.logging_steps == 1
 
 
