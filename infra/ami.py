@@ -1,6 +1,6 @@
 """Which images the cluster boots, and how a stack keeps them.
 
-Two images, both facts of the AWS platform (bootstrap/platform.py): the GPU nodes boot the
+Two images, both facts of the AWS platform (cluster/platform.py): the GPU nodes boot the
 Deep Learning Base GPU AMI for Ubuntu 24.04 (NVIDIA driver, CUDA, EFA with aws-ofi-nccl);
 the controller boots Canonical's plain Ubuntu 24.04 server image (same Python and Slurm,
 no GPU stack; the GPU image does not list C6i). The ARM64 builds are excluded by the
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import pulumi
 import pulumi_aws as aws
 
-from bootstrap.platform import AWS, MachineImage
+from cluster.platform import AWS, MachineImage
 from infra.config import ConfigError, StackConfig
 from infra.instance_types import ARCH
 

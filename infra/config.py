@@ -17,7 +17,7 @@ from typing import Any
 
 import pulumi
 
-from bootstrap.facts import max_gpu_nodes
+from cluster.facts import max_gpu_nodes
 
 NAMESPACE = "slurm-gpu"
 
@@ -97,7 +97,7 @@ GP3_MIBPS_PER_IOPS = 0.25
 
 
 def gp3_min_iops(throughput: int) -> int:
-    """The fewest IOPS gp3 accepts with this throughput (ops/estimate.py prices the same rule)."""
+    """The fewest IOPS gp3 accepts with this throughput (ops/cost/estimate.py prices the same rule)."""
     return max(GP3_IOPS[0], math.ceil(throughput / GP3_MIBPS_PER_IOPS))
 
 

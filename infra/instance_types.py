@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import pulumi_aws as aws
 
-from bootstrap.facts import NodeShape
+from cluster.facts import NodeShape
 from infra.config import ConfigError, StackConfig
 
 # GPUs whose boards join their GPUs with NVLink. For the others (PCIe only) jobs

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from bootstrap import render
-from localcluster import layout
+from localcluster import topology as layout
 from tests.localcluster_fixture import fresh_cluster
 from tests.test_node_loss import on
 

@@ -1,4 +1,4 @@
-"""The estimate (ops/estimate.py): its inputs, its formulas, its bill, and its errors before any host."""
+"""The estimate (ops/cost/estimate.py): its inputs, its formulas, its bill, and its errors before any host."""
 
 import json
 import os
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from ops import estimate as est
-from ops import options
+from ops.actions import options
+from ops.cost import estimate as est
 
 REPO = Path(__file__).resolve().parent.parent
 FAB = str(REPO / ".venv" / "bin" / "fab")
@@ -37,7 +37,7 @@ def test_seed_cluster_reads_the_stack_file_and_the_seed_job():
     assert steps == 16  # 2,000 rows / (2 x 8 x 8 ranks), as the seed's run
     assert tokens_rank == pytest.approx(2000 * job.tokens_per_row / 8)
     keys = [p.key for p in e.phases]
-    from ops.timeline import LABELS
+    from ops.finetune.timeline import LABELS
 
     assert [k for k in keys if k in LABELS] == [k for k in LABELS if k in keys]  # the timeline's order
 
@@ -69,7 +69,7 @@ def test_shared_volume_throughput_comes_from_the_stacks_inventory():
     """`pulumi up` (under mocks) with slurm-gpu:scratchThroughputMBps 1000: the inventory it exports
     carries the volume's throughput and IOPS, and the estimate reads the weights at that rate and
     bills both; --scratch-mbps stays a what-if on top."""
-    from bootstrap.inventory import Inventory
+    from cluster.inventory import Inventory
     from tests.test_infra_mocks import run_program, stack_config
 
     inv = Inventory.from_dict(run_program(stack_config(scratchThroughputMBps="1000")).outputs["inventory"])

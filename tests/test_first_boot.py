@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from bootstrap import render
-from bootstrap.platform import AWS
 from bootstrap.slurm_keys import unknown_keys
+from cluster.platform import AWS
 from tests.test_bootstrap_render import script_packages
 from tests.test_infra_mocks import run_program, stack_config, user_data_of, user_data_size
 from tests.test_infra_program import _decoded_files, _instances

@@ -15,22 +15,23 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 # The project's layers: packages, plus the two entry-point modules at the root.
-LAYERS = ("bootstrap", "infra", "ops", "localcluster", "training", "policy", "benchmarks",
+LAYERS = ("cluster", "bootstrap", "infra", "ops", "localcluster", "training", "policy", "benchmarks",
           "boottest", "fabfile", "__main__")
 # Outside libraries that decide a layer: Pulumi is the cloud side, Fabric the SSH side.
 GUARDED = ("pulumi", "pulumi_aws", "fabric", "invoke")
 
 # Who may import whom (a layer may always import itself). Anything absent is forbidden.
 ALLOWED: dict[str, set[str]] = {
-    "bootstrap": set(),  # the shared cluster description and the rendered files: imports nothing
-    "infra": {"bootstrap", "pulumi", "pulumi_aws"},
-    "ops": {"bootstrap", "training", "fabric", "invoke"},
-    "localcluster": {"bootstrap", "ops", "fabric", "invoke"},
+    "cluster": set(),  # the ground floor: facts, platforms, targets, inventory, settings
+    "bootstrap": {"cluster"},  # renders first boot from the facts
+    "infra": {"cluster", "bootstrap", "pulumi", "pulumi_aws"},
+    "ops": {"cluster", "bootstrap", "training", "fabric", "invoke"},
+    "localcluster": {"cluster", "bootstrap", "ops", "fabric", "invoke"},
     "training": set(),  # runs on the GPU nodes: nothing of the cluster side
     "policy": {"pulumi"},  # a separate Pulumi policy pack: nothing from the repo
     "benchmarks": {"training", "ops"},
-    "boottest": {"bootstrap", "ops"},  # the boot test's harness: rendered user-data, host keys
-    "fabfile": {"ops", "localcluster", "bootstrap", "fabric", "invoke"},
+    "boottest": {"cluster", "bootstrap", "ops"},  # the boot test's harness: rendered user-data, host keys
+    "fabfile": {"cluster", "ops", "localcluster", "bootstrap", "fabric", "invoke"},
     "__main__": {"infra"},
 }
 
@@ -88,10 +89,11 @@ def test_the_code_follows_the_layering():
 
 
 @pytest.mark.parametrize("rel, source, edge", [
-    ("infra/cluster.py", "from ops.inventory import Inventory\n", "infra must not import ops"),
+    ("infra/cluster_component.py", "from ops.ssh.remote import Cluster\n", "infra must not import ops"),
+    ("cluster/facts.py", "from bootstrap import render\n", "cluster must not import bootstrap"),
     ("infra/nodes.py", "def f():\n    import fabric\n", "infra must not import fabric"),
     ("bootstrap/render.py", "import infra.config\n", "bootstrap must not import infra"),
-    ("training/train.py", "from localcluster import layout\n", "training must not import localcluster"),
+    ("training/train.py", "from localcluster import topology\n", "training must not import localcluster"),
     ("policy/rules.py", "from bootstrap import facts\n", "policy must not import bootstrap"),
 ])
 def test_a_forbidden_import_is_caught(rel, source, edge):
@@ -99,8 +101,8 @@ def test_a_forbidden_import_is_caught(rel, source, edge):
 
 
 def test_allowed_and_outside_imports_pass():
-    assert violations({"infra/cluster.py": "import json\nfrom bootstrap.inventory import Inventory\n",
-                       "ops/finetune.py": "from ops import slurm\nimport fabric\n"}) == []
+    assert violations({"infra/cluster_component.py": "import json\nfrom cluster.inventory import Inventory\n",
+                       "ops/finetune/pipeline.py": "from ops import slurm\nimport fabric\n"}) == []
 
 
 def test_no_module_level_getattr():

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from bootstrap import render
-from bootstrap.platform import AWS
+from cluster.platform import AWS
 from infra.config import ConfigError
 from tests.test_bootstrap_render import script_packages
 from tests.test_infra_mocks import (

@@ -1,6 +1,6 @@
 """The NCCL transport parser on recorded NCCL_DEBUG=INFO lines."""
 
-from ops import nccl
+from ops.actions import nccl
 
 # The seed's three sample lines (8 x L4 over two g6.12xlarge nodes, EFA), as the log shows them.
 SEED = [

@@ -4,8 +4,8 @@ import subprocess
 
 import pytest
 
-from bootstrap.inventory import Inventory, Node
-from ops import options
+from cluster.inventory import Inventory, Node
+from ops.actions import options
 from tests.test_ops_units import REPO
 
 INV = Inventory(

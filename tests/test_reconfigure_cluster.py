@@ -14,10 +14,11 @@ import time
 import pytest
 
 from bootstrap import render
-from bootstrap.facts import facts_from_dict
-from localcluster import layout
-from ops import reconfigure, remote, slurm
-from ops.remote import Cluster
+from cluster.facts import facts_from_dict
+from localcluster import topology as layout
+from ops.actions import reconfigure, slurm
+from ops.ssh import remote
+from ops.ssh.remote import Cluster
 from tests.localcluster_fixture import fresh_cluster
 
 pytestmark = pytest.mark.cluster

@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from bootstrap import render
-from bootstrap.facts import ClusterFacts, NodeShape, plan_hosts
+from cluster.facts import ClusterFacts, NodeShape, plan_hosts
 from tests.test_infra_mocks import SSH_KEY, run_program, stack_config, user_data_of
 
 REPO = Path(__file__).resolve().parent.parent

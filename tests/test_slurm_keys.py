@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from bootstrap import render
-from bootstrap.facts import ClusterFacts, PowerSave
-from bootstrap.platform import AWS, LOCAL
 from bootstrap.slurm_keys import ACCEPTED_KEYS, config_keys, unknown_keys
+from cluster.facts import ClusterFacts, PowerSave
+from cluster.platform import AWS, LOCAL
 from localcluster import plan as local_plan
 from tests.test_bootstrap_render import FACTS
 
