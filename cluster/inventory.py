@@ -11,10 +11,11 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
+from cluster.errors import UserError
 from cluster.facts import ClusterFacts, facts_to_dict
 
 
-class InventoryError(RuntimeError):
+class InventoryError(UserError, RuntimeError):
     pass
 
 

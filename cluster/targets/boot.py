@@ -12,8 +12,10 @@ from cluster.inventory import Inventory, InventoryError
 from cluster.platform import BOOT_DEBIAN12
 from cluster.targets.base import CONFIGS, Target, register
 
-# Where boottest/boot_cluster.py writes the inventory of the running boot cluster.
-BOOT_INVENTORY = Path(os.environ.get("SLURM_GPU_BOOT_STATE", "/var/lib/slurm-gpu-boot")) / "inventory.json"
+# Where a boot-test cluster keeps its state on the host (boottest/boot_cluster.py makes it,
+# boottest/teardown.py removes it), and the inventory of the running one.
+STATE_ROOT = Path(os.environ.get("SLURM_GPU_BOOT_STATE", "/var/lib/slurm-gpu-boot"))
+BOOT_INVENTORY = STATE_ROOT / "inventory.json"
 
 
 class Boot(Target):

@@ -15,6 +15,7 @@ import time
 from fabric import Connection
 
 from bootstrap.render import BOOTSTRAP_PATH, STEPS_DIR
+from cluster.errors import UserError
 from ops.ssh.remote import HostError, each
 
 STATUS_CMD = "cloud-init status --format json"
@@ -25,7 +26,7 @@ STEPS_CMD = (f"for f in {shlex.quote(STEPS_DIR)}/*.status; do [ -e \"$f\" ] || c
              "printf '%s %s\\n' \"$(basename \"$f\" .status)\" \"$(head -n 1 \"$f\")\"; done")
 
 
-class CloudInitFailed(RuntimeError):
+class CloudInitFailed(UserError, RuntimeError):
     pass
 
 

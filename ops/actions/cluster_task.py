@@ -19,21 +19,11 @@ from invoke import task
 from invoke.exceptions import Exit
 from paramiko.ssh_exception import AuthenticationException, NoValidConnectionsError, SSHException
 
-from cluster.inventory import InventoryError
-from ops.actions import munge, netcheck, node_update, options, prefetch, reconfigure, slurm, status_view
-from ops.actions.cloudinit import CloudInitFailed
-from ops.cost import estimate
-from ops.finetune import pipeline as finetune
-from ops.ssh import hostkeys, sshcmd
-from ops.ssh.remote import HostError
+from cluster.errors import UserError
+from ops.actions import options
 
 COMMON_FLAGS = tuple(options.CLUSTER_FLAGS_HELP)  # target, stack, identity
 FLAG_PARSERS: dict[str, Callable] = {"job": options.parse_job, "host": options.parse_host}
-USER_ERRORS = (options.OptionError, InventoryError, HostError, slurm.SlurmError,
-               munge.MungeKeyError, CloudInitFailed, finetune.TrainError, reconfigure.ReconfigureError,
-               hostkeys.HostKeyError, status_view.StatusProblem, sshcmd.SshFailed, estimate.EstimateError,
-               node_update.UpdateError, netcheck.NetCheckError,
-               prefetch.PrefetchError)
 
 
 def identity_of(c, identity: str | None) -> str | None:
@@ -80,7 +70,7 @@ def cluster_task(help: dict[str, str] | None = None, positional: tuple[str, ...]
                 where = options.parse_cluster(target=given["target"], stack=given["stack"],
                                               identity=identity_of(c, given["identity"]))
                 return fn(c, where, **own_flags)
-            except (*USER_ERRORS, AuthenticationException, NoValidConnectionsError, SSHException,
+            except (UserError, AuthenticationException, NoValidConnectionsError, SSHException,
                     TimeoutError) as exc:
                 raise _one_line(fn.__name__, exc, identity_of(c, given["identity"])) from None
             except KeyboardInterrupt:

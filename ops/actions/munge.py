@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from fabric import Connection
 
 from bootstrap.render import NODE_LOCAL_KEY_MARKER
+from cluster.errors import UserError
 from ops.ssh.remote import WholeInput, sudo
 
 KEY_PATH = "/etc/munge/munge.key"
@@ -30,7 +31,7 @@ MUNGE_USER = "munge"  # the packages' munge.service runs munged as this user
 SUCCESS = re.compile(r"^STATUS:\s+Success \(0\)", re.M)
 
 
-class MungeKeyError(RuntimeError):
+class MungeKeyError(UserError, RuntimeError):
     def __init__(self, node: str, message: str):
         super().__init__(f"{node}: {message}")
         self.node = node

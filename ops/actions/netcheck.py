@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from cluster import targets
+from cluster.errors import UserError
 from cluster.inventory import Inventory
 from ops.actions import nccl, slurm
 from ops.finetune import sbatch as jobs
@@ -37,7 +38,7 @@ TIME_LIMIT = "00:03:00"  # Slurm ends a hung check; fab waits a little longer
 WAIT_S = 240
 
 
-class NetCheckError(RuntimeError):
+class NetCheckError(UserError, RuntimeError):
     pass
 
 

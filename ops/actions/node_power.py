@@ -7,7 +7,7 @@ down, `idle!` power-down pending. A job that needs a stopped node starts it and 
 reaches every node over SSH before it submits anything.
 
 A node its power program could not start (EC2 had no capacity, say) is powered down again at
-once with the reason `start failed: CODE: MESSAGE` (bootstrap/scripts/start-failed.sh.j2); the
+once with the reason `start failed: CODE: MESSAGE` (bootstrap/scripts/power-ec2.py.j2 `start_failed`); the
 next job that needs it starts it again. `start_failure` reads that reason; `advice` says what to do.
 """
 
@@ -15,17 +15,16 @@ from __future__ import annotations
 
 import shlex
 import time
-from collections.abc import Callable
 
 from bootstrap import render
 from ops.actions import slurm
+from ops.say import Say
 from ops.ssh.remote import Cluster, sudo
 
 SUFFIXES = {"~": "stopped", "#": "starting", "%": "stopping", "!": "stopping soon"}
 ON = "on"
 DEFAULT_POWER_UP_TIME = "a few minutes"
 DEFAULT_WAKE_TIMEOUT_S = 900.0
-Say = Callable[[str], None]
 
 
 def power_state(sinfo_state: str) -> str:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import shlex
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fabric import Connection
@@ -27,12 +26,13 @@ from paramiko.ssh_exception import SSHException
 
 from bootstrap import render, steps
 from cluster import targets
+from cluster.errors import UserError
 from cluster.facts import ClusterFacts
 from ops.actions import slurm
 from ops.actions.reconfigure import ReconfigureError, facts_of, install_text, read_text
+from ops.say import Say
 from ops.ssh.remote import Cluster, each, sudo
 
-Say = Callable[[str], None]
 REASON = "slurm-gpu bootstrap update"
 # A node just drained may still be finishing a job's epilogue (COMPLETING): wait this long.
 COMPLETING_WAIT_S = 60
@@ -42,7 +42,7 @@ _READ = (f"if [ -e {render.MARKER_PATH} ]; then cat {render.VERSION_PATH} 2>/dev
          "else echo booting; fi")
 
 
-class UpdateError(RuntimeError):
+class UpdateError(UserError, RuntimeError):
     """An update step failed on a node; the node stays drained (the message says how to resume it)."""
 
 

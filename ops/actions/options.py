@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from cluster import targets
+from cluster.errors import UserError
 from cluster.inventory import Inventory
 from cluster.targets import Target
 
@@ -24,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
-class OptionError(ValueError):
+class OptionError(UserError, ValueError):
     pass
 
 

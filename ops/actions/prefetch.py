@@ -15,11 +15,13 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from cluster.errors import UserError
+from ops.say import Say
+
 SCRIPT = Path(__file__).resolve().parent / "fetch_files.py"
-Say = Callable[[str], None]
 
 
-class PrefetchError(RuntimeError):
+class PrefetchError(UserError, RuntimeError):
     pass
 
 

@@ -10,7 +10,7 @@ restart (their first start, before the controller knew them, could not register)
 
 A node to be removed that still runs a job is refused unless `force`, which cancels such jobs
 first: Slurm 22.05 marks a job whose node left its configuration NODE_FAIL at once and leaves
-its processes running on the node, unmanaged (seen on the local cluster; README, "Scale").
+its processes running on the node, unmanaged (seen on the local cluster; docs/AWS.md, "Scale").
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from fabric import Connection
 
 from bootstrap import render
 from cluster import targets
+from cluster.errors import UserError
 from cluster.facts import ClusterFacts, facts_from_dict
 from cluster.inventory import Inventory
 from ops.actions import cloudinit, munge, slurm
@@ -46,7 +47,7 @@ def controller_files(rendered: dict[str, str]) -> dict[str, str]:
 BUSY_STATES = "RUNNING,COMPLETING,CONFIGURING,SUSPENDED"
 
 
-class ReconfigureError(RuntimeError):
+class ReconfigureError(UserError, RuntimeError):
     pass
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from fabric import Connection
 
+from cluster.errors import UserError
 from ops.ssh.remote import Cluster, sudo
 
 # Nodes drained with a reason that says "health" were drained by the GPU health check
@@ -21,7 +22,7 @@ HEALTH_REASON = re.compile(r"health", re.IGNORECASE)
 _BAD_STATES = ("down", "drain", "fail")  # down, down*, drained, draining, fail, failing
 
 
-class SlurmError(RuntimeError):
+class SlurmError(UserError, RuntimeError):
     pass
 
 

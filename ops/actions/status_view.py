@@ -8,21 +8,20 @@ was shown.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from paramiko.ssh_exception import SSHException
 
+from cluster.errors import UserError
 from cluster.inventory import Inventory
 from ops.actions import cloudinit, node_update, slurm
 from ops.actions import node_power as power
+from ops.say import Say
 from ops.ssh.remote import Cluster, HostError, each
 
-Say = Callable[[str], None]
 SINFO = "sinfo -N -o '%N %9T %G %E'"
 SQUEUE = "squeue -o '%.8i %.22j %.8u %.10T %.10M %.6D %R'"
 
 
-class StatusProblem(RuntimeError):
+class StatusProblem(UserError, RuntimeError):
     """The cluster is not fully in service; the message says what and where (shown above it)."""
 
 

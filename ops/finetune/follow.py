@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import re
 import shlex
-from collections.abc import Callable
 
 from ops.actions import slurm
 from ops.finetune import pipeline as flow
 from ops.finetune import sbatch as jobs
 from ops.finetune import stream
+from ops.say import Say
 from ops.ssh.remote import Cluster
 
-Say = Callable[[str], None]
 _LOG_NAME = re.compile(rf"^{re.escape(jobs.FINETUNE_NAME)}-(\d+)\.out$")
 
 

@@ -16,12 +16,12 @@ import stat
 import tarfile
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 
 from fabric import Connection
 
 from cluster import targets
+from cluster.errors import UserError
 from cluster.inventory import Inventory
 from ops.actions import cloudinit, munge, netcheck, node_update, prefetch, reconfigure, slurm
 from ops.actions import node_power as power
@@ -29,6 +29,7 @@ from ops.actions.options import REPO, TrainOptions, check_against
 from ops.cost import estimate as est
 from ops.finetune import sbatch as jobs
 from ops.finetune import stream, summary, timeline
+from ops.say import Say
 from ops.ssh.remote import Cluster, HostError, connect, each, service
 
 # Where runs come home; SLURM_GPU_RUNS moves it (the tests keep the repo clean with it).
@@ -36,10 +37,9 @@ RUNS = Path(os.environ.get("SLURM_GPU_RUNS", REPO / "runs"))
 TRAINING_DIR = REPO / "training"
 TINY_DIR = "tiny"  # under scratch: made by training.make_tiny for the local cluster
 STEPS = 7
-Say = Callable[[str], None]
 
 
-class TrainError(RuntimeError):
+class TrainError(UserError, RuntimeError):
     pass
 
 

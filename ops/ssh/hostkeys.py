@@ -29,6 +29,8 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
+from cluster.errors import UserError
+
 KEY_TYPES = ("ssh-ed25519", "ecdsa-sha2-nistp256", "ecdsa-sha2-nistp384", "ecdsa-sha2-nistp521", "ssh-rsa")
 CONFIG_HOME = Path(os.environ.get("XDG_CONFIG_HOME", Path.home() / ".config")) / "slurm-gpu"
 KEYS_BEGIN, KEYS_END = "-----BEGIN SSH HOST KEY KEYS-----", "-----END SSH HOST KEY KEYS-----"
@@ -38,7 +40,7 @@ _FP = re.compile(r"\b\d+ (?P<fp>SHA256:[A-Za-z0-9+/]+)\b")
 Key = tuple[str, str]  # (type, base64 blob)
 
 
-class HostKeyError(RuntimeError):
+class HostKeyError(UserError, RuntimeError):
     """A host key is missing, cannot be fetched, or does not match the pinned one."""
 
 

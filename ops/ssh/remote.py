@@ -23,6 +23,7 @@ from paramiko import PKey, RejectPolicy
 from paramiko.ssh_exception import BadHostKeyException, SSHException
 
 from cluster import targets
+from cluster.errors import UserError
 from cluster.inventory import Inventory
 from ops.ssh import hostkeys
 
@@ -33,7 +34,7 @@ T = TypeVar("T")
 CONNECT_TIMEOUT_S = 20
 
 
-class HostError(RuntimeError):
+class HostError(UserError, RuntimeError):
     """One or more hosts failed a step; `failures` maps host name -> reason."""
 
     def __init__(self, step: str, failures: dict[str, str]):

@@ -14,6 +14,7 @@ import subprocess
 from pathlib import Path
 
 from cluster import targets
+from cluster.errors import UserError
 from cluster.inventory import Inventory
 from ops.actions.options import ClusterOptions, OptionError
 from ops.ssh import hostkeys
@@ -21,7 +22,7 @@ from ops.ssh import hostkeys
 SSH_FAILED = 255  # OpenSSH's own exit status (connection refused, authentication, host key)
 
 
-class SshFailed(RuntimeError):
+class SshFailed(UserError, RuntimeError):
     """ssh itself failed (its own error is above, on the terminal)."""
 
 
