@@ -127,7 +127,7 @@ def reconfigure(c, where, force=False):
     Renders slurm.conf, gres.conf and the hosts block from the stack's inventory, installs them on
     the controller, restarts slurmctld and runs `scontrol reconfigure` (GPU nodes fetch the new
     configuration: they run configless); new nodes get the munge key and join. Refuses to remove a
-    node that runs a job unless --force: drain it first (README, "Scale"). No change: no restart.
+    node that runs a job unless --force: drain it first (docs/AWS.md, "Scale"). No change: no restart.
     `fab train` runs this too.
     """
     with open_cluster(where) as cl:

@@ -150,7 +150,7 @@ class ClusterFacts:
 
 
 def gpu_node_name(index: int) -> str:
-    """gpu-node-01, gpu-node-02, ... (1-based, as in the seed)."""
+    """gpu-node-01, gpu-node-02, ... (1-based, as in the baseline)."""
     return f"gpu-node-{index:02d}"
 
 

@@ -116,4 +116,4 @@ def _tell_if_newer(role: str, newest: str | None, kept: str | None) -> None:
     if newest and kept and newest != kept:
         pulumi.log.info(f"a newer {role} image {newest} is out; this stack keeps {kept}. To move to it: "
                         f"`pulumi config set slurm-gpu:{CONFIG_KEY[role]} {newest}` and `pulumi up` "
-                        "(replaces those instances: README, 'Moving to a newer image')")
+                        "(replaces those instances: docs/AWS.md, 'Moving to a newer image')")

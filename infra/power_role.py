@@ -1,6 +1,6 @@
 """Idle GPU nodes stop paying: the controller's instance role for Slurm's power programs.
 
-slurmctld's SuspendProgram/ResumeProgram (bootstrap/scripts/power-ec2.sh.j2) stop and
+slurmctld's SuspendProgram/ResumeProgram (bootstrap/scripts/power-ec2.py.j2) stop and
 start GPU instances through the EC2 API with this role. It may stop and start only
 instances carrying this cluster's tags (Cluster=<name>, Role=gpu: never the controller,
 never another cluster's nodes), and describe instances (DescribeInstances cannot be

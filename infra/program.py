@@ -101,7 +101,7 @@ def main() -> dict[str, pulumi.Output]:
         "clusterName": facts.cluster_name,
         "inventory": cluster.inventory,
         # The image each host runs (from its state): what to pin with slurm-gpu:amiId and
-        # controllerAmiId, and what `pulumi up` keeps (README: "Moving to a newer image").
+        # controllerAmiId, and what `pulumi up` keeps (docs/AWS.md: "Moving to a newer image").
         "images": cluster.images_running,
     }
     for key, value in outputs.items():

@@ -1,4 +1,4 @@
-"""The boot test (issue 26): every role booted for real from the stack's rendered user-data.
+"""The boot test: every role booted for real from the stack's rendered user-data.
 
 For each boot platform (Debian 12: Slurm 22.05; Debian 13: Slurm 24.11, bracketing the AMI's
 23.11) the controller and two GPU nodes boot as systemd-nspawn containers (systemd PID 1),

@@ -1,4 +1,4 @@
-"""A failed first boot is reported, not waited on (issue 11 item 5), on the real local cluster.
+"""A failed first boot is reported, not waited on, on the real local cluster.
 
 One GPU host's bootstrap is re-run with its stand-in GPU file gone: the `gpus` step fails and
 records it (render.STEPS_DIR). `fab status` and `fab train` then name the host, the step and

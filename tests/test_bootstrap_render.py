@@ -19,7 +19,7 @@ def make_facts(name, subnet, nodes, shape, **kw) -> ClusterFacts:
     return ClusterFacts(name, controller, gpu_nodes, shape, subnet, **kw)
 
 
-# The shapes the project targets: the seed's 2x g6.12xlarge (4x L4), a 3-node
+# The shapes the project targets: the baseline's 2x g6.12xlarge (4x L4), a 3-node
 # 8x H100 cluster, and the smallest possible one (1 node, 1 GPU, no EFA).
 FACTS = {
     "l4x2": make_facts("mini", "10.0.1.0/24", 2, NodeShape(48, 185000, 4, "l4", threads_per_core=2)),

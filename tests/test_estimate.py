@@ -20,13 +20,6 @@ def _seed(**kw) -> est.Estimate:
     return est.estimate(cl, est.job_from_config(SEED_CONFIG, None, None, None))
 
 
-def test_stack_defaults_are_infra_configs():
-    from infra.config import SETTINGS
-
-    for key, value in est.STACK_DEFAULTS.items():
-        assert SETTINGS[key][0] == value, key
-
-
 def test_seed_cluster_reads_the_stack_file_and_the_seed_job():
     e = _seed()
     cl, job = e.cluster, e.job
@@ -34,7 +27,7 @@ def test_seed_cluster_reads_the_stack_file_and_the_seed_job():
         ("ap-northeast-2", "g6.12xlarge", "c6i.xlarge", 2, 4)
     assert job.rows == 2000 and job.model_bytes == est.MODELS["Qwen/Qwen3-4B"]["bytes"]
     steps, tokens_rank = est._steps(cl, job)
-    assert steps == 16  # 2,000 rows / (2 x 8 x 8 ranks), as the seed's run
+    assert steps == 16  # 2,000 rows / (2 x 8 x 8 ranks), as the baseline's run
     assert tokens_rank == pytest.approx(2000 * job.tokens_per_row / 8)
     keys = [p.key for p in e.phases]
     from ops.finetune.timeline import LABELS
@@ -43,9 +36,9 @@ def test_seed_cluster_reads_the_stack_file_and_the_seed_job():
 
 
 def test_throughput_is_measured_for_the_benchmark_gpu_and_scaled_by_flops_for_others():
-    # The newest time-to-adapters result names its GPU as torch reports it ("NVIDIA H100 80GB HBM3"):
+    # The one results file the estimate reads names its GPU as torch reports it ("NVIDIA H100 80GB HBM3"):
     # the estimate files it under the datasheet table's name ("H100").
-    newest = json.loads(sorted((REPO / "benchmarks" / "results").glob("*time-to-adapters*.json"))[-1].read_text())
+    newest = json.loads(est.MEASURED.read_text())
     gpus = json.loads((est.DATA / "instances.json").read_text())["gpus"]
     measured = next(k for k in gpus if k != "_about" and newest["gpu"].replace("NVIDIA ", "").split(" ")[0] == k)
     tok_s, _, basis = est.gpu_throughput(measured)

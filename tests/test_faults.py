@@ -1,4 +1,4 @@
-"""Faults and bad input that need no cluster (issue 15): the training config's contents, a requeued
+"""Faults and bad input that need no cluster: the training config's contents, a requeued
 job whose training had completed, the job log's own error lines, the first progress line, data
 files that are not UTF-8. The cluster side is in tests/test_faults_cluster.py; the table of every
 case and its test is docs/FAULTS.md.

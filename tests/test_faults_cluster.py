@@ -1,4 +1,4 @@
-"""Faults a user hits on a running cluster (issue 15), injected on the real local cluster.
+"""Faults a user hits on a running cluster, injected on the real local cluster.
 
 One cluster (2 GPU hosts x 1 stand-in GPU) for the module, tests in order, each leaving every
 node idle for the next:

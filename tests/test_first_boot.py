@@ -1,5 +1,5 @@
 """The rendered AWS first boot of the default stack (2 x g6.12xlarge) does things in the
-right order for the image it boots (issue 11 item 3): GPU devices opened and checked before
+right order for the image it boots: GPU devices opened and checked before
 slurmd starts, python3-dev and a C compiler, cgroup confinement, unlimited MEMLOCK."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 27 points 4 and 8, CredType and SlurmctldPidFile: what slurm.conf, the GPU bootstrap
+"""CredType and SlurmctldPidFile: what slurm.conf, the GPU bootstrap
 and the health check say about the node's CPUs and NVSwitch, from the instance facts (through
 the provider's result types, mocked) and from this machine (checked against its real slurmd)."""
 

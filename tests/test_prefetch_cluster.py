@@ -1,4 +1,4 @@
-"""fab's side of the prefetch (ops/prefetch.run) on the real local cluster: the controller fetches
+"""fab's side of the prefetch (ops.actions.prefetch.run) on the real local cluster: the controller fetches
 from an HTTP server on the project's bridge address into the shared /scratch, every GPU node
 then sees the files; a second fetch reads nothing; a wrong checksum fails before any job."""
 

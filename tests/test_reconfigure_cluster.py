@@ -1,4 +1,4 @@
-"""`fab reconfigure` on the real local cluster (issue 12 item 1): the node list changes on the
+"""`fab reconfigure` on the real local cluster: the node list changes on the
 controller only, GPU hosts pick it up configless, a node with a running job is not removed
 without --force, and a removed node comes back when the list grows again.
 

@@ -1,4 +1,4 @@
-"""The cluster's security invariants (issue 6, item 4), on the Pulumi program run under
+"""The cluster's security invariants, on the Pulumi program run under
 mocks and on the files bootstrap/ renders:
 
 - SSH only from adminCidr, by key only; IMDSv2; encrypted volumes;

@@ -1,5 +1,5 @@
 """Every key of every rendered Slurm file is one its platform's Slurm version accepts
-(bootstrap/slurm_keys.py), for the AWS stacks and the local cluster (issue 11 item 3)."""
+(bootstrap/slurm_keys.py), for the AWS stacks and the local cluster."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Every pin the GPU nodes install has a wheel for the target platform's Python (issue 11 item 2).
+"""Every pin the GPU nodes install has a wheel for the target platform's Python.
 
 The nodes install `render.training_pins()` (read from requirements.txt) into a venv of the
 image's python3 (bootstrap-gpu.sh.j2's `training` step); this asks pip, without installing,

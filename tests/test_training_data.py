@@ -174,7 +174,7 @@ def test_gpu_config_matches_seed_and_flags_override():
     assert data.dataset_name == "tatsu-lab/alpaca" and data.n_examples == 2000
     assert (cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps) == (2, 8)
     assert cfg.learning_rate == 1e-4  # the flag wins over the config
-    # auto: the seed's recomputation on padded batches; the packed path decides for itself (and says so).
+    # auto: the baseline's recomputation on padded batches; the packed path decides for itself (and says so).
     assert cfg.activation_checkpointing is True and cfg.activation_checkpointing_setting == "auto"
     # This machine has no GPU: the config's bf16 gives way to fp32 on CPU (gloo via use_cpu).
     assert cfg.bf16 is False and cfg.use_cpu is True

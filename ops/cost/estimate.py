@@ -10,7 +10,6 @@ docs/ESTIMATE.md gives the formulas, the inputs and the factor the estimate is h
 
 from __future__ import annotations
 
-import glob
 import json
 import math
 from dataclasses import dataclass, field
@@ -18,8 +17,14 @@ from pathlib import Path
 
 import yaml
 
+from cluster.errors import UserError
+from cluster.settings import SETTINGS
+
 DATA = Path(__file__).resolve().parents[1] / "data"  # ops/data/
-RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+# The one benchmark result the estimate is calibrated on, chosen on purpose (not the newest file):
+# the time-to-adapters run on the project's benchmark GPU, whose alpaca-102 workload also gives the mean
+# row length. A new calibration is a new file named here (docs/ESTIMATE.md says how it is made).
+MEASURED = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "time-to-adapters-h100-2026-12-06.json"
 MONTH_S = 730 * 3600  # AWS prices storage per GB-month of 730 hours
 
 SCENARIOS = ("new", "first", "again")
@@ -53,12 +58,12 @@ APT_BYTES_PER_NODE = 0.1e9
 CONTROLLER_HEAD_START_S = 120.0
 
 
-class EstimateError(ValueError):
+class EstimateError(UserError, ValueError):
     pass
 
 
 @dataclass(frozen=True)
-class Cluster:
+class PricedCluster:
     target: str  # a key of cluster.targets
     region: str
     gpu_type: str  # instance type ("local" for the local cluster)
@@ -83,7 +88,7 @@ class Cluster:
 
 
 @dataclass(frozen=True)
-class Job:
+class PricedJob:
     model: str
     model_bytes: float
     trainable: float
@@ -105,8 +110,8 @@ class PhaseEstimate:
 
 @dataclass
 class Estimate:
-    cluster: Cluster
-    job: Job
+    cluster: PricedCluster
+    job: PricedJob
     phases: list[PhaseEstimate] = field(default_factory=list)
     nat_bytes: dict[str, float] = field(default_factory=dict)
     throughput: str = ""  # where the GPU throughput came from
@@ -167,19 +172,16 @@ def _gpu_key(reported: str) -> str:
 def gpu_throughput(gpu: str) -> tuple[float, float, str]:
     """(tokens/s per GPU of the job's training loop, seconds of fixed start-up, where it came from).
 
-    The measured figure is the newest time-to-adapters benchmark result: one rank's share of the
-    seed job (train_runtime, first step and warmup included). A GPU without a result of its own is
+    The measured figure is MEASURED's warm time-to-adapters run: one rank's share of the
+    baseline job (train_runtime, first step and warmup included). A GPU without a result of its own is
     scaled from that one by the ratio of datasheet dense BF16 FLOPs (ops/data/instances.json).
     """
-    best = None
-    for path in sorted(glob.glob(str(RESULTS / "*.json"))):
-        data = json.loads(Path(path).read_text())
-        for row in data.get("time_to_adapters") or []:
-            if row.get("rc") == 0 and row.get("label") == "warm" and row.get("train_runtime"):
-                best = (path, data, row)  # sorted by name = by date: the newest wins
-    if best is None:
-        raise EstimateError(f"no time-to-adapters result in {RESULTS}; run benchmarks/bench_train.py")
-    path, data, row = best
+    data = json.loads(MEASURED.read_text())
+    rows = [row for row in data.get("time_to_adapters") or []
+            if row.get("rc") == 0 and row.get("label") == "warm" and row.get("train_runtime")]
+    if not rows:
+        raise EstimateError(f"no warm time-to-adapters run in {MEASURED}; run benchmarks/bench_train.py")
+    path, row = MEASURED, rows[-1]
     measured_gpu = _gpu_key(str(data.get("gpu", "")))
     tok_s = row["train_tokens"] / row["train_runtime"]
     startup = float(row["phases_s"]["args_parsed"])
@@ -198,7 +200,7 @@ def gpu_throughput(gpu: str) -> tuple[float, float, str]:
 
 
 def job_from_config(config: Path, model: str | None, data: str | None, examples: int | None,
-                    model_gb: float | None = None, tokens_per_row: float | None = None) -> Job:
+                    model_gb: float | None = None, tokens_per_row: float | None = None) -> PricedJob:
     """The job's sizes from the training YAML and the flags (the flags win)."""
     cfg = yaml.safe_load(config.read_text()) or {}
     model = model or cfg.get("model_name_or_path", "")
@@ -219,7 +221,7 @@ def job_from_config(config: Path, model: str | None, data: str | None, examples:
     if tokens_per_row is not None and tokens_per_row <= 0:
         raise EstimateError(f"--tokens-per-row must be positive, not {tokens_per_row}")
     tpr = tokens_per_row or _mean_tokens(cfg)
-    return Job(model=str(model), model_bytes=size, trainable=(known or {}).get("trainable", 1.0e5),
+    return PricedJob(model=str(model), model_bytes=size, trainable=(known or {}).get("trainable", 1.0e5),
                rows=rows, tokens_per_row=tpr, batch=int(cfg.get("per_device_train_batch_size", 8)),
                accumulation=int(cfg.get("gradient_accumulation_steps", 1)),
                epochs=float(cfg.get("num_train_epochs", 1)), save_steps=int(cfg.get("save_steps") or 0),
@@ -228,31 +230,30 @@ def job_from_config(config: Path, model: str | None, data: str | None, examples:
 
 def _mean_tokens(cfg: dict) -> float:
     """Mean tokens per row: the benchmark's Alpaca workload (real lengths), capped by max_length."""
-    for path in sorted(glob.glob(str(RESULTS / "*.json")), reverse=True):
-        work = json.loads(Path(path).read_text()).get("workloads", {}).get("alpaca-102")
-        if work and work.get("mean_length"):
-            return min(float(work["mean_length"]), float(cfg.get("max_length", 1024)))
+    work = json.loads(MEASURED.read_text()).get("workloads", {}).get("alpaca-102")
+    if work and work.get("mean_length"):
+        return min(float(work["mean_length"]), float(cfg.get("max_length", 1024)))
     return 100.0
 
 
 # ---------------------------------------------------------------- the model
 
 
-def estimate(cl: Cluster, job: Job) -> Estimate:
+def estimate(cl: PricedCluster, job: PricedJob) -> Estimate:
     if cl.nodes < 1 or cl.ranks_per_node < 1:
         raise EstimateError(f"the cluster needs at least one node and one rank per node, not "
                             f"{cl.nodes} x {cl.ranks_per_node}")
     return _local(cl, job) if cl.calibrated else _aws(cl, job)
 
 
-def _steps(cl: Cluster, job: Job) -> tuple[int, float]:
+def _steps(cl: PricedCluster, job: PricedJob) -> tuple[int, float]:
     world = cl.nodes * cl.ranks_per_node
     per_step = job.batch * job.accumulation * world
     steps = max(1, math.ceil(job.rows * job.epochs / per_step))
     return steps, job.rows * job.epochs * job.tokens_per_row / world  # steps, tokens per rank
 
 
-def _aws(cl: Cluster, job: Job) -> Estimate:
+def _aws(cl: PricedCluster, job: PricedJob) -> Estimate:
     node = instance(cl.gpu_type, "slurm-gpu:gpuInstanceType")
     ctl = instance(cl.controller_type, "slurm-gpu:controllerInstanceType")
     if not node["gpus"]:
@@ -339,7 +340,7 @@ def _aws(cl: Cluster, job: Job) -> Estimate:
     return est
 
 
-def _local(cl: Cluster, job: Job) -> Estimate:
+def _local(cl: PricedCluster, job: PricedJob) -> Estimate:
     """The local cluster: fixed costs calibrated on the CI machine (ops/data/local.json), CPU tokens/s."""
     cal = _json("local.json")
     est = Estimate(cl, job, throughput=f"CPU ranks: {cal['tokens_per_s_per_rank']:,.0f} tokens/s each "
@@ -450,10 +451,9 @@ def dominant(est: Estimate, scenario: str, n: int = 3) -> list[tuple[str, float]
 
 # ---------------------------------------------------------------- the cluster, read without touching a host
 
-# infra/config.py's defaults of the settings the estimate reads (ops may not import infra:
-# docs/ARCHITECTURE.md; tests/test_estimate.py holds the two equal).
-STACK_DEFAULTS = {"gpuNodeCount": 2, "gpuInstanceType": "g6.12xlarge", "controllerInstanceType": "c6i.xlarge",
-                  "rootVolumeGiB": 200, "idleStopMinutes": 30, "scratchThroughputMBps": 125}
+# The defaults of the settings the estimate reads, where the stack file leaves them out.
+STACK_DEFAULTS = {key: SETTINGS[key][0] for key in ("gpuNodeCount", "gpuInstanceType", "controllerInstanceType",
+                                                    "rootVolumeGiB", "idleStopMinutes", "scratchThroughputMBps")}
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -492,7 +492,7 @@ def _positive(flag: str, value, kind=int):
 
 def cluster_for(target: str, stack: str | None, inv=None, nodes: int | None = None, gpus: int | None = None,
                 gpu_instance_type: str | None = None, region: str | None = None,
-                scratch_mbps=None) -> Cluster:
+                scratch_mbps=None) -> PricedCluster:
     """The cluster to estimate: the stack's settings (and its inventory, when one was read), flags on top."""
     what_if = _positive("scratch-mbps", scratch_mbps, float)
     if what_if is not None and what_if > GP3_MAX_MBPS:
@@ -502,7 +502,7 @@ def cluster_for(target: str, stack: str | None, inv=None, nodes: int | None = No
     if not targets.get(target).real_gpus:  # the local cluster: no prices, its calibrated figures
         n = nodes or (len(inv.gpu_nodes) if inv else 2)
         g = gpus or (inv.gpus_per_node if inv else 2)
-        return Cluster(target, "-", target, "-", n, g, source=f"{target} cluster", calibrated=True)
+        return PricedCluster(target, "-", target, "-", n, g, source=f"{target} cluster", calibrated=True)
     settings, source = ({}, "flags") if (gpu_instance_type and region) else stack_settings(stack)
     settings = {**STACK_DEFAULTS, **settings}
     itype = gpu_instance_type or settings["gpuInstanceType"]
@@ -517,7 +517,7 @@ def cluster_for(target: str, stack: str | None, inv=None, nodes: int | None = No
     if inv and inv.extra.get("idle_stop_s") is not None:
         idle = int(inv.extra["idle_stop_s"]) // 60
     scratch, iops, scratch_from = _scratch_volume(settings, inv, what_if)
-    cl = Cluster(target, reg, itype, settings["controllerInstanceType"], n, g,
+    cl = PricedCluster(target, reg, itype, settings["controllerInstanceType"], n, g,
                  root_volume_gib=int(settings["rootVolumeGiB"]), idle_stop_min=idle, scratch_mbps=scratch,
                  scratch_iops=iops, scratch_from=scratch_from,
                  source=source + (" + inventory" if inv else ""), stack_nodes=stack_nodes)
