@@ -78,3 +78,10 @@ def test_a_third_target_is_one_registration(monkeypatch):
     assert "nvidia-smi -L" in jobs.render_sanity(spec)
     finetune = jobs.render_finetune(replace(spec, job_name=jobs.FINETUNE_NAME))
     assert "FI_PROVIDER" not in finetune and "OMP_NUM_THREADS=1" in finetune
+
+
+def test_each_target_names_its_platforms_and_takes_their_device_prefix():
+    for name in targets.names():
+        tgt = targets.get(name)
+        assert tgt.platforms, name
+        assert {p.gpu_device_prefix for p in tgt.platforms} == {tgt.device_prefix}, name

@@ -14,6 +14,7 @@ class Aws(Target):
     name = "aws"
     describe = "the current Pulumi stack, the default"
     default_config = CONFIGS / "qwen3-4b-lora.yaml"
+    platforms = (AWS_PLATFORM,)
     device_prefix = AWS_PLATFORM.gpu_device_prefix
     real_gpus = True
     nccl_efa = True

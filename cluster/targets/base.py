@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from cluster.inventory import Inventory
+from cluster.platform import Platform
 
 CONFIGS = Path(__file__).resolve().parent.parent.parent / "training" / "configs"
 
@@ -21,7 +22,9 @@ class Target:
     describe: ClassVar[str]
     # The training config `fab train` uses without --config.
     default_config: ClassVar[Path]
-    # gres.conf File= prefix when the inventory's facts do not carry one.
+    # The OS and Slurm its hosts run (cluster/platform.py); the inventory's facts say which one a cluster has.
+    platforms: ClassVar[tuple[Platform, ...]]
+    # gres.conf File= prefix when the inventory's facts do not carry one: its platforms'.
     device_prefix: ClassVar[str]
     # The GPUs are real (nvidia-smi lists them) rather than stand-in files.
     real_gpus: ClassVar[bool]

@@ -29,6 +29,7 @@ class Local(Target):
     name = "local"
     describe = "the cluster of `fab local.up`"
     default_config = CONFIGS / "local-tiny.yaml"
+    platforms = (LOCAL_PLATFORM,)
     device_prefix = LOCAL_PLATFORM.gpu_device_prefix  # stand-in files (localcluster creates them)
     real_gpus = False
     nccl_efa = False
