@@ -2,7 +2,7 @@
 
 `fab train` targets the current Pulumi stack; `fab train --target local` the local
 cluster (`fab local.up`). Every task here also takes --target, --stack and --identity
-(ops/cluster_task.py); what a task does lives in ops/.
+(ops/actions/cluster_task.py); what a task does lives in ops/.
 """
 
 from __future__ import annotations
@@ -11,11 +11,15 @@ from invoke import Collection, task
 from invoke.exceptions import Exit
 
 from localcluster.tasks import ns as local_ns
-from ops import estimate as est
-from ops import finetune, finetune_jobs, node_update, options, runs, slurm, sshcmd, status_view
-from ops import reconfigure as reconf
-from ops.cluster_task import cluster_task
-from ops.remote import open_cluster
+from ops.actions import node_update, options, slurm, status_view
+from ops.actions import reconfigure as reconf
+from ops.actions.cluster_task import cluster_task
+from ops.cost import estimate as est
+from ops.finetune import follow as finetune_jobs
+from ops.finetune import pipeline as finetune
+from ops.finetune import runs
+from ops.ssh import sshcmd
+from ops.ssh.remote import open_cluster
 
 
 @cluster_task(help={
@@ -123,7 +127,7 @@ def reconfigure(c, where, force=False):
     Renders slurm.conf, gres.conf and the hosts block from the stack's inventory, installs them on
     the controller, restarts slurmctld and runs `scontrol reconfigure` (GPU nodes fetch the new
     configuration: they run configless); new nodes get the munge key and join. Refuses to remove a
-    node that runs a job unless --force: drain it first (README, "Scale"). No change: no restart.
+    node that runs a job unless --force: drain it first (docs/AWS.md, "Scale"). No change: no restart.
     `fab train` runs this too.
     """
     with open_cluster(where) as cl:

@@ -23,7 +23,7 @@ the same run), the gradient all-reduces (calls, buckets, time from a bucket bein
 all-reduce being done, measured by a DDP comm hook: CUDA events on GPU, wall clock on CPU; that
 time overlaps the backward pass, so it is an upper bound on what communication costs), the other
 collectives per step, and NCCL's transport choice (NCCL_DEBUG=INFO in the child's environment,
-parsed by ops/nccl.py). No other NCCL variable is set: the machine's settings (NCCL_NVLS_ENABLE)
+parsed by ops/actions/nccl.py). No other NCCL variable is set: the machine's settings (NCCL_NVLS_ENABLE)
 stay as they are.
 
     python -m benchmarks.bench_scaling                      # GPUs: 1,2,4,8 (capped by the GPUs seen)
@@ -334,7 +334,7 @@ def torchrun_command(nproc: int, port: int, worker_args: list[str]) -> list[str]
 
 def run_count(nproc: int, args, worker_args: list[str], tmp: Path) -> dict:
     """Launch N ranks, wait, and fold the ranks' reports into one row."""
-    from ops import nccl
+    from ops.actions import nccl
 
     out_dir = tmp / f"gpus-{nproc}"
     out_dir.mkdir()

@@ -1,4 +1,4 @@
-"""Training-speed benchmark: the seed's recipe against the project's, with the project's training code.
+"""Training-speed benchmark: the baseline recipe against the project's, with the project's training code.
 
 Both recipes are built by `training.train.build_trainer` (TRL SFTTrainer + PEFT LoRA r16/alpha 32/
 dropout 0.05 on q/k/v/o, AdamW, lr 2e-4 linear decay, 16 examples per optimizer step, bf16):
@@ -50,13 +50,13 @@ PEAK_FLOPS = 989e12  # dense bf16, H100/H200 SXM datasheet
 RECIPES = ("seed", "project", "project-compiled", "project-eager", "project-compiled-nographs",
            "project-eager-graphs")
 RECIPES += tuple(f"{r}-flex" for r in RECIPES if r.startswith("project"))  # flex attention instead of varlen
-EFFECTIVE_BATCH = (2, 8)  # the seed's per-device batch x accumulation = 16 examples per step
-SEED_LOGGING_STEPS = 10  # the seed's SFTConfig(logging_steps=10)
+EFFECTIVE_BATCH = (2, 8)  # the baseline's per-device batch x accumulation = 16 examples per step
+SEED_LOGGING_STEPS = 10  # the baseline's SFTConfig(logging_steps=10)
 PROJECT_CONFIG = REPO / "training" / "configs" / "qwen3-4b-lora.yaml"
 
 
 def recipe_logging_steps(name: str, override: int | None = None) -> int:
-    """How often a recipe logs, as its users run it: the seed's script every 10 steps, the project's config
+    """How often a recipe logs, as its users run it: the baseline's script every 10 steps, the project's config
     (what fab train launches) every step; `--logging-steps` overrides both."""
     if override is not None:
         return override
@@ -91,18 +91,18 @@ def make_workload(n: int, vocab: int, seed: int = 0, max_length: int = 1024, pro
     return rows
 
 
-# Alpaca under the seed's template (see make_alpaca_lengths): published per-row token statistics.
+# Alpaca under the baseline's template (see make_alpaca_lengths): published per-row token statistics.
 ALPACA = dict(instruction_mean=14.0, input_mean_nonempty=25.0, input_share=0.4, output_mean=65.0,
               template_tokens=9, template_input_tokens=5)
 
 
 def make_alpaca_lengths(n: int, seed: int = 0, max_length: int = 1024) -> list[tuple[int, int]]:
-    """(prompt, response) token counts distributed like Alpaca under the seed's template.
+    """(prompt, response) token counts distributed like Alpaca under the baseline's template.
 
     Alpaca (52k rows) has about 14 tokens of instruction, 10 of input (40% of rows have one, about 25
     tokens each) and 65 of output per row; its outputs are right-skewed (many one-liners, a tail of
     long answers). Lognormals with those means: instruction sigma 0.4, input sigma 0.6, output sigma
-    0.9 (median 43, 99th percentile about 350). The seed's template adds about 9 tokens
+    0.9 (median 43, 99th percentile about 350). The baseline's template adds about 9 tokens
     ("### Instruction:\n" ... "\n\n### Response:\n") and 5 more with an input ("\n\n### Input:\n");
     the response ends with EOS (+1). Rows are about 102 tokens on average, median about 85.
     """
@@ -134,13 +134,13 @@ def make_alpaca_workload(n: int, vocab: int, seed: int = 0, max_length: int = 10
 
 
 WORKLOADS = {
-    # ~258-token rows (the benchmark of issue 5): longer than Alpaca.
+    # ~258-token rows (the first long-row benchmark): longer than Alpaca.
     "long-258": lambda n, vocab, tiny: make_workload(n, vocab, seed=0, max_length=256 if tiny else 1024,
                                                      prompt_median=15 if tiny else 60,
                                                      response_median=30 if tiny else 150),
-    # The users' workload: Alpaca-length rows under the seed's template (~102 tokens).
+    # The users' workload: Alpaca-length rows under the baseline's template (~102 tokens).
     "alpaca-102": lambda n, vocab, tiny: make_alpaca_workload(n, vocab, seed=0, max_length=256 if tiny else 1024),
-    # The memory worst case: every row at the maximum length (issue 13 item 3, the 22 GiB cap run).
+    # The memory worst case: every row at the maximum length (the 22 GiB cap run).
     "max-1024": lambda n, vocab, tiny: make_workload(n, vocab, seed=0, max_length=256 if tiny else 1024,
                                                      prompt_median=60, response_median=100_000),
 }
@@ -248,7 +248,7 @@ class StepClock:
             # scored tokens per example are not kept apart in the packed row: spread by length
             total_scored, total = sum(scored), sum(lengths)
             per = [total_scored * n / total for n in lengths]
-        else:  # padded batch (the seed's recipe): one small device sync, fine at its speed
+        else:  # padded batch (the baseline recipe): one small device sync, fine at its speed
             lengths = inputs["attention_mask"].sum(1).tolist()
             per = (inputs["labels"][:, 1:] != -100).sum(1).tolist()
         self.tokens += sum(lengths)
@@ -345,7 +345,7 @@ def ProfileSteps(first: int, last: int, tag: str = "project"):
 
 
 def seed_layout(examples_per_step: int) -> tuple[int, int]:
-    """The seed's micro-batch x accumulation for a given number of examples per optimizer step."""
+    """The baseline's micro-batch x accumulation for a given number of examples per optimizer step."""
     micro = min(EFFECTIVE_BATCH[0], examples_per_step)
     if examples_per_step % micro:
         raise SystemExit(f"--examples-per-step {examples_per_step}: must be a multiple of {micro}")
@@ -382,7 +382,7 @@ def run_recipe(name: str, rows: list[dict], cfg: dict, device: str, steps: int, 
         max_steps=steps if steps > 0 else -1, logging_steps=logging_steps, save_strategy="no",
         report_to="none", max_length=1024, seed=42, completion_only_loss=True,
         use_cpu=device == "cpu", disable_tqdm=True, dataloader_num_workers=0,
-        # The seed's recomputation as its script states it; the project's config leaves it to the fast path.
+        # The baseline's recomputation as its script states it; the project's config leaves it to the fast path.
         activation_checkpointing="auto" if project else "true", step_layout="auto", attention=attention_setting,
         compile_layers={None: "auto", True: "true", False: "false"}[compile_model] if project else "auto",
         cuda_graphs=graphs)
@@ -481,7 +481,7 @@ def write_word_model(directory: Path, cfg: dict, device: str) -> None:
 
 
 def write_alpaca_text(path: Path, n: int, vocab: int, seed: int = 0) -> None:
-    """n Alpaca-format JSON rows whose token counts under `write_word_model`'s tokenizer and the seed's
+    """n Alpaca-format JSON rows whose token counts under `write_word_model`'s tokenizer and the baseline's
     template follow make_alpaca_lengths (the template is 4 words, 6 with an input, against about 9
     and 14 tokens under Qwen3's tokenizer: the instruction and input make up the difference)."""
     rng = np.random.default_rng(seed + 2)
@@ -499,7 +499,7 @@ def write_alpaca_text(path: Path, n: int, vocab: int, seed: int = 0) -> None:
 
 def time_to_adapters(cfg: dict, work: Path, rows: int, runs: list[tuple[str, dict, list[str]]],
                      timeout: int = 300, profile: bool = False) -> list[dict]:
-    """Run `python -m training.train` (the production entry point, the seed's config) as a fresh process
+    """Run `python -m training.train` (the production entry point, the baseline's config) as a fresh process
     per entry of `runs` (label, extra environment, extra flags of training/args.py) and time process start ->
     adapters written.
     `profile`: each run under cProfile (WORKDIR/tta-LABEL.prof, its top functions in tta-LABEL-profile.txt)."""
@@ -578,11 +578,11 @@ def main(argv: list[str] | None = None) -> dict:
                              "decides), project-compiled, project-eager (step graphs as decided), "
                              "project-compiled-nographs, project-eager-graphs (step graphs forced off / on); "
                              "each project recipe with -flex: flex attention instead of varlen")
-    parser.add_argument("--seed-steps", type=int, default=12, help="optimizer steps of the seed recipe (0 = epoch)")
+    parser.add_argument("--seed-steps", type=int, default=12, help="optimizer steps of the baseline recipe (0 = epoch)")
     parser.add_argument("--project-steps", type=int, default=0, help="optimizer steps of the project (0 = epoch)")
     parser.add_argument("--warmup-steps", type=int, default=None, help="steps left out of the steady rates")
     parser.add_argument("--logging-steps", type=int, default=None,
-                        help="log every N steps (default: each recipe's own: seed 10, project as its config, 1)")
+                        help="log every N steps (default: each recipe's own: baseline 10, project as its config, 1)")
     parser.add_argument("--memory-gib", type=float, default=None,
                         help="cap this process's GPU memory (an L4 offers about 22 GiB)")
     parser.add_argument("--time-to-adapters", default=None, metavar="WORKDIR",

@@ -22,8 +22,10 @@ from pathlib import Path
 
 import jinja2
 
-from bootstrap.facts import ClusterFacts
-from bootstrap.platform import Platform
+from cluster.facts import ClusterFacts
+from cluster.hostpaths import BOOTSTRAP_PATH, HEALTHCHECK_PATH
+from cluster.platform import Platform
+from cluster.targets.local import LOCAL_SKIP_STEPS
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -35,15 +37,13 @@ ROLES = ("controller", "gpu")
 SLURM_CONF_DIR = "/etc/slurm/"  # configless: slurmctld serves every file here to the GPU nodes
 SLURM_CONF = "/etc/slurm/slurm.conf"
 GRES_CONF = "/etc/slurm/gres.conf"
-# Only where the platform has cgroups (bootstrap/platform.py); slurmctld serves it to the nodes.
+# Only where the platform has cgroups (cluster/platform.py); slurmctld serves it to the nodes.
 CGROUP_CONF = "/etc/slurm/cgroup.conf"
 EXPORTS_FILE = "/etc/exports.d/slurm-gpu.exports"
 HOSTS_BLOCK_FILE = "/etc/slurm-gpu/hosts.block"
 # Configless GPU nodes: slurmd's options (--conf-server) and the systemd drop-in that reads them.
 SLURMD_ENV_FILE = "/etc/slurm-gpu/slurmd.env"
 SLURMD_DROPIN = "/etc/systemd/system/slurmd.service.d/slurm-gpu.conf"
-HEALTHCHECK_PATH = "/usr/local/sbin/slurm-gpu-healthcheck"
-BOOTSTRAP_PATH = "/usr/local/sbin/slurm-gpu-bootstrap"
 # Slurm's SuspendProgram/ResumeProgram on AWS (run by slurmctld as SlurmUser) and their log.
 SUSPEND_PATH = "/usr/local/sbin/slurm-gpu-suspend"
 RESUME_PATH = "/usr/local/sbin/slurm-gpu-resume"
@@ -51,7 +51,7 @@ RESUME_PATH = "/usr/local/sbin/slurm-gpu-resume"
 POWER_PATH = "/usr/local/sbin/slurm-gpu-power"
 # `slurm-gpu-power start-failed HOSTLIST CODE MESSAGE` (the local cluster's programs run it too) tells
 # Slurm at once of nodes that did not start: power_down_force with the reason "start failed: CODE:
-# MESSAGE" (one line, at most START_FAILED_MAX characters), which fab reads (ops/power.py).
+# MESSAGE" (one line, at most START_FAILED_MAX characters), which fab reads (ops/actions/node_power.py).
 START_FAILED_REASON = "start failed:"
 START_FAILED_MAX = 200
 POWER_LOG = "/var/log/slurm/slurm-gpu-power.log"
@@ -72,7 +72,7 @@ VERSION_PATH = f"{STATE_DIR}/bootstrap.version"
 # Present while a GPU node holds the munge key it made for itself at first boot: slurmd's
 # drop-in does not start slurmd while it exists (a configless slurmd cannot fetch its config with
 # a key the controller does not share; Slurm 23.11 then exits for good). fab's key sync
-# (ops/munge.py) installs the cluster's key, removes it, and starts slurmd.
+# (ops/actions/munge.py) installs the cluster's key, removes it, and starts slurmd.
 NODE_LOCAL_KEY_MARKER = f"{STATE_DIR}/munge-key.node-local"
 # apt on the node waits this long for a dpkg lock held by another apt (first-boot unattended
 # upgrades): the bootstrap's `packages` step installs every package, not cloud-init's package
@@ -86,7 +86,7 @@ APT_LOCK_TIMEOUT_S = 900
 HOLD_PREFIXES = ("linux-image", "linux-headers", "linux-modules", "linux-aws", "nvidia", "libnvidia")
 APT_HOLD_CONF = "/etc/apt/apt.conf.d/51slurm-gpu-hold-gpu-stack"
 # Each bootstrap step's record: <step>.status ("running|ok|skipped|failed ... <UTC time>") and
-# <step>.log (its output); ops/cloudinit.py reads them to name a failed step.
+# <step>.log (its output); ops/actions/cloudinit.py reads them to name a failed step.
 STEPS_DIR = f"{STATE_DIR}/bootstrap"
 HOSTS_BEGIN = "# BEGIN slurm-gpu hosts"
 HOSTS_END = "# END slurm-gpu hosts"
@@ -149,14 +149,6 @@ STEPS = {
         "hostname", "hosts", "holds", "packages", "dirs", "munge", "healthcheck", "nfs", "scratch",
         "training", "gpus", "services",
     ),
-}
-# What the local cluster skips (SLURM_GPU_SKIP_STEPS) when it runs these scripts in a
-# network-namespace host: no apt, kernel NFS server or systemd there, and the training
-# stack is the repo's .venv. (hostname and hosts run: each host has its own UTS
-# namespace and bind-mounted /etc/hostname and /etc/hosts.)
-LOCAL_SKIP_STEPS = {
-    "controller": ("packages", "nfs", "wheels", "services"),
-    "gpu": ("packages", "nfs", "training", "services"),
 }
 
 

@@ -1,7 +1,7 @@
 """Which configuration keys each Slurm version accepts, for the files bootstrap/ renders.
 
 Slurm refuses to start on a key it does not know, and the two platforms run different
-Slurm versions (bootstrap/platform.py: 22.05 locally, 23.11 on AWS): a key that only one
+Slurm versions (cluster/platform.py: 22.05 locally, 23.11 on AWS): a key that only one
 of them knows would pass every local test and stop the other at first boot. This table is
 what tests/test_slurm_keys.py checks every rendered file against. It lists the keys the
 project renders or may reasonably render, not Slurm's whole vocabulary; a new key goes in

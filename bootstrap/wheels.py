@@ -15,7 +15,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from bootstrap.platform import Platform
+from cluster.platform import Platform
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,9 @@ from __future__ import annotations
 import signal
 import sys
 
-from bootstrap.platform import platform
-from boottest import cluster, teardown
+from boottest import boot_cluster as cluster
+from boottest import teardown
+from cluster.platform import platform
 
 
 def main(argv: list[str]) -> int:

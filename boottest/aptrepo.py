@@ -17,8 +17,8 @@ import tempfile
 from pathlib import Path
 
 from bootstrap import render
-from bootstrap.platform import Platform
 from boottest import cache, host, images
+from cluster.platform import Platform
 
 REPO_VERSION = 1
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from bootstrap.platform import Platform
 from boottest import cache, host
+from cluster.platform import Platform
 
 # What the image holds before cloud-init runs (the AMI's own base). python3-cffi-backend
 # must be named, or python3-cryptography (cloud-init's) fails to configure.

@@ -9,7 +9,8 @@ import os
 import shutil
 from pathlib import Path
 
-from boottest import host, net, nspawn, paths
+from boottest import host, net, nspawn
+from cluster.targets.boot import BOOT_INVENTORY, STATE_ROOT
 
 
 def containers(state: Path) -> list[nspawn.Container]:
@@ -31,7 +32,7 @@ def _machine_name(d: Path) -> str:
         return d.name
 
 
-def everything(state: Path = paths.STATE_ROOT / "run") -> list[str]:
+def everything(state: Path = STATE_ROOT / "run") -> list[str]:
     """Tear down; returns what was found and removed (for the log)."""
     done = []
     for c in containers(state):
@@ -58,11 +59,11 @@ def everything(state: Path = paths.STATE_ROOT / "run") -> list[str]:
     net.down()
     if state.exists():
         shutil.rmtree(state, ignore_errors=True)
-    paths.INVENTORY.unlink(missing_ok=True)
+    BOOT_INVENTORY.unlink(missing_ok=True)
     return done
 
 
-def leftovers(state: Path = paths.STATE_ROOT / "run") -> list[str]:
+def leftovers(state: Path = STATE_ROOT / "run") -> list[str]:
     """What a finished run must not leave: empty when all is gone."""
     left = []
     if state.exists():
@@ -73,7 +74,7 @@ def leftovers(state: Path = paths.STATE_ROOT / "run") -> list[str]:
         if (root / nspawn.CGROUP_PARENT).exists():
             left.append(f"cgroup {root / nspawn.CGROUP_PARENT}")
     for line in Path("/proc/self/mounts").read_text().splitlines():
-        if str(paths.STATE_ROOT) in line.split()[1]:
+        if str(STATE_ROOT) in line.split()[1]:
             left.append(f"mount {line.split()[1]}")
     for pid in os.listdir("/proc"):
         if pid.isdigit():
@@ -81,7 +82,7 @@ def leftovers(state: Path = paths.STATE_ROOT / "run") -> list[str]:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             except OSError:
                 continue
-            if "systemd-nspawn" in cmd and str(paths.STATE_ROOT) in cmd:
+            if "systemd-nspawn" in cmd and str(STATE_ROOT) in cmd:
                 left.append(f"process {pid}: {cmd[:120]}")
     return left
 

@@ -23,8 +23,8 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from bootstrap import render
-from bootstrap.platform import Platform
 from boottest import cache, host, images
+from cluster.platform import Platform
 
 WHEELHOUSE_VERSION = 1
 # The tags the stand-in index is filled for (a subset of every boot platform's `wheel_platforms`;
@@ -104,7 +104,7 @@ def os_torch_requirements(platform: Platform, apt_repo: Path) -> list[str]:
         version, requires = dists[0].version, dists[0].requires or []
     if version != platform.os_torch.version:
         raise host.BootError(f"{platform.os_torch.package} provides torch {version}, but {platform.name}'s "
-                             f"os_torch.version is {platform.os_torch.version}: set it in bootstrap/platform.py")
+                             f"os_torch.version is {platform.os_torch.version}: set it in cluster/platform.py")
     return applicable(requires, platform.python)
 
 

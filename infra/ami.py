@@ -1,6 +1,6 @@
 """Which images the cluster boots, and how a stack keeps them.
 
-Two images, both facts of the AWS platform (bootstrap/platform.py): the GPU nodes boot the
+Two images, both facts of the AWS platform (cluster/platform.py): the GPU nodes boot the
 Deep Learning Base GPU AMI for Ubuntu 24.04 (NVIDIA driver, CUDA, EFA with aws-ofi-nccl);
 the controller boots Canonical's plain Ubuntu 24.04 server image (same Python and Slurm,
 no GPU stack; the GPU image does not list C6i). The ARM64 builds are excluded by the
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import pulumi
 import pulumi_aws as aws
 
-from bootstrap.platform import AWS, MachineImage
+from cluster.platform import AWS, MachineImage
 from infra.config import ConfigError, StackConfig
 from infra.instance_types import ARCH
 
@@ -116,4 +116,4 @@ def _tell_if_newer(role: str, newest: str | None, kept: str | None) -> None:
     if newest and kept and newest != kept:
         pulumi.log.info(f"a newer {role} image {newest} is out; this stack keeps {kept}. To move to it: "
                         f"`pulumi config set slurm-gpu:{CONFIG_KEY[role]} {newest}` and `pulumi up` "
-                        "(replaces those instances: README, 'Moving to a newer image')")
+                        "(replaces those instances: docs/AWS.md, 'Moving to a newer image')")

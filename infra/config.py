@@ -17,9 +17,8 @@ from typing import Any
 
 import pulumi
 
-from bootstrap.facts import max_gpu_nodes
-
-NAMESPACE = "slurm-gpu"
+from cluster.facts import max_gpu_nodes
+from cluster.settings import NAMESPACE, REQUIRED, SETTINGS
 
 # Below this the root volume cannot hold the AMI plus the training stack and
 # the model cache; the AMI's own snapshot size is checked later (infra/ami.py).
@@ -58,30 +57,6 @@ def _fail(key: str, problem: str, example: str) -> ConfigError:
     return ConfigError(f"{NAMESPACE}:{key} {problem}; {_set_cmd(key, example)}")
 
 
-# key -> (default, example used in error messages). A default of None means optional;
-# REQUIRED means the user must set it.
-REQUIRED = object()
-SETTINGS: dict[str, tuple[Any, str]] = {
-    "adminCidr": (REQUIRED, "203.0.113.7/32"),
-    "sshPublicKey": (REQUIRED, '"$(cat ~/.ssh/id_ed25519.pub)"'),
-    "gpuNodeCount": (2, "2"),
-    "gpuInstanceType": ("g6.12xlarge", "g6.12xlarge"),
-    "controllerInstanceType": ("c6i.xlarge", "c6i.xlarge"),
-    "amiId": (None, "ami-0123456789abcdef0"),
-    "controllerAmiId": (None, "ami-0123456789abcdef0"),
-    "ebsKmsKeyId": (None, "arn:aws:kms:ap-northeast-2:111122223333:key/1234abcd-12ab-34cd-56ef-1234567890ab"),
-    "rootVolumeGiB": (200, "200"),
-    "vpcCidr": ("10.0.0.0/16", "10.0.0.0/16"),
-    "subnetCidr": ("10.0.1.0/24", "10.0.1.0/24"),
-    "publicSubnetCidr": (None, "10.0.0.0/24"),
-    "availabilityZone": (None, "ap-northeast-2a"),
-    "clusterName": ("mini", "mini"),
-    "efa": (True, "true"),
-    "idleStopMinutes": (30, "30"),
-    "scratchThroughputMBps": (125, "1000"),
-    "scratchIops": (None, "4000"),
-}
-
 # idleStopMinutes: 0 turns stopping off; otherwise at least this long, so a node is not
 # stopped and started again between the jobs of one session (a start takes minutes).
 MIN_IDLE_STOP_MINUTES = 5
@@ -97,7 +72,7 @@ GP3_MIBPS_PER_IOPS = 0.25
 
 
 def gp3_min_iops(throughput: int) -> int:
-    """The fewest IOPS gp3 accepts with this throughput (ops/estimate.py prices the same rule)."""
+    """The fewest IOPS gp3 accepts with this throughput (ops/cost/estimate.py prices the same rule)."""
     return max(GP3_IOPS[0], math.ceil(throughput / GP3_MIBPS_PER_IOPS))
 
 

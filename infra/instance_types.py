@@ -10,11 +10,11 @@ from dataclasses import dataclass
 
 import pulumi_aws as aws
 
-from bootstrap.facts import NodeShape
+from cluster.facts import NodeShape
 from infra.config import ConfigError, StackConfig
 
 # GPUs whose boards join their GPUs with NVLink. For the others (PCIe only) jobs
-# set NCCL_P2P_DISABLE=1: the seed saw the first collective stall on L4 without it.
+# set NCCL_P2P_DISABLE=1: the baseline saw the first collective stall on L4 without it.
 NVLINK_GPUS = frozenset({"v100", "a100", "h100", "h200", "b200", "b300", "gb200"})
 
 # The AMI (and so the cluster) is x86_64 Ubuntu.
@@ -57,7 +57,7 @@ def real_memory_mib(memory_mib: int) -> int:
     """RealMemory for slurm.conf, a little under the EC2 figure.
 
     The kernel sees less than the advertised memory (firmware, kernel, page tables),
-    and slurmd drains a node whose RealMemory is above what it sees. The seed
+    and slurmd drains a node whose RealMemory is above what it sees. The baseline
     measured the need on g6.12xlarge: 196608 MiB advertised, RealMemory=185000
     worked. 6% (at least 1 GiB) off, rounded down to 100 MiB, gives 184800 there
     and scales with the type.

@@ -1,7 +1,7 @@
 """Which KMS key encrypts the root volumes, and whether the power-save role must be granted it.
 
 Root volumes are always encrypted. EC2's StartInstances on an instance whose volumes use a
-customer-managed key needs the caller (the controller's power-save role, infra/power.py) to
+customer-managed key needs the caller (the controller's power-save role, infra/power_role.py) to
 be allowed that key; the AWS-managed aws/ebs key needs nothing (its key policy lets any
 principal of the account use it through EC2). So, at plan time:
 

@@ -7,7 +7,7 @@ for the GPU nodes, both in the AZ of the placement group.
   0.0.0.0/0 to the NAT gateway (one Elastic IP for the whole cluster), so apt, pip and
   model downloads work while nothing on the internet can open a connection to them.
 
-Fixed private IPs come from bootstrap.facts (NAT gateway .4 and controller .10 of the public
+Fixed private IPs come from cluster.facts (NAT gateway .4 and controller .10 of the public
 subnet, gpu-node-NN .10+NN of the private one), so nothing takes another's address.
 docs/NETWORK.md explains the design and its cost.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 import pulumi
 import pulumi_aws as aws
 
-from bootstrap.facts import nat_gateway_ip
+from cluster.facts import nat_gateway_ip
 
 
 class NetworkComponent(pulumi.ComponentResource):
@@ -49,7 +49,7 @@ class NetworkComponent(pulumi.ComponentResource):
             gateway_id=self.internet_gateway.id)
 
         # One NAT gateway (and its one Elastic IP) for every GPU node's outbound traffic, at its
-        # fixed address (bootstrap.facts). `private_ip` is ForceNew in the provider
+        # fixed address (cluster.facts). `private_ip` is ForceNew in the provider
         # (terraform-provider-aws internal/service/ec2/vpc_nat_gateway.go), so a gateway made
         # with a random address is replaced once; the old one goes first, as the new one needs
         # its address (and the Elastic IP) free. Not ignore_changes: Pulumi would then carry the

@@ -1,6 +1,6 @@
 """The cluster's hosts: a key pair, a cluster placement group, the controller, N GPU nodes.
 
-Every host has a fixed private IP (bootstrap.facts.plan_hosts). IMDSv2 is required and
+Every host has a fixed private IP (cluster.facts.plan_hosts). IMDSv2 is required and
 root volumes are encrypted gp3 on every host.
 
 The controller lives in the public subnet with a public IP (the only host reachable from
@@ -39,7 +39,7 @@ from collections.abc import Sequence
 import pulumi
 import pulumi_aws as aws
 
-from bootstrap.facts import ClusterFacts, Host
+from cluster.facts import ClusterFacts, Host
 from infra.quotas import STACK_TAG, stack_name
 
 # What the provider does when an instance input changes on `pulumi up` (pulumi_aws 7.x
@@ -65,7 +65,7 @@ DELIBERATE = {
                "~/.ssh/authorized_keys instead (docs/CONFIG.md)",
     "placementGroup": "the cluster's placement group resource: its name is fixed once made",
     "subnetId": "the VPC's subnets: fixed once made",
-    "privateIp": "the controller's fixed address (bootstrap.facts.plan_hosts of slurm-gpu:subnetCidr)",
+    "privateIp": "the controller's fixed address (cluster.facts.plan_hosts of slurm-gpu:subnetCidr)",
     "associatePublicIpAddress": "the controller always has one",
     "primaryNetworkInterface": "the node's own primary interface resource: fixed once made",
     "networkInterfaces": "the node's own EFA interface resources (cards of its instance type): fixed once made",
@@ -121,7 +121,7 @@ class NodesComponent(pulumi.ComponentResource):
             ami=ami["controller"],
             instance_type=controller_instance_type,
             key_name=self.key_pair.key_name,
-            # Only the controller has a role: it stops/starts idle GPU nodes (infra/power.py).
+            # Only the controller has a role: it stops/starts idle GPU nodes (infra/power_role.py).
             iam_instance_profile=controller_instance_profile,
             subnet_id=public_subnet_id,
             private_ip=facts.controller.ip,

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pulumi
 
-from bootstrap.facts import ClusterFacts, PowerSave, plan_hosts
-from bootstrap.platform import AWS
+from cluster.facts import ClusterFacts, PowerSave, plan_hosts
+from cluster.platform import AWS
 from infra import config as stack_config
 from infra.ami import Ami, resolve_images
-from infra.cluster import ClusterComponent
+from infra.cluster_component import ClusterComponent
 from infra.instance_types import check_controller_type, choose_availability_zone, lookup_gpu_node_facts
 from infra.kms import EbsKey, resolve_ebs_key
 from infra.quotas import check_vcpu_quotas
@@ -101,7 +101,7 @@ def main() -> dict[str, pulumi.Output]:
         "clusterName": facts.cluster_name,
         "inventory": cluster.inventory,
         # The image each host runs (from its state): what to pin with slurm-gpu:amiId and
-        # controllerAmiId, and what `pulumi up` keeps (README: "Moving to a newer image").
+        # controllerAmiId, and what `pulumi up` keeps (docs/AWS.md: "Moving to a newer image").
         "images": cluster.images_running,
     }
     for key, value in outputs.items():

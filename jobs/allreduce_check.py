@@ -2,7 +2,7 @@
 
 The same torch.distributed the fine-tune uses (NCCL on GPUs, gloo on CPU) all-reduces a few
 message sizes across all ranks, then across the ranks of each pair of nodes, and rank 0 writes
-the result as JSON to --out (on the shared scratch) for `fab` (ops/netcheck.py), and a short
+the result as JSON to --out (on the shared scratch) for `fab` (ops/actions/netcheck.py), and a short
 `SLURM_GPU_NETCHECK` line to the log (srun -l cuts long lines). Imports only torch and
 the standard library: it runs from the job directory, before any training code.
 

@@ -11,8 +11,9 @@ import time
 from collections.abc import Callable
 
 from bootstrap import render
-from bootstrap.inventory import Inventory
-from localcluster import daemons, files, hosts, layout, netns, plan, state
+from cluster.inventory import Inventory
+from localcluster import daemons, files, hosts, netns, plan, state
+from localcluster import topology as layout
 from localcluster.state import ClusterState, HostEntry, HostSpec
 
 
@@ -79,8 +80,8 @@ def build(nodes: int, gpus: int, fresh_keys: bool, out: Callable[[str], None],
     files.write_file(layout.INVENTORY, inventory.to_json() + "\n", 0o600)
     if not fresh_keys:
         # Exactly what `fab train` does on AWS: the controller's key to every node.
-        from ops import remote
-        from ops.munge import distribute_key
+        from ops.actions.munge import distribute_key
+        from ops.ssh import remote
 
         conns = remote.connect(inventory)
         try:

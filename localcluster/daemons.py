@@ -11,7 +11,8 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
-from localcluster import hosts, layout
+from localcluster import hosts
+from localcluster import topology as layout
 
 
 class DaemonError(RuntimeError):

@@ -9,10 +9,12 @@ import subprocess
 from pathlib import Path
 
 from bootstrap import render
-from bootstrap.facts import ClusterFacts
-from localcluster import daemons, hosts, layout, power
+from cluster.facts import ClusterFacts
+from localcluster import daemons, hosts
+from localcluster import power_save as power
+from localcluster import topology as layout
 from localcluster.state import HostSpec
-from ops import hostkeys
+from ops.ssh import hostkeys
 
 HOSTCTL_SRC = Path(__file__).resolve().parent / "hostctl.sh"
 # The cluster's network has no DNS server: every name is in /etc/hosts. The machine's own nameserver is
@@ -51,7 +53,7 @@ def _ssh_keys(specs: list[HostSpec]) -> None:
 
 
 def _power_programs(facts: ClusterFacts) -> None:
-    """The power-save programs (localcluster/power.py), SlurmUser's key, and its restricted line
+    """The power-save programs (localcluster/power_save.py), SlurmUser's key, and its restricted line
     in the hosts' authorized_keys (call after the cluster's own authorized_keys is written)."""
     for dest in (power.SUSPEND, power.RESUME, power.NODE_COMMAND):
         shutil.copyfile(power.SOURCE, dest)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import subprocess
 from collections.abc import Callable
 
-from localcluster import hosts, layout
+from localcluster import hosts
+from localcluster import topology as layout
 from localcluster.state import ClusterState, HostEntry
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from localcluster import layout
+from localcluster import topology as layout
 
 NETNS_DIR = Path("/run/netns")
 

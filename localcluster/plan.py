@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bootstrap.facts import ClusterFacts, NodeShape, plan_hosts, this_machine_topology
-from bootstrap.inventory import Inventory, from_facts
-from bootstrap.platform import LOCAL
-from localcluster import layout, power
+from cluster.facts import ClusterFacts, NodeShape, plan_hosts, this_machine_topology
+from cluster.inventory import Inventory, from_facts
+from cluster.platform import LOCAL
+from localcluster import power_save as power
+from localcluster import topology as layout
 from localcluster.state import HostSpec
 
 REPO = Path(__file__).resolve().parent.parent

@@ -1,6 +1,6 @@
 #!/bin/bash
 # The local cluster's power programs: a GPU host "powers off" when its slurmd stops and
-# "on" when it starts again. One file, installed under three names (localcluster/power.py):
+# "on" when it starts again. One file, installed under three names (localcluster/power_save.py):
 #   slurm-gpu-suspend HOSTLIST  Slurm's SuspendProgram (run by slurmctld as SlurmUser on the controller)
 #   slurm-gpu-resume HOSTLIST   Slurm's ResumeProgram (same)
 #   slurm-gpu-power             the forced command of the power key on each GPU host (sshd runs it

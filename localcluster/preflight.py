@@ -8,7 +8,7 @@ import os
 import shutil
 from contextlib import contextmanager
 
-from localcluster import layout
+from localcluster import topology as layout
 
 REQUIRED_TOOLS = {
     "ip": "iproute2", "nsenter": "util-linux", "unshare": "util-linux", "runuser": "util-linux",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
-from localcluster import layout
+from localcluster import topology as layout
 
 ROLES = ("controller", "gpu")
 

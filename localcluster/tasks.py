@@ -6,7 +6,8 @@ import subprocess
 
 from invoke import Collection, Exit, task
 
-from localcluster import cluster, layout
+from localcluster import lifecycle as cluster
+from localcluster import topology as layout
 
 
 def _fail(exc: Exception) -> Exit:

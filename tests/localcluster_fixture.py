@@ -30,7 +30,8 @@ def cluster_lock():
 @contextmanager
 def fresh_cluster(nodes: int = 2, gpus: int = 2, fresh_keys: bool = False, idle_stop_s: int = 0):
     """Yield (inventory, job_dirs) of a new cluster; job_dirs collects /scratch paths to remove."""
-    from localcluster import cluster, layout
+    from localcluster import lifecycle as cluster
+    from localcluster import topology as layout
 
     job_dirs: list[str] = []
     with cluster_lock():

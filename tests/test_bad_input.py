@@ -19,8 +19,10 @@ from pathlib import Path
 import pytest
 
 from infra.config import ConfigError, StackConfig
-from localcluster import cluster, layout, plan
-from ops import options
+from localcluster import lifecycle as cluster
+from localcluster import plan
+from localcluster import topology as layout
+from ops.actions import options
 from tests.localcluster_fixture import cluster_lock
 from tests.test_infra_mocks import ADMIN_CIDR, SSH_KEY, ClusterMocks, run_program, stack_config
 from training.data import DataError, load_local_rows

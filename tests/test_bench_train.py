@@ -41,7 +41,7 @@ def test_kernels_by_kind_first_match_wins():
 
 
 def test_tiny_benchmark_runs_each_recipe_at_its_own_logging(capsys, monkeypatch):
-    """The benchmark end to end on CPU (tiny Qwen3): the seed recipe logs as the seed's script (every 10
+    """The benchmark end to end on CPU (tiny Qwen3): the baseline recipe logs as the baseline's script (every 10
     steps), the project's as its config (every step: what fab train runs); a bad --logging-steps is refused;
     the results name the knobs the run was given from the environment."""
     from benchmarks import bench_train
@@ -96,7 +96,7 @@ def test_node_bytecode_compiles_what_a_run_imports_without_bytecode(tmp_path):
 
 
 def test_time_to_adapters_on_cpu(tmp_path, monkeypatch):
-    """The time-to-adapters run end to end (tiny Qwen3, CPU): `python -m training.train` with the seed's
+    """The time-to-adapters run end to end (tiny Qwen3, CPU): `python -m training.train` with the baseline's
     config on Alpaca-length rows, its phases in order, the checkpoints it wrote, a cProfile summary."""
     from benchmarks import bench_train
 

@@ -1,10 +1,10 @@
-"""The boot test (issue 26): every role booted for real from the stack's rendered user-data.
+"""The boot test: every role booted for real from the stack's rendered user-data.
 
 For each boot platform (Debian 12: Slurm 22.05; Debian 13: Slurm 24.11, bracketing the AMI's
 23.11) the controller and two GPU nodes boot as systemd-nspawn containers (systemd PID 1),
 cloud-init NoCloud runs the user-data `pulumi up` would give them, packages come from a local
 apt repository and the training pins from a local wheelhouse (CPU torch; on Debian 13 Debian's
-own python3-torch, see bootstrap/platform.py). Then the product's own path: `fab train --target
+own python3-torch, see cluster/platform.py). Then the product's own path: `fab train --target
 boot` (cloud-init wait, munge key sync, reconfigure, sanity job, tiny-model fine-tune on CPU,
 adapters home), the Slurm state fab leaves, and a GPU node's reboot. Everything is torn down after (checked). docs/BOOTTEST.md says what stands in for what.
 """
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from bootstrap.platform import BOOT_DEBIAN12, BOOT_DEBIAN13
 from bootstrap.render import STEPS
+from cluster.platform import BOOT_DEBIAN12, BOOT_DEBIAN13
 
 REPO = Path(__file__).resolve().parent.parent
 FAB = str(REPO / ".venv" / "bin" / "fab")
@@ -41,7 +41,8 @@ CLOUD_INIT_APT_LOCK_WAIT_S = 30
 
 @pytest.fixture(scope="module", params=BOOT_PLATFORMS, ids=lambda p: p.name)
 def booted(request):
-    from boottest import cluster, teardown
+    from boottest import boot_cluster as cluster
+    from boottest import teardown
 
     with open(LOCK, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -161,7 +162,7 @@ def test_daemons_after_first_boot(booted):
 
 
 def test_host_keys_pinned_from_consoles(booted):
-    from ops import hostkeys
+    from ops.ssh import hostkeys
 
     pins = hostkeys.read_known_hosts(booted.known_hosts)
     for name in booted.roles:

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from bootstrap import render
-from bootstrap.facts import ClusterFacts, NodeShape, facts_from_dict, facts_to_dict, plan_hosts
-from bootstrap.platform import AWS, BOOT_DEBIAN12, BOOT_DEBIAN13, PLATFORMS
 from boottest import aptrepo, host, wheelhouse
+from cluster.facts import ClusterFacts, NodeShape, facts_from_dict, facts_to_dict, plan_hosts
+from cluster.platform import AWS, BOOT_DEBIAN12, BOOT_DEBIAN13, PLATFORMS
 from tests.test_bootstrap_render import script_packages
 
 REPO = Path(__file__).resolve().parent.parent

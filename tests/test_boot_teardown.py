@@ -22,7 +22,8 @@ pytestmark = [pytest.mark.boot, pytest.mark.slow]
 def test_ctrl_c_during_boot_leaves_nothing(platform):
     import fcntl
 
-    from boottest import cluster, nspawn, teardown
+    from boottest import boot_cluster as cluster
+    from boottest import nspawn, teardown
 
     with open(LOCK, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

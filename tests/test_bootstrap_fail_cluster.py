@@ -1,4 +1,4 @@
-"""A failed first boot is reported, not waited on (issue 11 item 5), on the real local cluster.
+"""A failed first boot is reported, not waited on, on the real local cluster.
 
 One GPU host's bootstrap is re-run with its stand-in GPU file gone: the `gpus` step fails and
 records it (render.STEPS_DIR). `fab status` and `fab train` then name the host, the step and
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from bootstrap import render
-from localcluster import layout
+from localcluster import topology as layout
 from tests.localcluster_fixture import fresh_cluster
 from tests.test_node_loss import on
 

@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from bootstrap import render
-from bootstrap.facts import ClusterFacts, NodeShape, plan_hosts
-from bootstrap.platform import LOCAL
+from cluster.facts import ClusterFacts, NodeShape, plan_hosts
+from cluster.platform import LOCAL
 
 
 def make_facts(name, subnet, nodes, shape, **kw) -> ClusterFacts:
@@ -19,7 +19,7 @@ def make_facts(name, subnet, nodes, shape, **kw) -> ClusterFacts:
     return ClusterFacts(name, controller, gpu_nodes, shape, subnet, **kw)
 
 
-# The shapes the project targets: the seed's 2x g6.12xlarge (4x L4), a 3-node
+# The shapes the project targets: the baseline's 2x g6.12xlarge (4x L4), a 3-node
 # 8x H100 cluster, and the smallest possible one (1 node, 1 GPU, no EFA).
 FACTS = {
     "l4x2": make_facts("mini", "10.0.1.0/24", 2, NodeShape(48, 185000, 4, "l4", threads_per_core=2)),
@@ -298,7 +298,7 @@ def test_user_data_names_the_host():
 def test_gpu_nodes_get_nothing_from_slurms_config_dir(monkeypatch):
     """Any file under /etc/slurm/ (a later cgroup.conf too) is the controller's: configless
     GPU nodes fetch them from slurmctld, and `fab reconfigure` installs them."""
-    from ops.reconfigure import controller_files
+    from ops.actions.reconfigure import controller_files
 
     real = render.render_files
     monkeypatch.setattr(render, "render_files", lambda f: {**real(f), "/etc/slurm/cgroup.conf": "x\n"})

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from bootstrap import render
-from bootstrap.facts import NodeShape
-from bootstrap.platform import LOCAL as LOCAL_PLATFORM
-from ops import hostkeys
+from cluster.facts import NodeShape
+from cluster.platform import LOCAL as LOCAL_PLATFORM
+from ops.ssh import hostkeys
 from tests.test_bootstrap_render import FACTS, make_facts
 
 

@@ -24,7 +24,7 @@ FAB = str(REPO / ".venv" / "bin" / "fab")
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 GAP_SLACK_S = 1.0
-# The estimate (ops/estimate.py) holds against the measured wall time within this factor (docs/ESTIMATE.md).
+# The estimate (ops/cost/estimate.py) holds against the measured wall time within this factor (docs/ESTIMATE.md).
 ESTIMATE_FACTOR = 2.0
 STARTUP_SLACK_S = 15.0
 # fab-side phases, then the job's own (from the log's stamps and metrics.json), then the download.

@@ -153,7 +153,7 @@ def test_munge_key_absent_after_real_runs(local_cluster, runs_dir):
     """Search everything the two runs above left for the cluster key's bytes: fab's output,
     runs/<job>/, the job directories on /scratch, the Slurm and munge logs of every host, and
     the repository (the first run installed the key on fresh nodes, so it did travel)."""
-    from localcluster import layout
+    from localcluster import topology as layout
 
     inv, job_dirs = local_cluster
     assert len(FAB_OUTPUT) >= 3 and len(job_dirs) == 2, (len(FAB_OUTPUT), job_dirs)  # both runs happened

@@ -1,4 +1,4 @@
-"""The estimate (ops/estimate.py): its inputs, its formulas, its bill, and its errors before any host."""
+"""The estimate (ops/cost/estimate.py): its inputs, its formulas, its bill, and its errors before any host."""
 
 import json
 import os
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from ops import estimate as est
-from ops import options
+from ops.actions import options
+from ops.cost import estimate as est
 
 REPO = Path(__file__).resolve().parent.parent
 FAB = str(REPO / ".venv" / "bin" / "fab")
@@ -20,13 +20,6 @@ def _seed(**kw) -> est.Estimate:
     return est.estimate(cl, est.job_from_config(SEED_CONFIG, None, None, None))
 
 
-def test_stack_defaults_are_infra_configs():
-    from infra.config import SETTINGS
-
-    for key, value in est.STACK_DEFAULTS.items():
-        assert SETTINGS[key][0] == value, key
-
-
 def test_seed_cluster_reads_the_stack_file_and_the_seed_job():
     e = _seed()
     cl, job = e.cluster, e.job
@@ -34,18 +27,18 @@ def test_seed_cluster_reads_the_stack_file_and_the_seed_job():
         ("ap-northeast-2", "g6.12xlarge", "c6i.xlarge", 2, 4)
     assert job.rows == 2000 and job.model_bytes == est.MODELS["Qwen/Qwen3-4B"]["bytes"]
     steps, tokens_rank = est._steps(cl, job)
-    assert steps == 16  # 2,000 rows / (2 x 8 x 8 ranks), as the seed's run
+    assert steps == 16  # 2,000 rows / (2 x 8 x 8 ranks), as the baseline's run
     assert tokens_rank == pytest.approx(2000 * job.tokens_per_row / 8)
     keys = [p.key for p in e.phases]
-    from ops.timeline import LABELS
+    from ops.finetune.timeline import LABELS
 
     assert [k for k in keys if k in LABELS] == [k for k in LABELS if k in keys]  # the timeline's order
 
 
 def test_throughput_is_measured_for_the_benchmark_gpu_and_scaled_by_flops_for_others():
-    # The newest time-to-adapters result names its GPU as torch reports it ("NVIDIA H100 80GB HBM3"):
+    # The one results file the estimate reads names its GPU as torch reports it ("NVIDIA H100 80GB HBM3"):
     # the estimate files it under the datasheet table's name ("H100").
-    newest = json.loads(sorted((REPO / "benchmarks" / "results").glob("*time-to-adapters*.json"))[-1].read_text())
+    newest = json.loads(est.MEASURED.read_text())
     gpus = json.loads((est.DATA / "instances.json").read_text())["gpus"]
     measured = next(k for k in gpus if k != "_about" and newest["gpu"].replace("NVIDIA ", "").split(" ")[0] == k)
     tok_s, _, basis = est.gpu_throughput(measured)
@@ -69,7 +62,7 @@ def test_shared_volume_throughput_comes_from_the_stacks_inventory():
     """`pulumi up` (under mocks) with slurm-gpu:scratchThroughputMBps 1000: the inventory it exports
     carries the volume's throughput and IOPS, and the estimate reads the weights at that rate and
     bills both; --scratch-mbps stays a what-if on top."""
-    from bootstrap.inventory import Inventory
+    from cluster.inventory import Inventory
     from tests.test_infra_mocks import run_program, stack_config
 
     inv = Inventory.from_dict(run_program(stack_config(scratchThroughputMBps="1000")).outputs["inventory"])

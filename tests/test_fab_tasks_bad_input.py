@@ -1,4 +1,4 @@
-"""Issue 15 item 3: every `fab` task with no cluster and with each flag given a wrong value.
+"""Every `fab` task with no cluster and with each flag given a wrong value.
 
 Each case: exit 1 (or, for `fab local.down`, a clear "nothing to stop"), one message naming the
 setting or the missing cluster and the fix, no traceback, nothing made on this machine. One `fab`

@@ -1,4 +1,4 @@
-"""Faults and bad input that need no cluster (issue 15): the training config's contents, a requeued
+"""Faults and bad input that need no cluster: the training config's contents, a requeued
 job whose training had completed, the job log's own error lines, the first progress line, data
 files that are not UTF-8. The cluster side is in tests/test_faults_cluster.py; the table of every
 case and its test is docs/FAULTS.md.
@@ -14,9 +14,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ops import finetune as flow
-from ops import jobs, options, slurm, stream
-from ops.joblog import JobLog
+from ops.actions import options, slurm
+from ops.finetune import pipeline as flow
+from ops.finetune import sbatch as jobs
+from ops.finetune import stream
+from ops.finetune.joblog import JobLog
 from tests.test_bad_input import FAB, _host_state, _made
 from tests.test_jobs_render import inventory
 from training import train

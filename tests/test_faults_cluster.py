@@ -1,4 +1,4 @@
-"""Faults a user hits on a running cluster (issue 15), injected on the real local cluster.
+"""Faults a user hits on a running cluster, injected on the real local cluster.
 
 One cluster (2 GPU hosts x 1 stand-in GPU) for the module, tests in order, each leaving every
 node idle for the next:
@@ -33,10 +33,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from localcluster import daemons, layout
-from ops import finetune as flow
-from ops import remote, slurm, stream
-from ops.joblog import JobLog
+from localcluster import daemons
+from localcluster import topology as layout
+from ops.actions import slurm
+from ops.finetune import pipeline as flow
+from ops.finetune import stream
+from ops.finetune.joblog import JobLog
+from ops.ssh import remote
 from tests.localcluster_fixture import fresh_cluster
 from tests.test_node_loss import holder, on, wait_for
 
@@ -143,7 +146,7 @@ def test_a_controller_key_that_is_not_its_munged_key_changes_no_node(lc):
     """The controller's key file replaced (by 1024 random bytes its running munged does not use, by
     a short key, by a directory): `fab train` refuses at the key step naming `controller` (not its
     address) with the fix, every node keeps its key, and the check leaves nothing on the controller."""
-    from ops import munge
+    from ops.actions import munge
 
     inv, cl, _ = lc
     names = ["controller", *(n.name for n in inv.gpu_nodes)]

@@ -1,5 +1,5 @@
 """The rendered AWS first boot of the default stack (2 x g6.12xlarge) does things in the
-right order for the image it boots (issue 11 item 3): GPU devices opened and checked before
+right order for the image it boots: GPU devices opened and checked before
 slurmd starts, python3-dev and a C compiler, cgroup confinement, unlimited MEMLOCK."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from bootstrap import render
-from bootstrap.platform import AWS
 from bootstrap.slurm_keys import unknown_keys
+from cluster.platform import AWS
 from tests.test_bootstrap_render import script_packages
 from tests.test_infra_mocks import run_program, stack_config, user_data_of, user_data_size
 from tests.test_infra_program import _decoded_files, _instances

@@ -1,4 +1,4 @@
-"""Issue 27 points 4 and 8, CredType and SlurmctldPidFile: what slurm.conf, the GPU bootstrap
+"""CredType and SlurmctldPidFile: what slurm.conf, the GPU bootstrap
 and the health check say about the node's CPUs and NVSwitch, from the instance facts (through
 the provider's result types, mocked) and from this machine (checked against its real slurmd)."""
 
@@ -14,10 +14,10 @@ import pulumi_aws as aws
 import pytest
 
 from bootstrap import render
-from bootstrap.facts import ClusterFacts, NodeShape, plan_hosts
-from bootstrap.platform import AWS, BOOT_DEBIAN12, BOOT_DEBIAN13, LOCAL, PLATFORMS
 from bootstrap.slurm_keys import RENAMED_KEYS, config_keys
-from boottest import cluster as boot_cluster
+from boottest import boot_cluster
+from cluster.facts import ClusterFacts, NodeShape, plan_hosts
+from cluster.platform import AWS, BOOT_DEBIAN12, BOOT_DEBIAN13, LOCAL, PLATFORMS
 from infra.instance_types import gpu_node_facts
 from localcluster import plan as local_plan
 from tests.test_infra_mocks import ClusterMocks

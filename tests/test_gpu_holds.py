@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from bootstrap import render
-from bootstrap.platform import BOOT_DEBIAN12, LOCAL
+from cluster.platform import BOOT_DEBIAN12, LOCAL
 from tests.test_bootstrap_render import FACTS
 
 pytestmark = pytest.mark.root

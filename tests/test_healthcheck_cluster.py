@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from localcluster import layout
-from ops import remote
+from localcluster import topology as layout
+from ops.ssh import remote
 from tests.localcluster_fixture import fresh_cluster, run, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -43,7 +43,7 @@ REASON = f"slurm-gpu-healthcheck: missing {DEVICE}"
 
 @pytest.fixture(scope="module")
 def lc():
-    """(inventory, ops.remote.Cluster) of a running cluster; torn down afterwards whatever happens."""
+    """(inventory, ops.ssh.remote.Cluster) of a running cluster; torn down afterwards whatever happens."""
     with fresh_cluster(nodes=2, gpus=2) as (inv, _):
         cl = remote.connect(inv)
         try:

@@ -11,9 +11,9 @@ import subprocess
 
 import pytest
 
-from bootstrap.inventory import Inventory, Node
-from ops import hostkeys, sshcmd
-from ops.options import OptionError
+from cluster.inventory import Inventory, Node
+from ops.actions.options import OptionError
+from ops.ssh import hostkeys, sshcmd
 
 
 def keygen(tmp_path, name: str, keytype: str = "ed25519") -> tuple[str, str]:

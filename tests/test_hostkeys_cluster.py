@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ops import hostkeys, remote
+from ops.ssh import hostkeys, remote
 from tests.localcluster_fixture import fresh_cluster
 
 pytestmark = pytest.mark.cluster

@@ -15,22 +15,23 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 # The project's layers: packages, plus the two entry-point modules at the root.
-LAYERS = ("bootstrap", "infra", "ops", "localcluster", "training", "policy", "benchmarks",
+LAYERS = ("cluster", "bootstrap", "infra", "ops", "localcluster", "training", "policy", "benchmarks",
           "boottest", "fabfile", "__main__")
 # Outside libraries that decide a layer: Pulumi is the cloud side, Fabric the SSH side.
 GUARDED = ("pulumi", "pulumi_aws", "fabric", "invoke")
 
 # Who may import whom (a layer may always import itself). Anything absent is forbidden.
 ALLOWED: dict[str, set[str]] = {
-    "bootstrap": set(),  # the shared cluster description and the rendered files: imports nothing
-    "infra": {"bootstrap", "pulumi", "pulumi_aws"},
-    "ops": {"bootstrap", "training", "fabric", "invoke"},
-    "localcluster": {"bootstrap", "ops", "fabric", "invoke"},
+    "cluster": set(),  # the ground floor: facts, platforms, targets, inventory, settings
+    "bootstrap": {"cluster"},  # renders first boot from the facts
+    "infra": {"cluster", "bootstrap", "pulumi", "pulumi_aws"},
+    "ops": {"cluster", "bootstrap", "training", "fabric", "invoke"},
+    "localcluster": {"cluster", "bootstrap", "ops", "fabric", "invoke"},
     "training": set(),  # runs on the GPU nodes: nothing of the cluster side
     "policy": {"pulumi"},  # a separate Pulumi policy pack: nothing from the repo
     "benchmarks": {"training", "ops"},
-    "boottest": {"bootstrap", "ops"},  # the boot test's harness: rendered user-data, host keys
-    "fabfile": {"ops", "localcluster", "bootstrap", "fabric", "invoke"},
+    "boottest": {"cluster", "bootstrap", "ops"},  # the boot test's harness: rendered user-data, host keys
+    "fabfile": {"cluster", "ops", "localcluster", "bootstrap", "fabric", "invoke"},
     "__main__": {"infra"},
 }
 
@@ -88,19 +89,20 @@ def test_the_code_follows_the_layering():
 
 
 @pytest.mark.parametrize("rel, source, edge", [
-    ("infra/cluster.py", "from ops.inventory import Inventory\n", "infra must not import ops"),
+    ("infra/cluster_component.py", "from ops.ssh.remote import Cluster\n", "infra must not import ops"),
+    ("cluster/facts.py", "from bootstrap import render\n", "cluster must not import bootstrap"),
     ("infra/nodes.py", "def f():\n    import fabric\n", "infra must not import fabric"),
     ("bootstrap/render.py", "import infra.config\n", "bootstrap must not import infra"),
-    ("training/train.py", "from localcluster import layout\n", "training must not import localcluster"),
-    ("policy/rules.py", "from bootstrap import facts\n", "policy must not import bootstrap"),
+    ("training/train.py", "from localcluster import topology\n", "training must not import localcluster"),
+    ("policy/rules.py", "from cluster import facts\n", "policy must not import cluster"),
 ])
 def test_a_forbidden_import_is_caught(rel, source, edge):
     assert violations({rel: source}) == [f"{rel}:{source.count(chr(10), 0, source.index('import'))+1}: {edge}"]
 
 
 def test_allowed_and_outside_imports_pass():
-    assert violations({"infra/cluster.py": "import json\nfrom bootstrap.inventory import Inventory\n",
-                       "ops/finetune.py": "from ops import slurm\nimport fabric\n"}) == []
+    assert violations({"infra/cluster_component.py": "import json\nfrom cluster.inventory import Inventory\n",
+                       "ops/finetune/pipeline.py": "from ops.actions import slurm\nimport fabric\n"}) == []
 
 
 def test_no_module_level_getattr():
@@ -173,3 +175,23 @@ def test_an_import_circle_is_caught():
              "training/c.py": "import training.a\n"}
     assert cycles(import_edges(files)) == [["training.a", "training.b", "training.a"]]
     assert cycles(import_edges({"training/a.py": "import training.c\n", "training/c.py": "x = 1\n"})) == []
+
+
+def test_every_module_name_is_unique():
+    """One name, one module: `cluster.py` or `power.py` in three packages reads as one idea in three places."""
+    seen: dict[str, list[str]] = {}
+    for rel in project_modules():
+        name = Path(rel).name
+        if name not in ("__init__.py", "__main__.py"):
+            seen.setdefault(name, []).append(rel)
+    assert {n: rels for n, rels in seen.items() if len(rels) > 1} == {}
+
+
+def test_every_class_name_means_one_thing():
+    """Two unrelated classes called `Cluster` (the SSH side's and the estimate's) read as one."""
+    seen: dict[str, list[str]] = {}
+    for rel, source in project_modules().items():
+        for node in ast.parse(source, rel).body:
+            if isinstance(node, ast.ClassDef):
+                seen.setdefault(node.name, []).append(rel)
+    assert {n: rels for n, rels in seen.items() if len(rels) > 1} == {}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bootstrap.facts import max_gpu_nodes
+from cluster.facts import max_gpu_nodes
 from infra.config import ConfigError, StackConfig
 from tests.test_infra_mocks import ADMIN_CIDR, SSH_KEY
 

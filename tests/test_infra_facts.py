@@ -37,7 +37,7 @@ def test_shape_follows_the_instance_type(info, itype, cpus, gpus, gres, nvlink):
 
 
 def test_seed_node_real_memory_matches_what_worked():
-    # The seed ran g6.12xlarge (196608 MiB advertised) with RealMemory=185000.
+    # The baseline ran g6.12xlarge (196608 MiB advertised) with RealMemory=185000.
     assert 180000 <= real_memory_mib(196608) <= 185000
 
 

@@ -1,7 +1,7 @@
-"""Which images the hosts boot, and that a stack keeps them (issue 27, point 2 and the
-controller image): the program run twice under the mocks, the second time with a newer
-image out, as a later `pulumi up` would be. Resource options are read from the engine's
-own RegisterResource requests (ignoreChanges, deleteBeforeReplace).
+"""Which images the hosts boot (GPU nodes and controller), and that a stack keeps them: the
+program run twice under the mocks, the second time with a newer image out, as a later
+`pulumi up` would be. Resource options are read from the engine's own RegisterResource requests
+(ignoreChanges, deleteBeforeReplace).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from bootstrap import render
-from bootstrap.platform import AWS
+from cluster.platform import AWS
 from infra.config import ConfigError
 from tests.test_bootstrap_render import script_packages
 from tests.test_infra_mocks import (
@@ -90,7 +90,7 @@ def test_fixed_addresses_are_deleted_before_replacement():
 
 
 def test_moving_to_a_newer_image_is_a_config_setting():
-    """`pulumi config set slurm-gpu:amiId NEW` (README: Moving to a newer image): the GPU
+    """`pulumi config set slurm-gpu:amiId NEW` (docs/AWS.md: Moving to a newer image): the GPU
     nodes follow it (replaced, each deleted first); the controller keeps its image."""
     first = run_program(stack_config())
     later = _later_up(first, stack_config(amiId=NEWER_DLAMI), newest_dlami=NEWER_DLAMI,

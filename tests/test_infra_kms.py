@@ -1,4 +1,4 @@
-"""The root volumes' KMS key and the power-save role's grant on it (issue 27, point 9).
+"""The root volumes' KMS key and the power-save role's grant on it.
 
 StartInstances on an instance whose volumes use a customer-managed key fails unless the
 caller may use that key. The stack names the key (slurm-gpu:ebsKmsKeyId) and the role is

@@ -18,7 +18,7 @@ from pulumi.runtime.mocks import MockMonitor
 
 REGION = "ap-northeast-2"
 ZONES = [f"{REGION}{z}" for z in "abcd"]
-DLAMI_ID = "ami-0fd3bc7a446d73ca2"  # the seed's image in ap-northeast-2
+DLAMI_ID = "ami-0fd3bc7a446d73ca2"  # the baseline's image in ap-northeast-2
 DLAMI_ROOT_GIB = 75
 DLAMI_NAME = "Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 24.04) 20261006"
 # Canonical's plain Ubuntu 24.04 server image (owner 099720109477), the controller's.

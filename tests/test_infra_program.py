@@ -17,8 +17,8 @@ import pytest
 import yaml
 
 from bootstrap import render
-from bootstrap.facts import ClusterFacts, Host, NodeShape, PowerSave, facts_from_dict, max_gpu_nodes
-from bootstrap.inventory import Inventory
+from cluster.facts import ClusterFacts, Host, NodeShape, PowerSave, facts_from_dict, max_gpu_nodes
+from cluster.inventory import Inventory
 from infra.config import ConfigError
 from tests.test_infra_mocks import (
     ADMIN_CIDR,

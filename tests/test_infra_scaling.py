@@ -1,4 +1,4 @@
-"""Scaling without touching what runs (issue 12 item 1), on the Pulumi program under mocks.
+"""Scaling without touching what runs, on the Pulumi program under mocks.
 
 The engine compares each resource's new inputs with the old ones: a resource whose inputs
 are equal is left alone. So growing 2 -> 3 -> 2 GPU nodes must only add or remove the

@@ -7,10 +7,10 @@ import subprocess
 import jinja2
 import pytest
 
-from bootstrap.facts import ClusterFacts, NodeShape, plan_hosts
-from bootstrap.inventory import Inventory, Node, from_facts
-from bootstrap.platform import BOOT_DEBIAN12, BOOT_DEBIAN13
-from ops import jobs
+from cluster.facts import ClusterFacts, NodeShape, plan_hosts
+from cluster.inventory import Inventory, Node, from_facts
+from cluster.platform import BOOT_DEBIAN12, BOOT_DEBIAN13
+from ops.finetune import sbatch as jobs
 
 
 def inventory(target="aws", gpu_type="l4", nvlink=False, gpus=4, nodes=2):
@@ -25,7 +25,7 @@ def inventory(target="aws", gpu_type="l4", nvlink=False, gpus=4, nodes=2):
 
 
 def boot_inventory(platform):
-    """The boot test's inventory (boottest/cluster.py): its facts carry the platform."""
+    """The boot test's inventory (boottest/boot_cluster.py): its facts carry the platform."""
     ctl, nodes = plan_hosts("10.213.1.0/24", 2)
     facts = ClusterFacts("boot", ctl, nodes, NodeShape(2, 1000, 2, "l4"), "10.213.1.0/24", platform=platform,
                          efa=False)

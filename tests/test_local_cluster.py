@@ -15,9 +15,12 @@ import subprocess
 import pytest
 
 from bootstrap import render
-from localcluster import cluster, files, hosts, layout, netns, plan, preflight, state
-from ops import munge, remote
-from ops.remote import WholeInput
+from localcluster import files, hosts, netns, plan, preflight, state
+from localcluster import lifecycle as cluster
+from localcluster import topology as layout
+from ops.actions import munge
+from ops.ssh import remote
+from ops.ssh.remote import WholeInput
 from tests.localcluster_fixture import fresh_cluster, run, wait_for
 
 NODES, GPUS = 2, 2

@@ -10,7 +10,9 @@ import json
 
 import pytest
 
-from localcluster import cluster, health, layout, netns, plan, state
+from localcluster import health, netns, plan, state
+from localcluster import lifecycle as cluster
+from localcluster import topology as layout
 from localcluster.state import ClusterState, HostEntry, StateFileError
 
 # What `fab local.up` wrote before `--idle-stop` existed (no "idle_stop_s").

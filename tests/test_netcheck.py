@@ -1,4 +1,4 @@
-"""The network check's arithmetic, expectations, judgement and parsing (ops/netcheck.py,
+"""The network check's arithmetic, expectations, judgement and parsing (ops/actions/netcheck.py,
 jobs/allreduce_check.py), on constructed results and recorded NCCL lines; no cluster."""
 
 from __future__ import annotations
@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from ops import jobs, netcheck, options, summary
-from ops.joblog import JobLog
+from ops.actions import netcheck, options
+from ops.finetune import sbatch as jobs
+from ops.finetune import summary
+from ops.finetune.joblog import JobLog
 from tests.test_jobs_render import inventory
 from tests.test_ops_nccl import EFA_RUN, SOCKET_RUN
 

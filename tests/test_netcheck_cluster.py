@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from localcluster import layout
-from ops import remote
+from localcluster import topology as layout
+from ops.ssh import remote
 from tests.localcluster_fixture import fresh_cluster, run
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]

@@ -77,9 +77,10 @@ def wait_for(what: str, probe, timeout: float, interval: float = 0.5):
 
 
 def test_node_with_wrong_munge_key_is_repaired_and_named(local_cluster):
-    from localcluster import daemons, layout
-    from ops import finetune as flow
-    from ops import remote
+    from localcluster import daemons
+    from localcluster import topology as layout
+    from ops.finetune import pipeline as flow
+    from ops.ssh import remote
 
     inv, _ = local_cluster
     assert on("controller", "srun", "-N2", "hostname").returncode == 0  # healthy to begin with
@@ -227,7 +228,7 @@ def test_node_loss_requeues_and_resumes_from_checkpoint(local_cluster, tmp_path)
             proc.wait()
     text = out.text
     if rc != 0:  # what Slurm did, for the failure message
-        from localcluster import layout
+        from localcluster import topology as layout
         for h in ("controller", "gpu-node-02"):
             for f in (layout.host_dir(h) / "log-slurm").glob("*.log"):
                 text += f"\n--- {h} {f.name}\n" + "\n".join(f.read_text().splitlines()[-60:])

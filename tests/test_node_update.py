@@ -17,8 +17,8 @@ import pytest
 import yaml
 
 from bootstrap import render, steps
-from ops import node_update
-from ops.remote import Cluster
+from ops.actions import node_update
+from ops.ssh.remote import Cluster
 from tests.test_bootstrap_render import FACTS, make_facts
 
 FACTS_L4 = FACTS["l4x2"]

@@ -13,9 +13,10 @@ import time
 import pytest
 
 from bootstrap import render
-from bootstrap.facts import facts_from_dict
-from localcluster import layout
-from ops import node_update, remote, slurm, status_view
+from cluster.facts import facts_from_dict
+from localcluster import topology as layout
+from ops.actions import node_update, slurm, status_view
+from ops.ssh import remote
 from tests.localcluster_fixture import fresh_cluster
 
 pytestmark = pytest.mark.cluster

@@ -1,8 +1,8 @@
 """The NCCL transport parser on recorded NCCL_DEBUG=INFO lines."""
 
-from ops import nccl
+from ops.actions import nccl
 
-# The seed's three sample lines (8 x L4 over two g6.12xlarge nodes, EFA), as the log shows them.
+# The baseline's three sample lines (8 x L4 over two g6.12xlarge nodes, EFA), as the log shows them.
 SEED = [
     "gpu-node-02:51823:51890 [2] NCCL INFO Channel 00 : 6[2] -> 7[3] via SHM/direct/direct",
     "gpu-node-02:51824:51891 [3] NCCL INFO Channel 00/0 : 7[3] -> 0[0] [send] via NET/Libfabric/0",

@@ -4,8 +4,8 @@ import subprocess
 
 import pytest
 
-from bootstrap.inventory import Inventory, Node
-from ops import options
+from cluster.inventory import Inventory, Node
+from ops.actions import options
 from tests.test_ops_units import REPO
 
 INV = Inventory(
@@ -90,7 +90,7 @@ def test_cli_refuses_before_touching_hosts():
 def test_tasks_other_than_train_check_their_flags_without_the_training_stack():
     """status, logs, cancel, reconfigure and ssh read no training config: checking their flags must not
     import TRL/transformers (seconds per command), while `fab train`'s check still does."""
-    probe = ("import sys; from ops import options; "
+    probe = ("import sys; from ops.actions import options; "
              "o = options.parse_cluster(target='local', stack=None, identity=None); "
              "print(o.target, 'trl' in sys.modules, 'transformers' in sys.modules)")
     res = subprocess.run([str(REPO / ".venv" / "bin" / "python"), "-c", probe], cwd=REPO,

@@ -5,8 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from ops import cloudinit, joblog, slurm, summary
-from ops.remote import HostError, WholeInput, each
+from ops.actions import cloudinit, slurm
+from ops.finetune import joblog, summary
+from ops.ssh.remote import HostError, WholeInput, each
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -135,7 +136,7 @@ def test_summary_and_loss_png(tmp_path):
 
 
 def test_run_dir_never_overwrites_another_jobs_run(tmp_path, monkeypatch):
-    from ops import finetune as flow
+    from ops.finetune import pipeline as flow
 
     monkeypatch.setattr(flow, "RUNS", tmp_path)
     first = flow.run_dir("2", "/scratch/slurm-gpu/jobs/20261203-091312-aaaaaa")
@@ -155,7 +156,7 @@ def test_unreachable_controller_is_a_clear_error_not_a_traceback(task, tmp_path)
     import subprocess
     import sys
 
-    from bootstrap.inventory import Inventory, Node
+    from cluster.inventory import Inventory, Node
 
     # An inventory whose controller is a loopback address with no sshd behind it.
     inv = Inventory(target="local", cluster_name="gone", ssh_user="root",
@@ -190,7 +191,7 @@ def test_text_for_a_commands_stdin_is_handed_over_in_one_piece():
 
 def test_fine_tune_job_ids_from_log_names():
     """`fab logs` with no job Slurm still remembers: the newest fine-tune log on /scratch names it."""
-    from ops import finetune_jobs
+    from ops.finetune import follow as finetune_jobs
 
     names = ["slurm-gpu-finetune-7.out", "slurm-gpu-finetune-12.out", "slurm-gpu-finetune-3.err",
              "slurm-gpu-sanity-40.out", "slurm-gpu-finetune-.out", "slurm-gpu-finetune-x1.out",
@@ -200,7 +201,7 @@ def test_fine_tune_job_ids_from_log_names():
 
 
 def test_status_names_the_fix_of_each_node_out_of_service():
-    from ops import status_view
+    from ops.actions import status_view
 
     nodes = slurm.parse_sinfo("gpu-node-01|down*|Not responding\n"
                               "gpu-node-02|drained|gpu-health: /dev/nvidia1 missing\n"
@@ -214,9 +215,9 @@ def test_status_names_the_fix_of_each_node_out_of_service():
 
 def test_fab_tasks_share_the_cluster_flags_and_keep_their_menu():
     """fabfile.py's tasks: the menu of `fab --list`, each with a docstring, its own flags and the
-    common --target/--stack/--identity, declared once (ops/options.py) with one help text."""
+    common --target/--stack/--identity, declared once (ops/actions/options.py) with one help text."""
     import fabfile
-    from ops.options import CLUSTER_FLAGS_HELP
+    from ops.actions.options import CLUSTER_FLAGS_HELP
 
     assert sorted(fabfile.ns.task_names) == ["cancel", "check", "estimate", "local.down", "local.status", "local.up",
                                              "logs", "reconfigure", "runs", "ssh", "status", "train",
@@ -247,7 +248,7 @@ def test_fab_tasks_share_the_cluster_flags_and_keep_their_menu():
     ("@1796564400\n1796564372\n", "up"),  # a start in the future is not shown
 ])
 def test_status_shows_how_long_the_hosts_own_systemd_has_run(out, shown):
-    from ops import status_view
+    from ops.actions import status_view
 
     assert status_view.uptime_text(out) == shown
     assert "uptime" not in status_view.UPTIME_CMD and "/proc/uptime" not in status_view.UPTIME_CMD

@@ -1,4 +1,4 @@
-"""The target platforms are data (bootstrap/platform.py) that the stack and the rendered files read."""
+"""The target platforms are data (cluster/platform.py) that the stack and the rendered files read."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 
 from bootstrap import render
-from bootstrap.facts import ClusterFacts, NodeShape, facts_from_dict, facts_to_dict, plan_hosts
-from bootstrap.platform import AWS, LOCAL, platform
+from cluster.facts import ClusterFacts, NodeShape, facts_from_dict, facts_to_dict, plan_hosts
+from cluster.platform import AWS, LOCAL, platform
 from localcluster import plan as local_plan
 
 

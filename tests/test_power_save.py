@@ -21,9 +21,10 @@ import pytest
 
 import tests.test_infra_mocks as harness
 from bootstrap import render
-from bootstrap.facts import ClusterFacts, NodeShape, PowerSave, plan_hosts
+from cluster.facts import ClusterFacts, NodeShape, PowerSave, plan_hosts
 from infra.config import ConfigError, StackConfig
-from ops import power, slurm
+from ops.actions import node_power as power
+from ops.actions import slurm
 from tests.test_infra_mocks import stack_config
 
 BASE = {"adminCidr": harness.ADMIN_CIDR, "sshPublicKey": harness.SSH_KEY}

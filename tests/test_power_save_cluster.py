@@ -19,7 +19,9 @@ import pytest
 from fabric import Config
 from invoke import Context
 
-from ops import power, remote, slurm
+from ops.actions import node_power as power
+from ops.actions import slurm
+from ops.ssh import remote
 from tests.localcluster_fixture import fresh_cluster, wait_for
 
 pytestmark = pytest.mark.cluster
@@ -121,7 +123,7 @@ def test_a_node_that_cannot_start_is_powered_down_at_once_with_the_reason():
     before ResumeTimeout; the node that did start is left alone; `fab train`'s wake step and
     `fab status` show the reason and what to do; once the cause is gone the node starts again."""
     from localcluster import daemons
-    from localcluster.power import RESUME_TIMEOUT_S
+    from localcluster.power_save import RESUME_TIMEOUT_S
     from tests.test_faults_cluster import fab
     from tests.test_node_loss import holder
 

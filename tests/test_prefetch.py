@@ -1,4 +1,4 @@
-"""Fetching model and data once (ops/fetch_files.py, ops/prefetch.py) from a real local source: an
+"""Fetching model and data once (ops/actions/fetch_files.py, ops/actions/prefetch.py) from a real local source: an
 HTTP server with byte ranges on loopback, and a directory. Resumed, verified, skipped when there."""
 
 import hashlib
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ops import prefetch
+from ops.actions import prefetch
 
 SCRIPT = str(prefetch.SCRIPT)
 

@@ -1,4 +1,4 @@
-"""fab's side of the prefetch (ops/prefetch.run) on the real local cluster: the controller fetches
+"""fab's side of the prefetch (ops.actions.prefetch.run) on the real local cluster: the controller fetches
 from an HTTP server on the project's bridge address into the shared /scratch, every GPU node
 then sees the files; a second fetch reads nothing; a wrong checksum fails before any job."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from ops import prefetch
-from ops.remote import connect
+from ops.actions import prefetch
+from ops.ssh.remote import connect
 from tests.localcluster_fixture import fresh_cluster
 from tests.test_prefetch import RangeHandler
 
@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def cluster_and_source(tmp_path_factory):
-    from localcluster import layout
+    from localcluster import topology as layout
 
     src = tmp_path_factory.mktemp("hub")
     files = {"model.safetensors": os.urandom(4 << 20), "config.json": b'{"model_type": "qwen3"}'}
@@ -72,8 +72,8 @@ def test_a_failed_fetch_is_a_clear_error(cluster_and_source):
 def test_fab_train_fetches_hub_ids_into_scratch_and_names_the_copies(cluster_and_source, monkeypatch, tmp_path):
     """fetch_inputs, as `fab train` calls it: a Hub model and data set (here a Hub on the bridge
     address, HF_ENDPOINT, serving the Hub's file-list API and resolve URLs) become /scratch paths."""
-    from localcluster import layout
-    from ops.options import TrainOptions
+    from localcluster import topology as layout
+    from ops.actions.options import TrainOptions
 
     cl, _url, _files = cluster_and_source
     hub = tmp_path / "hub"

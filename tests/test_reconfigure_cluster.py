@@ -1,4 +1,4 @@
-"""`fab reconfigure` on the real local cluster (issue 12 item 1): the node list changes on the
+"""`fab reconfigure` on the real local cluster: the node list changes on the
 controller only, GPU hosts pick it up configless, a node with a running job is not removed
 without --force, and a removed node comes back when the list grows again.
 
@@ -14,10 +14,11 @@ import time
 import pytest
 
 from bootstrap import render
-from bootstrap.facts import facts_from_dict
-from localcluster import layout
-from ops import reconfigure, remote, slurm
-from ops.remote import Cluster
+from cluster.facts import facts_from_dict
+from localcluster import topology as layout
+from ops.actions import reconfigure, slurm
+from ops.ssh import remote
+from ops.ssh.remote import Cluster
 from tests.localcluster_fixture import fresh_cluster
 
 pytestmark = pytest.mark.cluster

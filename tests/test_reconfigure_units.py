@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from bootstrap.facts import ClusterFacts, NodeShape, facts_to_dict, plan_hosts
-from bootstrap.inventory import Inventory, Node
-from ops import reconfigure
+from cluster.facts import ClusterFacts, NodeShape, facts_to_dict, plan_hosts
+from cluster.inventory import Inventory, Node
+from ops.actions import reconfigure
 
 
 def _inventory(**kw) -> Inventory:

@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ops import runs, summary
-from ops.joblog import JobLog
+from ops.finetune import runs, summary
+from ops.finetune.joblog import JobLog
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -62,7 +62,7 @@ def test_gpu_line_means_each_nodes_samples_and_says_when_there_are_none(tmp_path
 
 
 def test_job_script_samples_gpus_where_nvidia_smi_is(tmp_path):
-    from ops import jobs
+    from ops.finetune import sbatch as jobs
 
     spec = jobs.JobSpec(real_gpus=True, nccl_efa=True, cluster_name="c", job_name="j", nodes=2, gpus_per_node=4,
                         gpu_type="g6.12xlarge", nvlink=False, python="/opt/venv/bin/python", scratch="/scratch",

@@ -112,7 +112,7 @@ def test_counts_must_divide_the_global_batch_and_fit_the_gpus():
 
 
 def test_fold_sums_ranks_over_the_slowest_rank():
-    from ops import nccl
+    from ops.actions import nccl
 
     def rank(tokens, time_s, ms):
         return {"world_size": 2, "distributed_type": "MULTI_GPU", "backend": "nccl", "ddp": True,

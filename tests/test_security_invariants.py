@@ -1,4 +1,4 @@
-"""The cluster's security invariants (issue 6, item 4), on the Pulumi program run under
+"""The cluster's security invariants, on the Pulumi program run under
 mocks and on the files bootstrap/ renders:
 
 - SSH only from adminCidr, by key only; IMDSv2; encrypted volumes;
@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from bootstrap import render
-from bootstrap.facts import ClusterFacts, NodeShape, plan_hosts
+from cluster.facts import ClusterFacts, NodeShape, plan_hosts
 from tests.test_infra_mocks import SSH_KEY, run_program, stack_config, user_data_of
 
 REPO = Path(__file__).resolve().parent.parent

@@ -1,5 +1,5 @@
 """Every key of every rendered Slurm file is one its platform's Slurm version accepts
-(bootstrap/slurm_keys.py), for the AWS stacks and the local cluster (issue 11 item 3)."""
+(bootstrap/slurm_keys.py), for the AWS stacks and the local cluster."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from bootstrap import render
-from bootstrap.facts import ClusterFacts, PowerSave
-from bootstrap.platform import AWS, LOCAL
 from bootstrap.slurm_keys import ACCEPTED_KEYS, config_keys, unknown_keys
+from cluster.facts import ClusterFacts, PowerSave
+from cluster.platform import AWS, LOCAL
 from localcluster import plan as local_plan
 from tests.test_bootstrap_render import FACTS
 

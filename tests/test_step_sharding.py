@@ -1,4 +1,4 @@
-"""Every example exactly once per epoch across ranks (issue 13 item 4), on CPU with simulated ranks.
+"""Every example exactly once per epoch across ranks, on CPU with simulated ranks.
 
 The packed trainer's StepShardSampler replaces accelerate's even-batch sharding, which repeated
 examples when the row count did not divide (48 repeats for 2,000 rows on 8 ranks at 16 per rank).

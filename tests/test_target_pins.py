@@ -1,8 +1,8 @@
-"""Every pin the GPU nodes install has a wheel for the target platform's Python (issue 11 item 2).
+"""Every pin the GPU nodes install has a wheel for the target platform's Python.
 
 The nodes install `render.training_pins()` (read from requirements.txt) into a venv of the
 image's python3 (bootstrap-gpu.sh.j2's `training` step); this asks pip, without installing,
-whether that works on the AWS platform of bootstrap/platform.py. The controller installs only
+whether that works on the AWS platform of cluster/platform.py. The controller installs only
 the power-save programs' boto3 (render.power_pins(), its bootstrap's `power` step), checked the
 same way.
 """
@@ -14,9 +14,9 @@ from dataclasses import replace
 import pytest
 
 from bootstrap import render
-from bootstrap.facts import ClusterFacts, NodeShape, PowerSave, plan_hosts
-from bootstrap.platform import AWS, BOOT_DEBIAN13
 from bootstrap.wheels import check_wheels, describe
+from cluster.facts import ClusterFacts, NodeShape, PowerSave, plan_hosts
+from cluster.platform import AWS, BOOT_DEBIAN13
 
 PINS = [f"{name}=={version}" for name, version in render.training_pins().items()]
 

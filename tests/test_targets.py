@@ -1,4 +1,4 @@
-"""One object per target (ops/targets/): the rest of fab asks it, never compares target names."""
+"""One object per target (cluster/targets/): the rest of fab asks it, never compares target names."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from bootstrap.inventory import Inventory, InventoryError
-from ops import inventory, jobs, targets
-from ops.targets import Target
+from cluster import targets
+from cluster.inventory import Inventory, InventoryError
+from cluster.targets import Target
+from ops.finetune import sbatch as jobs
 from tests.test_jobs_render import inventory as make_inventory
 
 REPO = Path(__file__).resolve().parent.parent
@@ -32,13 +33,13 @@ def test_registry_and_default():
     with pytest.raises(targets.TargetError, match=r"--target must be 'aws' .* or 'local' .*not 'gcp'"):
         targets.get("gcp")
     with pytest.raises(InventoryError, match="not 'gcp'"):
-        inventory.load("gcp")
+        targets.load("gcp")
 
 
 def test_local_inventory_missing_names_the_fix(monkeypatch, tmp_path):
-    monkeypatch.setattr("ops.targets.local.LOCAL_INVENTORY", tmp_path / "inventory.json")
+    monkeypatch.setattr("cluster.targets.local.LOCAL_INVENTORY", tmp_path / "inventory.json")
     with pytest.raises(InventoryError, match="fab local.up"):
-        inventory.load("local")
+        targets.load("local")
 
 
 def test_flags_and_efa():
@@ -71,9 +72,16 @@ def test_a_third_target_is_one_registration(monkeypatch):
             return replace(make_inventory(), target="onprem")
 
     monkeypatch.setitem(targets.base._REGISTRY, "onprem", OnPrem())
-    inv: Inventory = inventory.load("onprem")
+    inv: Inventory = targets.load("onprem")
     spec = jobs.base_spec(inv, jobs.SANITY_NAME, 2, 4, "/scratch/j", script_path="/scratch/j/sanity.sbatch")
     assert spec.real_gpus and not spec.nccl_efa and spec.device_prefix == "/dev/nvidia"
     assert "nvidia-smi -L" in jobs.render_sanity(spec)
     finetune = jobs.render_finetune(replace(spec, job_name=jobs.FINETUNE_NAME))
     assert "FI_PROVIDER" not in finetune and "OMP_NUM_THREADS=1" in finetune
+
+
+def test_each_target_names_its_platforms_and_takes_their_device_prefix():
+    for name in targets.names():
+        tgt = targets.get(name)
+        assert tgt.platforms, name
+        assert {p.gpu_device_prefix for p in tgt.platforms} == {tgt.device_prefix}, name

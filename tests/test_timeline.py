@@ -1,9 +1,9 @@
-"""The run's timeline (ops/timeline.py): fab's phases and the job's, contiguous, on one clock."""
+"""The run's timeline (ops/finetune/timeline.py): fab's phases and the job's, contiguous, on one clock."""
 
 import json
 
-from ops import timeline
-from ops.timeline import Phase, Timeline
+from ops.finetune import timeline
+from ops.finetune.timeline import Phase, Timeline
 
 T0 = 1_800_000_000.0
 
@@ -77,14 +77,14 @@ def test_training_sides_own_phases_are_used_when_metrics_has_them(tmp_path):
 
 
 def test_the_wall_time_counts_from_the_process_start_not_from_the_first_import():
-    """Time an interpreter spends before ops.timeline is imported (fab's own imports) is in the run."""
+    """Time an interpreter spends before ops.finetune.timeline is imported (fab's own imports) is in the run."""
     import subprocess
     import sys
 
     code = ("import time; t0 = time.time(); time.sleep(1.0)\n"
-            "from ops import timeline\n"
+            "from ops.finetune import timeline\n"
             "print(t0 - timeline.process_started())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=timeline.Path(timeline.__file__).parent.parent)
+                         cwd=timeline.Path(timeline.__file__).parents[2])
     early = float(out.stdout)
     assert 0.0 <= early < 1.0, early  # started before t0 (interpreter start), and not the import's time

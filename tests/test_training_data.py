@@ -174,7 +174,7 @@ def test_gpu_config_matches_seed_and_flags_override():
     assert data.dataset_name == "tatsu-lab/alpaca" and data.n_examples == 2000
     assert (cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps) == (2, 8)
     assert cfg.learning_rate == 1e-4  # the flag wins over the config
-    # auto: the seed's recomputation on padded batches; the packed path decides for itself (and says so).
+    # auto: the baseline's recomputation on padded batches; the packed path decides for itself (and says so).
     assert cfg.activation_checkpointing is True and cfg.activation_checkpointing_setting == "auto"
     # This machine has no GPU: the config's bf16 gives way to fp32 on CPU (gloo via use_cpu).
     assert cfg.bf16 is False and cfg.use_cpu is True
@@ -288,7 +288,7 @@ def test_make_tiny_same_seed_same_weights(tmp_path):
 
 
 def test_data_py_runs_alone_as_the_node_side_check(tmp_path):
-    """fab copies training/data.py by itself to a GPU node and runs it (ops.finetune.check_data_on)."""
+    """fab copies training/data.py by itself to a GPU node and runs it (ops.finetune.pipeline.check_data_on)."""
     import shutil
     import subprocess
     import sys

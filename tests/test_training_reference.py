@@ -3,7 +3,7 @@ training/train.py (the tiny Qwen3, fp32, one process), on the packed path and on
 against tests/data/training_reference.json.
 
 That file was produced by the code as it stood before the fast path was split into training/fastpath/
-(commit 8c20cc9, training/packing.py), by running this test with SLURM_GPU_WRITE_REFERENCE=1. A change that
+(commit 8c20cc9, when it was one module, packing.py), by running this test with SLURM_GPU_WRITE_REFERENCE=1. A change that
 means to alter the numbers (a new recipe, a new tiny model) regenerates it the same way and says why in its
 commit; a refactor must leave it as it is.
 """

@@ -190,7 +190,7 @@ def test_gpu_node_falls_back_to_the_index_with_the_reason(world, case, reason):
 
 
 def test_controller_and_nodes_name_one_cache_per_pins_python_and_tags():
-    from bootstrap.platform import BOOT_DEBIAN12
+    from cluster.platform import BOOT_DEBIAN12
 
     facts = FACTS["l4x2"]
     pins = render.training_pins()

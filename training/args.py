@@ -1,6 +1,6 @@
 """Settings of training/train.py as dataclasses, parsed by TRL's TrlParser (YAML `--config` + flags).
 
-Defaults are the seed's recipe (Qwen/Qwen3-4B, tatsu-lab/alpaca first 2,000 rows, LoRA r16/alpha 32/
+Defaults are the baseline recipe (Qwen/Qwen3-4B, tatsu-lab/alpaca first 2,000 rows, LoRA r16/alpha 32/
 dropout 0.05 on q/k/v/o, lr 2e-4, one epoch, batch 2 x 8, max length 1024, bf16), so running
 without a config reproduces it; configs/*.yaml override them and flags override the config.
 """
@@ -106,7 +106,7 @@ class DataArguments:
 
 @dataclass
 class ModelArguments(ModelConfig):
-    """TRL's ModelConfig with the seed's model and LoRA as defaults."""
+    """TRL's ModelConfig with the baseline's model and LoRA as defaults."""
 
     model_name_or_path: str | None = field(
         default="Qwen/Qwen3-4B", metadata={"help": "Hub model ID or a local model directory."}
@@ -125,7 +125,7 @@ class ModelArguments(ModelConfig):
 
 @dataclass
 class TrainConfig(SFTConfig):
-    """TRL's SFTConfig with the seed's recipe as defaults, plus CPU handling (fp32 when no GPU)."""
+    """TRL's SFTConfig with the baseline recipe as defaults, plus CPU handling (fp32 when no GPU)."""
 
     output_dir: str | None = field(default="/scratch/lora-out", metadata={"help": "Adapters, checkpoints, metrics."})
     learning_rate: float = field(default=2e-4, metadata={"help": "Peak learning rate (AdamW)."})
@@ -159,7 +159,7 @@ class TrainConfig(SFTConfig):
     activation_checkpointing: str = field(
         default="auto",
         metadata={"help": "Recompute activations in backward (saves memory). auto: on for padded batches (the "
-                          "seed's recipe); on the packed path off unless the GPU's memory cannot hold one "
+                          "baseline recipe); on the packed path off unless the GPU's memory cannot hold one "
                           "max_length row without it. One of auto, true, false."},
     )
     activation_checkpointing_setting: str = field(
@@ -231,7 +231,7 @@ class TrainConfig(SFTConfig):
         setting = choice("activation_checkpointing", self.activation_checkpointing)
         if setting == "auto" and self.gradient_checkpointing is not None:  # the deprecated alias, if given
             setting = choice("activation_checkpointing", self.gradient_checkpointing)
-        # The Trainer's bool: auto is the seed's (on) until the packed path decides (training/fastpath/layout.py).
+        # The Trainer's bool: auto is the baseline's (on) until the packed path decides (training/fastpath/layout.py).
         self.activation_checkpointing_setting = setting
         self.activation_checkpointing = setting != "false"
         self.gradient_checkpointing = None

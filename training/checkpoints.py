@@ -2,7 +2,7 @@
 
 The Trainer writes each checkpoint on the training thread: the adapters, the optimizer state (twice the
 adapters, fp32), scheduler and RNG states, trainer_state.json, then it deletes checkpoints beyond
-save_total_limit. For Qwen3-4B's adapters that is ~140 MB every save_steps (steps 5, 10 and 15 of the seed
+save_total_limit. For Qwen3-4B's adapters that is ~140 MB every save_steps (steps 5, 10 and 15 of the baseline
 job's 16), on the cluster to the shared /scratch over NFS, while the other ranks wait for rank 0 at the next
 step's all-reduce. Here the saving step's state is copied to host memory on the training thread (a
 consistent snapshot of that step: the frozen base weights never change, so they are not copied), and one

@@ -1,4 +1,4 @@
-"""TRL's own padded batches (the seed's recipe): what training/train.py takes from this path.
+"""TRL's own padded batches (the baseline recipe): what training/train.py takes from this path.
 
 The same three functions as training/fastpath/entry.py; train.training_path picks one of the two modules.
 """

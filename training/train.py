@@ -1,7 +1,7 @@
 """LoRA fine-tune of a causal LM with TRL's SFTTrainer, on one process or many (torchrun).
 
 Parse the settings (training/args.py: dataclasses, a YAML config, flags), load and check the data, load the
-model, build the trainer, train, save. Defaults are the seed's recipe (Qwen/Qwen3-4B on the first 2,000 rows
+model, build the trainer, train, save. Defaults are the baseline recipe (Qwen/Qwen3-4B on the first 2,000 rows
 of tatsu-lab/alpaca, LoRA r16 on q/k/v/o, lr 2e-4, one epoch, batch 2 x 8, max length 1024, bf16). Launched by
 jobs/finetune.sbatch.j2 on every node, from the job directory (so `training` imports as a package):
 

@@ -1,6 +1,6 @@
 """The packed GPU fast path: padding-free batches with per-example attention, entered from training/train.py.
 
-The seed's recipe pads every micro-batch of 2 examples to its longer one, recomputes activations and runs 8
+The baseline recipe pads every micro-batch of 2 examples to its longer one, recomputes activations and runs 8
 small micro-batches per optimizer step; on a GPU that leaves the card mostly idle. This path keeps the
 optimizer semantics (the same examples in the same order, the same examples per optimizer step, the same
 learning rate and schedule) and changes only how a step's examples reach the GPU; each change is a config

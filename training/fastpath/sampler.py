@@ -12,7 +12,7 @@ class StepShardSampler:
     possible. Every example once per epoch over all ranks (no padding by repetition, nothing dropped),
     and ceil(N / (per_rank x world)) steps on every rank. Same permutation as accelerate's
     SeedableRandomSampler (randperm seeded with seed + epoch), so one rank sees the order of the
-    seed's padded batches."""
+    baseline's padded batches."""
 
     def __init__(self, n: int, per_rank: int, world: int, rank: int, seed: int, shuffle: bool = True):
         self.n, self.per_rank, self.world, self.rank, self.seed, self.shuffle = n, per_rank, world, rank, seed, shuffle

@@ -1,0 +1,43 @@
+"""A cluster on AWS: the current Pulumi stack's `inventory` output."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+from cluster.inventory import Inventory, InventoryError
+from cluster.platform import AWS as AWS_PLATFORM
+from cluster.targets.base import CONFIGS, Target, register
+
+
+class Aws(Target):
+    name = "aws"
+    describe = "the current Pulumi stack, the default"
+    default_config = CONFIGS / "qwen3-4b-lora.yaml"
+    platforms = (AWS_PLATFORM,)
+    device_prefix = AWS_PLATFORM.gpu_device_prefix
+    real_gpus = True
+    nccl_efa = True
+    hub_offline = False
+    cloud_init = True
+    takes_stack = True
+
+    def load(self, stack: str | None) -> Inventory:
+        cmd = ["pulumi", "stack", "output", "--json"]
+        if stack:
+            cmd += ["--stack", stack]
+        try:
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        except FileNotFoundError as exc:
+            raise InventoryError(
+                "the pulumi CLI is not installed: install it, or use `--target local`"
+            ) from exc
+        except subprocess.CalledProcessError as exc:
+            raise InventoryError(f"`pulumi stack output` failed: {exc.stderr.strip()}") from exc
+        outputs = json.loads(out)
+        if "inventory" not in outputs:
+            raise InventoryError("the stack has no `inventory` output: run `pulumi up` first")
+        return Inventory.from_dict(outputs["inventory"])
+
+
+AWS = register(Aws())

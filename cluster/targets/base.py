@@ -1,0 +1,95 @@
+"""The Target base class and the registry of targets (cluster/targets/__init__.py registers aws and local)."""
+
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar
+
+from cluster.inventory import Inventory
+from cluster.platform import Platform
+
+CONFIGS = Path(__file__).resolve().parent.parent.parent / "training" / "configs"
+
+
+class TargetError(ValueError):
+    pass
+
+
+class Target:
+    name: ClassVar[str]
+    # What --target NAME means, for help and error messages.
+    describe: ClassVar[str]
+    # The training config `fab train` uses without --config.
+    default_config: ClassVar[Path]
+    # The OS and Slurm its hosts run (cluster/platform.py); the inventory's facts say which one a cluster has.
+    platforms: ClassVar[tuple[Platform, ...]]
+    # gres.conf File= prefix when the inventory's facts do not carry one: its platforms'.
+    device_prefix: ClassVar[str]
+    # The GPUs are real (nvidia-smi lists them) rather than stand-in files.
+    real_gpus: ClassVar[bool]
+    # Ranks talk NCCL through the aws-ofi-nccl EFA plugin (else gloo on CPU).
+    nccl_efa: ClassVar[bool]
+    # The cluster cannot reach the Hugging Face Hub: model and data must be paths on it.
+    hub_offline: ClassVar[bool]
+    # Hosts finish booting through cloud-init (fab waits for it).
+    cloud_init: ClassVar[bool]
+    # --stack (a Pulumi stack name) selects among clusters of this target.
+    takes_stack: ClassVar[bool]
+    # Bootstrap steps its hosts never run (SLURM_GPU_SKIP_STEPS), per role; `fab update-nodes` skips them too.
+    skip_steps: ClassVar[dict[str, tuple[str, ...]]] = {}
+    # The rendered files `fab update-nodes` may install on a node (None: all of them).
+    update_paths: ClassVar[tuple[str, ...] | None] = None
+    # The interface gloo's traffic must use on every node (GLOO_SOCKET_IFNAME; None: gloo's own
+    # choice, the host name's address). The network check names a node that lacks it.
+    gloo_ifname: ClassVar[str | None] = None
+    # CPU targets: the network check has a measured figure of this cluster's own network to expect
+    # (ops/data/local.json); without one it reports figures and judges transports only.
+    measured_network: ClassVar[bool] = False
+
+    def load(self, stack: str | None) -> Inventory:
+        raise NotImplementedError
+
+    def flag(self) -> str:
+        """The `--target` flag that selects this target again (empty for the default)."""
+        return "" if self.name == DEFAULT else f" --target {self.name}"
+
+    def expects_efa(self, inv: Inventory) -> bool:
+        return self.nccl_efa and inv.efa
+
+    def gpu_device_prefix(self, inv: Inventory) -> str:
+        return inv.extra.get("gpu_device_prefix") or inv.facts.get("gpu_device_prefix") or self.device_prefix
+
+
+DEFAULT = "aws"
+_REGISTRY: dict[str, Target] = {}
+_ALIASES = {"stack": "aws"}
+
+
+def register(target: Target) -> Target:
+    _REGISTRY[target.name] = target
+    return target
+
+
+def names() -> tuple[str, ...]:
+    return tuple(_REGISTRY)
+
+
+def get(name: str | None) -> Target:
+    """The target called `name` (None: the default), or TargetError naming the choices."""
+    key = (name or DEFAULT).strip().lower()
+    key = _ALIASES.get(key, key)
+    if key not in _REGISTRY:
+        choices = [f"'{t.name}' ({t.describe})" for t in _REGISTRY.values()]
+        raise TargetError(f"--target must be {', '.join(choices[:-1])} or {choices[-1]}, not {name!r}")
+    return _REGISTRY[key]
+
+
+def with_stacks() -> tuple[str, ...]:
+    return tuple(t.name for t in _REGISTRY.values() if t.takes_stack)
+
+
+def of(inv: Inventory) -> Target:
+    """The target an inventory was written for."""
+    return get(inv.target)
+

@@ -1,0 +1,124 @@
+"""The whole cluster: network + security group + nodes, and the inventory fab reads."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import pulumi
+
+from bootstrap.render import TRAINING_PYTHON
+from cluster.facts import ClusterFacts
+from cluster.inventory import from_facts
+from infra.ami import Ami, ImagesComponent
+from infra.config import StackConfig
+from infra.kms import EbsKey
+from infra.network import NetworkComponent
+from infra.nodes import NodesComponent
+from infra.power_role import PowerSaveComponent
+from infra.security import SecurityComponent
+
+SERVICE_CMD = "sudo systemctl {action} {service}"
+
+
+def build_inventory(facts: ClusterFacts, controller_public_ip: str | None, region: str | None,
+                    instance_ids: dict[str, str] | None = None, scratch_volume: dict | None = None) -> dict:
+    """The `inventory` output: cluster.inventory.Inventory as a plain dict. `scratch_volume`:
+    the shared /scratch volume's gp3 {"throughput_mbps", "iops"} (`fab estimate` reads them)."""
+    extra = _extra(facts, region, instance_ids or {})
+    if scratch_volume:
+        extra["scratch_volume"] = dict(scratch_volume)
+    inv = from_facts(
+        facts, target="aws", controller_public_ip=controller_public_ip,
+        python=TRAINING_PYTHON,  # where the GPU nodes' bootstrap installs the training stack
+        service_cmd=SERVICE_CMD, extra=extra,
+    )
+    return asdict(inv)
+
+
+# What `fab train` tells the user when it starts stopped nodes (an EC2 start plus boot).
+POWER_UP_TIME = "~2-4 minutes"
+
+
+def _extra(facts: ClusterFacts, region: str | None, instance_ids: dict[str, str]) -> dict:
+    extra: dict = {"region": region} if region else {}
+    if instance_ids:  # fab reads each host's SSH host keys from its console output by id
+        extra["instance_ids"] = instance_ids
+    if facts.power_save is not None:
+        extra.update(idle_stop_s=facts.power_save.suspend_time, power_up_time=POWER_UP_TIME,
+                     resume_timeout_s=facts.power_save.resume_timeout)
+    return extra
+
+
+class ClusterComponent(pulumi.ComponentResource):
+    def __init__(self, name: str, *, cfg: StackConfig, facts: ClusterFacts, images: dict[str, Ami],
+                 availability_zone: str, user_data: dict[str, str], efa_interfaces: int,
+                 region: str | None = None, ebs_key: EbsKey | None = None,
+                 opts: pulumi.ResourceOptions | None = None):
+        super().__init__("slurm-gpu:infra:Cluster", name, None, opts)
+        child = pulumi.ResourceOptions(parent=self)
+
+        self.network = NetworkComponent(
+            f"{name}-net", cluster_name=facts.cluster_name, vpc_cidr=cfg.vpc_cidr,
+            subnet_cidr=cfg.subnet_cidr, public_subnet_cidr=cfg.public_subnet_cidr,
+            availability_zone=availability_zone, opts=child,
+        )
+        self.security = SecurityComponent(
+            f"{name}-sec", cluster_name=facts.cluster_name, vpc_id=self.network.vpc.id,
+            admin_cidr=cfg.admin_cidr, opts=child,
+        )
+        ebs_key_arn = ebs_key.arn if ebs_key else None
+        # The controller's role to stop/start idle GPU nodes (none when they never stop).
+        self.power = PowerSaveComponent(
+            f"{name}-power", cluster_name=facts.cluster_name, region=region, ebs_key_arn=ebs_key_arn,
+            opts=child,
+        ) if facts.power_save is not None else None
+        # The image ids the instances take, kept with the stack (infra/ami.py).
+        self.images = ImagesComponent(f"{name}-images", images=images, opts=child)
+        self.nodes = NodesComponent(
+            f"{name}-nodes",
+            facts=facts,
+            ssh_public_key=cfg.ssh_public_key,
+            ami=self.images.ami,
+            follow_ami=self.images.follow,
+            ebs_key_arn=ebs_key_arn,
+            controller_instance_type=cfg.controller_instance_type,
+            gpu_instance_type=cfg.gpu_instance_type,
+            root_volume_gib=cfg.root_volume_gib,
+            public_subnet_id=self.network.public_subnet.id,
+            gpu_subnet_id=self.network.gpu_subnet.id,
+            security_group_id=self.security.group.id,
+            user_data=user_data,
+            efa_interfaces=efa_interfaces,
+            controller_internet=self.network.controller_internet,
+            gpu_internet=self.network.gpu_internet,
+            controller_instance_profile=self.power.instance_profile.name if self.power else None,
+            scratch_throughput_mbps=cfg.scratch_throughput_mbps,
+            scratch_iops=cfg.scratch_iops,
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[self.network, self.security]),
+        )
+
+        self.controller_public_ip = self.nodes.controller.public_ip
+        self.node_list = [
+            {"name": h.name, "private_ip": h.ip, "role": role}
+            for h, role in [(facts.controller, "controller")] + [(h, "gpu") for h in facts.gpu_nodes]
+        ]
+        names = [facts.controller.name] + [h.name for h in facts.gpu_nodes]
+        # The shared volume's throughput and IOPS as the provider reports them, for `fab estimate`.
+        root = self.nodes.controller.root_block_device
+        self.inventory = pulumi.Output.all(
+            self.nodes.controller.public_ip, root.throughput, root.iops, self.nodes.controller.id,
+            *[n.id for n in self.nodes.gpu_nodes]
+        ).apply(lambda v: build_inventory(facts, v[0], region, dict(zip(names, v[3:], strict=True)),
+                                          {"throughput_mbps": v[1], "iops": v[2]}))
+
+        hosts = [(facts.controller.name, self.nodes.controller)] + \
+            [(h.name, n) for h, n in zip(facts.gpu_nodes, self.nodes.gpu_nodes, strict=True)]
+        # Read from each instance's state, which keeps its image while `ami` changes are ignored.
+        self.images_running = pulumi.Output.all(**{h: inst.ami for h, inst in hosts})
+
+        self.register_outputs({
+            "controllerPublicIp": self.controller_public_ip,
+            "images": self.images_running,
+            "nodes": self.node_list,
+            "inventory": self.inventory,
+        })

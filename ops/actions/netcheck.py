@@ -1,0 +1,359 @@
+"""The network check (`fab check`, and a step of `fab train`): all-reduce across every node, then
+per node pair, measured against what the nodes' instance type should give.
+
+jobs/allreduce_check.py measures (bus bandwidth as nccl-tests defines it, latency); this module
+says what was expected, judges, names and drains the nodes that fail, and keeps the result
+(runs/<job>/network.json). A node is failed when it misses its transport (NCCL on sockets where
+EFA was expected; on the local cluster, gloo's interface missing), or when every pair it is in
+runs below THRESHOLD of the expected bus bandwidth: a pair cannot say which of its two nodes is
+slow, a node slow with every peer can. Two slow-paired nodes alone (a two-node cluster) are
+named, not drained.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import shlex
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from cluster import targets
+from cluster.errors import UserError
+from cluster.inventory import Inventory
+from ops.actions import nccl, slurm
+from ops.finetune import sbatch as jobs
+from ops.ssh.remote import Cluster, sudo
+
+DATA = Path(__file__).resolve().parents[1] / "data"  # ops/data/
+# Message sizes: one small (latency), one mid, one large (bandwidth; its busbw is judged). GPUs get
+# nccl-tests-like sizes; the local CPU cluster, sizes its 2-core machine moves in well under a second.
+GPU_SIZES = (8 << 10, 1 << 20, 64 << 20)
+CPU_SIZES = (4 << 10, 256 << 10, 4 << 20)
+BUDGET_S = 0.3  # timed seconds per size and group (warm-up aside)
+TIME_LIMIT = "00:03:00"  # Slurm ends a hung check; fab waits a little longer
+WAIT_S = 240
+
+
+class NetCheckError(UserError, RuntimeError):
+    pass
+
+
+# ---------------------------------------------------------------- what to expect
+
+
+@dataclass(frozen=True)
+class Expected:
+    busbw_gbps: float | None  # between two nodes; None: nothing to compare with
+    transport: str | None  # what each node's traffic should go over ("EFA", "sockets", "gloo over eth0")
+    threshold: float  # a pair below threshold * busbw_gbps is slow
+    source: str  # where the figure comes from, for the table and network.json
+
+
+def _data(name: str) -> dict:
+    return json.loads((DATA / name).read_text())
+
+
+def threshold() -> float:
+    return float(_data("instances.json")["network"]["threshold"])
+
+
+def expected_for_type(itype: str | None, efa: bool) -> Expected:
+    """AWS: the instance type's published network bandwidth (ops/data/instances.json)."""
+    net = _data("instances.json")
+    facts = net["types"].get(itype or "")
+    transport = "EFA" if efa else "sockets"
+    if not facts:
+        return Expected(None, transport, threshold(),
+                        f"{itype or 'unknown type'}: no network figure in ops/data/instances.json")
+    return Expected(float(facts["network_gbps"]), transport, threshold(),
+                    f"{itype}: {facts['network_gbps']} Gbps published ({net['network']['date']})")
+
+
+def expected_local(gloo_ifname: str | None) -> Expected:
+    """The local cluster: its bridge's figure measured on the CI machine (ops/data/local.json)."""
+    net = _data("local.json")["network"]
+    transport = f"gloo over {gloo_ifname}" if gloo_ifname else None
+    return Expected(float(net["busbw_gbps"]), transport, threshold(),
+                    f"local bridge: {net['busbw_gbps']} Gbps measured ({net['source']})")
+
+
+def expected(inv: Inventory, stack: str | None) -> Expected:
+    target = targets.of(inv)
+    if not target.real_gpus:
+        if target.measured_network:
+            return expected_local(target.gloo_ifname)
+        return Expected(None, None, threshold(), f"no expected figure for {target.describe}")
+    itype = inv.extra.get("gpu_instance_type")
+    if not itype:
+        from ops.cost import estimate
+
+        try:
+            itype = estimate.stack_settings(stack)[0]["gpuInstanceType"]
+        except estimate.EstimateError:
+            itype = None
+    return expected_for_type(itype, target.expects_efa(inv))
+
+
+# ---------------------------------------------------------------- judging
+
+
+def bus_factor(n: int) -> float:
+    """nccl-tests' all-reduce bus bandwidth factor: busbw = algbw * 2 (n - 1) / n."""
+    return 2 * (n - 1) / n if n > 1 else 0.0
+
+
+def busbw_gbps(nbytes: int, seconds: float, ranks: int) -> float:
+    return nbytes / seconds * bus_factor(ranks) * 8 / 1e9
+
+
+@dataclass
+class PairVerdict:
+    nodes: tuple[str, str]
+    busbw_gbps: float  # at the largest size
+    latency_us: float  # the smallest size's time
+    fraction: float | None  # of the expected busbw
+    slow: bool
+
+
+@dataclass
+class Verdict:
+    expected: Expected
+    nodes: list[str]
+    transports: dict[str, str]
+    pairs: list[PairVerdict]
+    all_busbw_gbps: float | None
+    all_latency_us: float | None
+    failed: dict[str, str] = field(default_factory=dict)  # node -> reason (drained)
+    unattributed: list[str] = field(default_factory=list)  # slow pairs no single node explains
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed and not self.unattributed
+
+    @property
+    def healthy(self) -> list[str]:
+        return [n for n in self.nodes if n not in self.failed]
+
+    def problems(self) -> str:
+        parts = [f"{n}: {why}" for n, why in self.failed.items()] + self.unattributed
+        return "; ".join(parts)
+
+
+def transports_of(result: dict, log_text: str, backend_nccl: bool) -> dict[str, str]:
+    """Each node's transport: gloo's interface as the node reported it; NCCL's choice from its INFO lines."""
+    out = {}
+    for host, info in result.get("node_info", {}).items():
+        out[host] = info.get("transport", "?")
+        if info.get("missing"):
+            out[host] += f" ({info['missing']})"
+    if backend_nccl:
+        for host, pic in nccl_by_host(log_text).items():
+            out[host] = describe_nccl(pic)
+    return out
+
+
+_NCCL_HOST = re.compile(r"^(?:\d+: )?(?P<host>[\w.-]+):\d+:\d+ \[\d+\] NCCL INFO")
+
+
+def nccl_by_host(log_text: str) -> dict[str, nccl.NcclPicture]:
+    lines: dict[str, list[str]] = {}
+    for line in log_text.splitlines():
+        if m := _NCCL_HOST.search(line):
+            lines.setdefault(m["host"], []).append(line)
+    return {h: nccl.parse(ls) for h, ls in lines.items()}
+
+
+NO_INTER = "no inter-node links"
+
+
+def describe_nccl(pic: nccl.NcclPicture) -> str:
+    """'EFA' (the OFI plugin with provider efa), 'sockets' (NET/Socket), or what NCCL said."""
+    inter = set(pic.inter)
+    if "efa" in pic.providers or any(f.startswith(("NET/Libfabric", "NET/AWS", "NET/OFI")) for f in inter):
+        return "EFA"
+    if "NET/Socket" in inter or any("Socket" in n for n in pic.networks):
+        return "sockets"
+    return NO_INTER if not inter else ", ".join(sorted(inter))
+
+
+def _largest(results: list[dict]) -> dict:
+    return max(results, key=lambda r: r["bytes"])
+
+
+def _smallest(results: list[dict]) -> dict:
+    return min(results, key=lambda r: r["bytes"])
+
+
+def judge(result: dict, exp: Expected, transports: dict[str, str]) -> Verdict:
+    nodes = list(result.get("nodes", []))
+    pairs = []
+    for p in result.get("pairs", []):
+        big, small = _largest(p["results"]), _smallest(p["results"])
+        frac = big["busbw_gbps"] / exp.busbw_gbps if exp.busbw_gbps else None
+        pairs.append(PairVerdict(tuple(p["nodes"]), big["busbw_gbps"], small["time_us"], frac,
+                                 frac is not None and frac < exp.threshold))
+    everyone = result.get("all") or []
+    v = Verdict(exp, nodes, transports, pairs,
+                _largest(everyone)["busbw_gbps"] if everyone else None,
+                _smallest(everyone)["time_us"] if everyone else None, seconds=float(result.get("seconds", 0)))
+    if exp.transport:
+        for n in nodes:
+            got = transports.get(n, "no report")
+            if got == NO_INTER and len(nodes) < 2:  # one node: no traffic leaves it, nothing to choose
+                continue
+            if not got.startswith(exp.transport) or "missing" in got or "not on this node" in got:
+                v.failed[n] = f"transport {got}, expected {exp.transport}"
+    slow = [p for p in pairs if p.slow]
+    if slow:
+        floor = f"{exp.threshold:.0%} of {exp.busbw_gbps:g} Gbps"
+        mine = {n: [p for p in pairs if n in p.nodes] for n in nodes}
+        culprits = [n for n in nodes if mine[n] and all(p.slow for p in mine[n])]
+        if len(culprits) == len(nodes):  # every pair: the network as a whole, or the expectation, is off
+            culprits = []
+        for n in culprits:
+            worst = max(p.busbw_gbps for p in mine[n])
+            why = f"slow: every pair at or below {worst:.3g} Gbps bus bandwidth (under {floor})"
+            v.failed[n] = f"{v.failed[n]}; {why}" if n in v.failed else why
+        for p in slow:
+            if not set(p.nodes) & set(culprits):
+                v.unattributed.append(f"pair {p.nodes[0]}-{p.nodes[1]} slow: {p.busbw_gbps:.3g} Gbps "
+                                      f"(under {floor}; one pair alone cannot say which node)")
+    return v
+
+
+# ---------------------------------------------------------------- output
+
+
+def table(v: Verdict) -> list[str]:
+    exp = v.expected
+    out = [f"network check: {len(v.nodes)} node(s), {v.seconds:.1f} s; expected {exp.source}, "
+           f"slow below {exp.threshold:.0%}"]
+    if v.all_busbw_gbps is not None:
+        out.append(f"  all ranks     {v.all_busbw_gbps:.3g} Gbps bus bandwidth, {v.all_latency_us:.0f} us "
+                   "smallest all-reduce")
+    if v.pairs:
+        out.append(f"  {'pair':<28} {'busbw Gbps':>10} {'expected':>9} {'share':>6} {'latency us':>11}  verdict")
+        for p in v.pairs:
+            share = f"{p.fraction:.0%}" if p.fraction is not None else "-"
+            want = f"{exp.busbw_gbps:g}" if exp.busbw_gbps else "-"
+            out.append(f"  {p.nodes[0] + ' - ' + p.nodes[1]:<28} {p.busbw_gbps:>10.3g} {want:>9} {share:>6} "
+                       f"{p.latency_us:>11.0f}  {'SLOW' if p.slow else 'ok'}")
+    for n in v.nodes:
+        out.append(f"  {n:<28} transport {v.transports.get(n, '?')}"
+                   + (f"  FAILED: {v.failed[n]}" if n in v.failed else ""))
+    out.extend(f"  {u}" for u in v.unattributed)
+    return out
+
+
+def summary_line(v: Verdict) -> str:
+    """The run summary's line: measured against expected."""
+    worst = min(v.pairs, key=lambda p: p.busbw_gbps) if v.pairs else None
+    measured = (f"slowest pair {worst.busbw_gbps:.3g} Gbps" if worst else
+                f"{v.all_busbw_gbps:.3g} Gbps (one node)" if v.all_busbw_gbps is not None else "no figure")
+    want = f"{v.expected.busbw_gbps:g} Gbps expected" if v.expected.busbw_gbps else "no expected figure"
+    state = "all nodes pass" if v.ok else f"failed: {v.problems()}"
+    return f"{measured} bus bandwidth of {want} ({v.expected.source}); {state}"
+
+
+def to_dict(v: Verdict, result: dict, job_id: str, drained: list[str]) -> dict:
+    return {"job_id": job_id, "checked_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "ok": v.ok,
+            "expected": asdict(v.expected), "nodes": {n: {"transport": v.transports.get(n), "failed": v.failed.get(n)}
+                                                      for n in v.nodes},
+            "pairs": [asdict(p) for p in v.pairs], "all_busbw_gbps": v.all_busbw_gbps,
+            "all_latency_us": v.all_latency_us, "unattributed": v.unattributed, "drained": drained,
+            "seconds": v.seconds, "measured": result}
+
+
+def save(path: Path, v: Verdict, result: dict, job_id: str, drained: list[str]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(to_dict(v, result, job_id, drained), indent=2) + "\n")
+    return path
+
+
+# ---------------------------------------------------------------- on the cluster
+
+
+def parse_result(text: str) -> dict | None:
+    """The program's result.json (None when it is cut short or not JSON)."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    return data if isinstance(data, dict) and "nodes" in data else None
+
+
+DRAIN_PREFIX = "network check"
+
+
+def drain(ctl, failed: dict[str, str]) -> list[str]:
+    """Drain each failed node with its reason (fab train's return to service resumes it: checked again)."""
+    for node, why in failed.items():
+        reason = f"{DRAIN_PREFIX}: {why}"[:250]
+        sudo(ctl, f"scontrol update nodename={shlex.quote(node)} state=drain reason={shlex.quote(reason)}")
+    return sorted(failed)
+
+
+@dataclass
+class Checked:
+    verdict: Verdict
+    result: dict
+    job_id: str
+    log_text: str
+    check_dir: str = ""
+    drained: list[str] = field(default_factory=list)
+
+
+def run(cl: Cluster, stack: str | None, say, nodes: int | None = None) -> Checked:
+    """Submit the check over `nodes` (default: all GPU nodes), wait, judge, drain the failed nodes."""
+    inv, ctl = cl.inventory, cl.controller
+    target = targets.of(inv)
+    q = shlex.quote
+    n = nodes or len(inv.gpu_nodes)
+    cdir = f"{inv.scratch}/slurm-gpu/netcheck/{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    ctl.run(f"mkdir -p {q(cdir)} {q(inv.scratch)}/logs", hide=True)
+    ctl.put(io.BytesIO(jobs.NETCHECK_PROGRAM.read_bytes()), remote=f"{cdir}/allreduce_check.py")
+    spec = jobs.base_spec(inv, jobs.NETCHECK_NAME, n, inv.gpus_per_node, cdir,
+                          script_path=f"{cdir}/netcheck.sbatch", time_limit=TIME_LIMIT)
+    sizes = GPU_SIZES if target.real_gpus else CPU_SIZES
+    script = jobs.render_netcheck(spec, sizes, BUDGET_S, target.gloo_ifname)
+    ctl.put(io.BytesIO(script.encode()), remote=spec.script_path)
+    ctl.sftp().chmod(spec.script_path, 0o755)
+    job_id = slurm.submit(ctl, spec.script_path)
+    say(f"      network check: job {job_id} on {n} node(s) x {inv.gpus_per_node} rank(s), "
+        f"{', '.join(_size(s) for s in sizes)} all-reduces")
+    try:
+        job = slurm.wait_job(ctl, job_id, WAIT_S)
+    except slurm.SlurmError as exc:  # a check that cannot finish must not hold the nodes for the job
+        ctl.run(f"scancel {q(job_id)}", hide=True, warn=True, in_stream=False)
+        raise NetCheckError(f"network check job {job_id} did not finish ({exc}); cancelled it. "
+                            "See `fab status`, or pass --skip-check to train without the check") from None
+    log_path = f"{inv.scratch}/logs/{jobs.NETCHECK_NAME}-{job_id}.out"
+    text = _read(ctl, log_path)
+    result = parse_result(_read(ctl, f"{cdir}/result.json"))
+    if result is None or not job.ok:
+        tail = "\n".join(f"  {line}" for line in text.splitlines()[-15:])
+        raise NetCheckError(f"network check job {job_id} {job.state} (exit {job.exit_code}) without a result; "
+                            f"last lines of {log_path}:\n{tail}")
+    exp = expected(inv, stack)
+    v = judge(result, exp, transports_of(result, text, backend_nccl=result.get("backend") == "nccl"))
+    checked = Checked(v, result, job_id, text, cdir)
+    checked.drained = drain(ctl, v.failed)
+    return checked
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
+
+def _read(ctl, path: str) -> str:
+    try:
+        with ctl.sftp().open(path, "rb") as f:
+            return f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""

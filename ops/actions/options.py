@@ -1,0 +1,220 @@
+"""The options of `fab`'s tasks, checked before any host is touched.
+
+Every error names the flag and says how to fix it. The flags every cluster task shares
+(--target, --stack, --identity) are declared here once, help text included (ops/actions/cluster_task.py
+adds them to each task); `parse_cluster` checks them, `parse_train` the rest of `fab train`'s.
+Checks that need the cluster's shape (node and GPU counts) run against the inventory, which is
+read locally.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from cluster import targets
+from cluster.errors import UserError
+from cluster.inventory import Inventory
+from cluster.targets import Target
+
+REPO = Path(__file__).resolve().parents[2]
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+class OptionError(UserError, ValueError):
+    pass
+
+
+# --help of the flags every task that reaches a cluster takes (ops/actions/cluster_task.py adds them).
+CLUSTER_FLAGS_HELP = {
+    "target": "aws (the current Pulumi stack, default) or local (the cluster of `fab local.up`)",
+    "stack": "Pulumi stack to read the inventory from (default: the selected stack)",
+    "identity": "SSH private key (default: `fab -i KEY`, else the inventory's ssh_key_file)",
+}
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    target: str
+    stack: str | None
+    config: Path
+    nodes: int | None
+    gpus_per_node: int | None
+    examples: int | None
+    model: str | None
+    data: str | None
+    identity: str | None
+    # The network check before the job (skip_check: not at all); healthy_only: a node that fails it is
+    # drained and the job runs on the others instead of stopping.
+    skip_check: bool = False
+    healthy_only: bool = False
+    # Where the job will read its model and data: the flag, else the config's setting (or its default).
+    config_model: str | None = None
+    config_data: str | None = None
+
+    @property
+    def model_path(self) -> str | None:
+        return self.model or self.config_model
+
+    @property
+    def data_path(self) -> str | None:
+        return self.data or self.config_data
+
+
+def _int(flag: str, value, low: int = 1) -> int | None:
+    if value is None or value == "":
+        return None
+    try:
+        n = int(str(value))
+    except ValueError:
+        raise OptionError(f"--{flag} must be a whole number, not {value!r}") from None
+    if n < low:
+        raise OptionError(f"--{flag} must be at least {low}, not {n}")
+    return n
+
+
+def _model_or_data(flag: str, value: str | None, target: Target, label: str | None = None) -> str | None:
+    """A flag's (or, with `label`, a config setting's) model or data location, checked for `target`."""
+    if value is None:
+        return None
+    label = label or f"--{flag}"
+    value = str(value).strip()
+    if not value:
+        raise OptionError(f"{label} is empty: give a Hugging Face Hub ID or an absolute path on the cluster")
+    if value.startswith("/"):
+        return value
+    if target.hub_offline:
+        fix = (f"leave --{flag} out to use the config's" if label.startswith("--") else
+               f"or pass --config {target.default_config.relative_to(REPO)} for the") + " tiny model and data"
+        raise OptionError(f"{label} {value!r}: the {target.name} cluster runs offline (HF_HUB_OFFLINE=1); give an "
+                          f"absolute path visible on the cluster (e.g. under /scratch), {fix}")
+    if not _HUB_ID.match(value) or ".." in value:
+        raise OptionError(f"{label} {value!r} is neither a Hub ID like 'Qwen/Qwen3-4B' nor an absolute "
+                          "path on the cluster (paths are read on the cluster, e.g. /scratch/data.jsonl)")
+    return value
+
+
+def _config(value: str | None, target: Target) -> tuple[Path, dict]:
+    path = Path(value).expanduser() if value else target.default_config
+    if not path.is_file():
+        raise OptionError(f"--config {path}: no such file; pass a YAML file such as {target.default_config}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise OptionError(f"--config {path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise OptionError(f"--config {path} must be a YAML mapping of training settings (key: value)")
+    from training.validate import ConfigProblem, check_config  # imports TRL: only for `fab train`
+
+    try:
+        check_config(data, str(path))
+    except ConfigProblem as exc:
+        raise OptionError(str(exc)) from None
+    return path.resolve(), data
+
+
+@dataclass(frozen=True)
+class ClusterOptions:
+    """The flags of every task that reaches a cluster: which one, and the SSH key."""
+    target: str
+    stack: str | None
+    identity: str | None
+
+
+def parse_cluster(target=None, stack=None, identity=None) -> ClusterOptions:
+    """--target, --stack and --identity checked on their own (no inventory, no training config: the
+    tasks other than `fab train` read no config, and checking one imports TRL, seconds per task)."""
+    try:
+        tgt = targets.get(target)
+    except targets.TargetError as exc:
+        raise OptionError(str(exc)) from None
+    if stack and not tgt.takes_stack:
+        raise OptionError("--stack names a Pulumi stack: it only goes with --target "
+                          + " or ".join(targets.with_stacks()))
+    if identity is not None:
+        key = Path(identity).expanduser()
+        if not key.is_file() or not os.access(key, os.R_OK):
+            raise OptionError(f"--identity {identity}: no readable key file there; pass the private key "
+                              "whose public half the cluster was deployed with")
+        identity = str(key)
+    return ClusterOptions(target=tgt.name, stack=stack or None, identity=identity)
+
+
+def parse_job(job) -> str | None:
+    """--job: a Slurm job id, or None for "our latest one"."""
+    if job is None:
+        return None
+    job = str(job).strip()
+    if not job.isdigit() or int(job) == 0:  # Slurm job ids start at 1
+        raise OptionError(f"--job must be a Slurm job id (a number), not {job!r}; see `fab status`")
+    return job
+
+
+def parse_host(host) -> str:
+    """`fab ssh HOST`: a host name must be given (which hosts exist, the inventory says later)."""
+    name = "" if host is None else str(host).strip()
+    if not name:  # checked first: the fix does not depend on the cluster
+        raise OptionError("name the host to open a shell on: `fab ssh controller` or `fab ssh gpu-node-01` "
+                          "(`fab status` lists the GPU nodes)")
+    return name
+
+
+def parse(target=None, stack=None, config=None, nodes=None, gpus_per_node=None, examples=None,
+          model=None, data=None, identity=None, skip_check=False, healthy_only=False) -> TrainOptions:
+    """Check `fab train`'s flags on their own (no inventory needed)."""
+    return parse_train(parse_cluster(target=target, stack=stack, identity=identity), config=config,
+                       nodes=nodes, gpus_per_node=gpus_per_node, examples=examples, model=model, data=data,
+                       skip_check=skip_check, healthy_only=healthy_only)
+
+
+def parse_check_flags(skip_check, healthy_only) -> tuple[bool, bool]:
+    """--skip-check and --healthy-only: the second acts on the check's result, so not with the first."""
+    if skip_check and healthy_only:
+        raise OptionError("--healthy-only goes on without the nodes the network check fails, and --skip-check "
+                          "skips that check: pass one of them (`fab check` runs the check on its own)")
+    return bool(skip_check), bool(healthy_only)
+
+
+def parse_train(where: ClusterOptions, config=None, nodes=None, gpus_per_node=None, examples=None,
+                model=None, data=None, skip_check=False, healthy_only=False) -> TrainOptions:
+    """`fab train`'s own flags, for the cluster `where` names (already checked by `parse_cluster`)."""
+    skip_check, healthy_only = parse_check_flags(skip_check, healthy_only)  # before the config: no TRL import
+    tgt, identity = targets.get(where.target), where.identity
+    path, settings = _config(config, tgt)
+    model, data = _model_or_data("model", model, tgt), _model_or_data("data", data, tgt)
+    from training.validate import default
+
+    def from_config(key: str, flag: str) -> str | None:
+        value = settings.get(key, default(key))
+        where = f"{key} in --config {path.name}" + ("" if key in settings else " (its default)")
+        return _model_or_data(flag, value, tgt, label=f"{where}: {flag} location")
+
+    return TrainOptions(
+        target=where.target, stack=where.stack, config=path,
+        nodes=_int("nodes", nodes), gpus_per_node=_int("gpus-per-node", gpus_per_node),
+        examples=_int("examples", examples), model=model, data=data, identity=identity,
+        skip_check=skip_check, healthy_only=healthy_only,
+        config_model=None if model else from_config("model_name_or_path", "model"),
+        config_data=None if data else from_config("dataset_name", "data"),
+    )
+
+
+def check_against(opts: TrainOptions, inv: Inventory) -> tuple[int, int]:
+    """(nodes, gpus per node) to use, checked against what the cluster has."""
+    have_nodes, have_gpus = len(inv.gpu_nodes), inv.gpus_per_node
+    nodes = opts.nodes or have_nodes
+    gpus = opts.gpus_per_node or have_gpus
+    if nodes > have_nodes:
+        raise OptionError(f"--nodes {nodes}: the {inv.target} cluster {inv.cluster_name!r} has {have_nodes} "
+                          f"GPU node(s); pass --nodes {have_nodes} or fewer, or grow the cluster")
+    if gpus > have_gpus:
+        raise OptionError(f"--gpus-per-node {gpus}: nodes of {inv.cluster_name!r} have {have_gpus} GPU(s) "
+                          f"({inv.gpu_type}); pass --gpus-per-node {have_gpus} or fewer")
+    if not opts.identity and inv.ssh_key_file and not Path(inv.ssh_key_file).expanduser().is_file():
+        raise OptionError(f"the inventory's SSH key {inv.ssh_key_file} is not on this machine; "
+                          "pass --identity KEYFILE")
+    return nodes, gpus

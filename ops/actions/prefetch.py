@@ -1,0 +1,133 @@
+"""Model and data fetched once per cluster, before the job is submitted (fab's side).
+
+ops/actions/fetch_files.py does the fetching on a cluster host (the controller, into the shared
+/scratch): resumable, verified, skipped when complete. This module builds its manifest, runs
+it there and turns its progress lines into "3.2 of 8.1 GB at 140 MB/s, 35 s left", so a failed
+download fails before any GPU is allocated, and every rank can then run offline.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shlex
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+from cluster.errors import UserError
+from ops.say import Say
+
+SCRIPT = Path(__file__).resolve().parent / "fetch_files.py"
+
+
+class PrefetchError(UserError, RuntimeError):
+    pass
+
+
+def manifest_of_dir(source: str, dest: str, sizes: dict[str, int], sha256: dict[str, str] | None = None) -> dict:
+    """A manifest of `sizes` (relative path -> bytes) from `source` (a URL or a directory) into `dest`."""
+    files = [{"path": p, "size": int(n), **({"sha256": sha256[p]} if sha256 and p in sha256 else {})}
+             for p, n in sorted(sizes.items())]
+    if not files:
+        raise PrefetchError(f"nothing to fetch from {source}: the manifest is empty")
+    return {"source": source, "dest": dest, "files": files}
+
+
+def hub_endpoint() -> str:
+    """The Hub's address: HF_ENDPOINT, as huggingface_hub reads it."""
+    import os
+
+    return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+
+
+def hub_manifest(repo_id: str, dest_root: str, kind: str = "models", revision: str = "main",
+                 endpoint: str | None = None) -> dict:
+    """The manifest of a Hub repository's files at `revision` (sizes and LFS sha256 from the Hub's
+    API, read from here) into <dest_root>/<kind>/<repo>@<commit>: a new commit is a new directory."""
+    import urllib.error
+    import urllib.request
+
+    endpoint = endpoint or hub_endpoint()
+    url = f"{endpoint}/api/{kind}/{repo_id}/revision/{revision}?blobs=true"
+    try:
+        with urllib.request.urlopen(url, timeout=30) as resp:  # noqa: S310 (the Hub's API)
+            info = json.load(resp)
+    except (urllib.error.URLError, ValueError) as exc:
+        raise PrefetchError(f"{repo_id}: the Hub's file list ({url}) could not be read: {exc}; check the ID "
+                            "and this machine's network (or HF_ENDPOINT)") from None
+    sha = info.get("sha") or revision
+    siblings = info.get("siblings") or []
+    sizes = {s["rfilename"]: s["size"] for s in siblings if s.get("size") is not None}
+    sums = {s["rfilename"]: s["lfs"]["sha256"] for s in siblings if s.get("lfs", {}).get("sha256")}
+    prefix = "" if kind == "models" else f"{kind}/"
+    return manifest_of_dir(f"{endpoint}/{prefix}{repo_id}/resolve/{sha}", f"{dest_root}/{kind}/{repo_id}@{sha}",
+                           sizes, sums)
+
+
+def fetch_inputs(cl, opts, say: Say):
+    """Fetch the run's Hub model and data set (flags or config) once into the shared /scratch, on the
+    controller, before anything is submitted; return the options naming the local copies, which
+    every rank reads offline. Absolute paths are left as they are."""
+    import dataclasses
+
+    changes = {}
+    for flag, kind, value in (("model", "models", opts.model_path), ("data", "datasets", opts.data_path)):
+        if not value or value.startswith("/"):
+            continue
+        manifest = hub_manifest(value, f"{cl.inventory.scratch}/hub", kind)
+        run(cl.controller, "python3", manifest, f"{flag} {value}", lambda s: say("      " + s))
+        path = manifest["dest"]
+        if kind == "datasets" and any(f["path"].startswith("data/") for f in manifest["files"]):
+            path += "/data"  # the data files of a Hub data set (training/data.py reads a directory of them)
+        changes[flag] = path
+    return dataclasses.replace(opts, **changes) if changes else opts
+
+
+def describe(event: dict, what: str) -> str:
+    """One progress line: bytes done of total, rate, time left."""
+    done, total, rate = event.get("done", 0), event.get("total", 0), event.get("rate", 0)
+    left = event.get("left_s")
+    return (f"{what}: {done / 1e9:.2f} of {total / 1e9:.2f} GB at {rate / 1e6:.0f} MB/s"
+            + (f", {left:.0f} s left" if left is not None else ""))
+
+
+class _Lines(io.TextIOBase):
+    """A stream that hands each complete line to `fn` (Fabric's out_stream)."""
+
+    def __init__(self, fn: Callable[[str], None]) -> None:
+        self.fn, self.buf = fn, ""
+
+    def write(self, s: str) -> int:
+        self.buf += s
+        *lines, self.buf = self.buf.split("\n")
+        for line in lines:
+            self.fn(line)
+        return len(s)
+
+
+def on_line(line: str, what: str, say: Say, result: dict) -> None:
+    if line.startswith("FETCH_DONE "):
+        result.update(json.loads(line[len("FETCH_DONE "):]))
+    elif line.startswith("FETCH "):
+        say(describe(json.loads(line[len("FETCH "):]), what))
+
+
+def run(conn, python: str, manifest: dict, what: str, say: Say) -> dict:
+    """Fetch `manifest` on the host of `conn` (ops/actions/fetch_files.py with its python3); the result dict."""
+    remote = f"/tmp/slurm-gpu-fetch-{uuid.uuid4().hex[:12]}.py"
+    conn.put(io.BytesIO(SCRIPT.read_bytes()), remote=remote)
+    result: dict = {}
+    try:
+        res = conn.run(f"{shlex.quote(python)} {shlex.quote(remote)}", hide=True, warn=True,
+                       in_stream=io.StringIO(json.dumps(manifest)),
+                       out_stream=_Lines(lambda line: on_line(line, what, say, result)))
+    finally:
+        conn.run(f"rm -f {shlex.quote(remote)}", hide=True, warn=True, in_stream=False)
+    if not res.ok or not result:
+        why = [ln for ln in (res.stderr or "").splitlines() if ln.startswith("fetch error:")]
+        raise PrefetchError(f"fetching {what} into {manifest['dest']} failed: "
+                            f"{why[-1] if why else (res.stderr or '').strip()[-400:]}")
+    say(f"{what}: already complete in {manifest['dest']}" if result.get("skipped") else
+        f"{what}: {result['bytes'] / 1e9:.2f} GB fetched into {manifest['dest']}, verified")
+    return result

@@ -1,0 +1,275 @@
+"""Slurm on the controller: node states, returning nodes to service, jobs.
+
+Every function takes the controller's `Connection` and runs the Slurm CLI there
+(sinfo, scontrol, sbatch, squeue, scancel), so it works the same on AWS and locally.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import time
+from dataclasses import dataclass
+
+from fabric import Connection
+
+from cluster.errors import UserError
+from ops.ssh.remote import Cluster, sudo
+
+# Nodes drained with a reason that says "health" were drained by the GPU health check
+# (HealthCheckProgram): they stay drained until someone fixes them.
+HEALTH_REASON = re.compile(r"health", re.IGNORECASE)
+_BAD_STATES = ("down", "drain", "fail")  # down, down*, drained, draining, fail, failing
+
+
+class SlurmError(UserError, RuntimeError):
+    pass
+
+
+class ControllerUnreachable(SlurmError):
+    """slurmctld did not answer (down, restarting, unreachable): the state of jobs is unknown."""
+
+
+QUERY_TIMEOUT_S = 20
+# job()'s exit status for "scontrol ping says slurmctld is not up" (scontrol itself exits 0 or 1).
+PING_DOWN_EXIT = 3
+# What `scontrol ping` says of a controller that answers: "Slurmctld(primary) at HOST is UP".
+PING_UP = "is UP"
+
+
+def controller_up(ctl: Connection) -> bool:
+    """`scontrol ping`: answers at once, also when slurmctld is down (other queries retry ~1 min)."""
+    res = ctl.run("scontrol ping", hide=True, warn=True)
+    return res.ok and PING_UP in res.stdout
+
+
+def require_controller(cl: Cluster, doing: str) -> None:
+    """slurmctld must answer before `doing`: a down controller is named with its fix, not misread."""
+    if not controller_up(cl.controller):
+        restart = cl.inventory.service_cmd.format(action="restart", service="slurmctld")
+        raise ControllerUnreachable(
+            f"slurmctld is DOWN on the controller (`scontrol ping`), so it cannot {doing}; jobs may still run "
+            f"on the nodes. Restart it there (`{restart}`, log /var/log/slurm/slurmctld.log), then run this again")
+
+
+@dataclass(frozen=True)
+class NodeState:
+    name: str
+    state: str  # sinfo's long state: idle, down*, drained, mixed, allocated, ...
+    reason: str = ""
+
+    @property
+    def idle(self) -> bool:
+        return self.state == "idle"
+
+    @property
+    def health_drained(self) -> bool:
+        return "drain" in self.state and bool(HEALTH_REASON.search(self.reason))
+
+    @property
+    def needs_resume(self) -> bool:
+        return any(s in self.state for s in _BAD_STATES) and not self.health_drained
+
+
+def parse_sinfo(text: str) -> dict[str, NodeState]:
+    """Parse `sinfo -h -N -o '%N|%T|%E'` (a node in several partitions is listed once)."""
+    nodes: dict[str, NodeState] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        name, state, reason = (line.split("|", 2) + ["", ""])[:3]
+        reason = "" if reason.strip() == "none" else reason.strip()
+        nodes.setdefault(name.strip(), NodeState(name.strip(), state.strip(), reason))
+    return nodes
+
+
+def node_states(ctl: Connection) -> dict[str, NodeState]:
+    return parse_sinfo(ctl.run("sinfo -h -N -o '%N|%T|%E'", hide=True).stdout)
+
+
+def resume(ctl: Connection, nodes: list[str]) -> None:
+    """Return nodes to service (state=resume), e.g. down after a slurmd restart."""
+    if nodes:
+        sudo(ctl, f"scontrol update nodename={shlex.quote(','.join(nodes))} state=resume", warn=True)
+
+
+@dataclass(frozen=True)
+class QueuedJob:
+    id: str
+    name: str
+    user: str
+    state: str
+    time: str  # elapsed, as squeue prints it (M:SS, H:MM:SS, D-HH:MM:SS)
+    nodes: str
+
+    def describe(self) -> str:
+        return f"job {self.id} ({self.user}'s job {self.name!r}, {self.state.lower()} {self.time})"
+
+
+def jobs_on(ctl: Connection, names: list[str]) -> list[QueuedJob]:
+    """Jobs that hold (or are about to hold) any of the nodes `names`."""
+    res = ctl.run(f"squeue -h -t RUNNING,COMPLETING,CONFIGURING -w {shlex.quote(','.join(names))} "
+                  "-o '%i|%j|%u|%T|%M|%N'", hide=True, warn=True)
+    out = []
+    for line in res.stdout.splitlines():
+        parts = line.split("|")
+        if len(parts) == 6:
+            out.append(QueuedJob(*(p.strip() for p in parts)))
+    return out
+
+
+def _busy_text(busy: list[QueuedJob]) -> str:
+    ids = " ".join(j.id for j in busy)
+    return (", ".join(j.describe() for j in busy) + " to free the nodes; cancel with "
+            f"`fab cancel --job {busy[0].id}` (ours) or `scancel {ids}` on the controller, or wait")
+
+
+def wait_idle(ctl: Connection, names: list[str], timeout_s: float = 120, poll_s: float = 2.0,
+              resume_down: bool = True, say=None) -> dict[str, NodeState]:
+    """Wait until every node in `names` is idle; resume down/drained nodes on the way.
+
+    A node drained by the health check is an error at once (resuming it would hide a
+    broken GPU). While other jobs hold the nodes, `say` is told which ones (once per change).
+    The timeout error names each node that is not idle with its state, and the jobs holding them.
+    """
+    deadline = time.monotonic() + timeout_s
+    resumed: set[str] = set()
+    told: tuple[str, ...] = ()
+    while True:
+        states = node_states(ctl)
+        missing = [n for n in names if n not in states]
+        if missing:
+            raise SlurmError(f"Slurm does not know node(s) {', '.join(missing)}: "
+                             "slurm.conf on the controller does not match the inventory")
+        sick = [states[n] for n in names if states[n].health_drained]
+        if sick:
+            raise SlurmError("drained by the GPU health check: " + "; ".join(
+                f"{s.name} ({s.reason})" for s in sick) + ". Fix the node, then "
+                "`scontrol update nodename=NODE state=resume` on the controller.")
+        if resume_down:
+            todo = [n for n in names if states[n].needs_resume and n not in resumed]
+            resume(ctl, todo)
+            resumed.update(todo)
+        if all(states[n].idle for n in names):
+            return states
+        held = [n for n in names if any(w in states[n].state for w in ("alloc", "mix", "complet"))]
+        busy = jobs_on(ctl, held) if held else []
+        if say and busy and tuple(j.id for j in busy) != told:
+            told = tuple(j.id for j in busy)
+            say(f"      waiting (up to {timeout_s:.0f} s) for " + _busy_text(busy))
+        if time.monotonic() >= deadline:
+            bad = [states[n] for n in names if not states[n].idle]
+            raise SlurmError(f"nodes not idle after {timeout_s:.0f} s: " + "; ".join(
+                f"{s.name} is {s.state}" + (f" ({s.reason})" if s.reason else "") for s in bad)
+                + (f". Waited for {_busy_text(busy)}" if busy else ""))
+        time.sleep(poll_s)
+
+
+def submit(ctl: Connection, script: str, *args: str) -> str:
+    """sbatch a script already on the cluster; return the job id."""
+    cmd = " ".join(["sbatch", "--parsable", *map(shlex.quote, args), shlex.quote(script)])
+    res = ctl.run(cmd, hide=True, warn=True)
+    if not res.ok:
+        raise SlurmError(f"sbatch {script} failed: {(res.stderr or res.stdout).strip()}")
+    job_id = res.stdout.strip().split(";")[0]
+    if not job_id.isdigit():
+        raise SlurmError(f"sbatch gave no job id: {res.stdout.strip()!r}")
+    return job_id
+
+
+def parse_scontrol_job(text: str) -> dict[str, str]:
+    """`scontrol show job -o ID` -> {"JobState": "RUNNING", ...} (values without spaces are enough)."""
+    fields: dict[str, str] = {}
+    for token in text.split():
+        key, sep, value = token.partition("=")
+        if sep and key and key not in fields:
+            fields[key] = value
+    return fields
+
+
+@dataclass(frozen=True)
+class Job:
+    id: str
+    name: str
+    state: str  # PENDING, RUNNING, COMPLETED, FAILED, CANCELLED, REQUEUED, ...
+    exit_code: str
+    run_time: str
+    restarts: int
+    nodes: str
+    reason: str
+    stdout: str
+
+    @property
+    def finished(self) -> bool:
+        return self.state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
+                              "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED")
+
+    @property
+    def ok(self) -> bool:
+        return self.state == "COMPLETED"
+
+
+def job_from_fields(f: dict[str, str]) -> Job:
+    return Job(id=f.get("JobId", ""), name=f.get("JobName", ""), state=f.get("JobState", "UNKNOWN"),
+               exit_code=f.get("ExitCode", ""), run_time=f.get("RunTime", ""),
+               restarts=int(f.get("Restarts", "0") or 0), nodes=f.get("NodeList", ""),
+               reason=f.get("Reason", ""), stdout=f.get("StdOut", ""))
+
+
+def job(ctl: Connection, job_id: str) -> Job | None:
+    """The job as Slurm sees it; None when Slurm does not know it (never, or no longer: MinJobAge).
+
+    Raises ControllerUnreachable when slurmctld does not answer: "unknown" is not "gone".
+    """
+    # scontrol retries for about a minute when slurmctld is down: `scontrol ping` (answers at once) first,
+    # in the same ssh command, and a bound on the query for a controller that is up but does not answer.
+    res = ctl.run(f"p=$(scontrol ping 2>&1); case \"$p\" in *'{PING_UP}'*) ;; *) printf '%s\\n' \"$p\"; "
+                  f"exit {PING_DOWN_EXIT};; esac; "
+                  f"timeout {QUERY_TIMEOUT_S} scontrol show job -o {shlex.quote(job_id)}", hide=True, warn=True)
+    if res.exited == PING_DOWN_EXIT:
+        # "Slurmctld(primary) at HOST is DOWN", then a box of asterisks
+        said = next((line.strip() for line in res.stdout.splitlines() if "Slurmctld" in line), f"exit {res.exited}")
+        raise ControllerUnreachable(f"slurmctld does not answer (`scontrol ping`: {said})")
+    if res.ok and "JobId=" in res.stdout:
+        return job_from_fields(parse_scontrol_job(res.stdout.splitlines()[0]))
+    err = (res.stderr or res.stdout).strip() or (f"no answer within {QUERY_TIMEOUT_S} s"
+                                                   if res.exited == 124 else "")
+    if res.ok or "invalid job id" in err.lower():
+        return None
+    raise ControllerUnreachable(f"slurmctld does not answer (`scontrol show job {job_id}`: "
+                                f"{err.splitlines()[-1] if err else f'exit {res.exited}'})")
+
+
+def jobs_named(ctl: Connection, prefix: str) -> list[Job]:
+    """Jobs Slurm still remembers whose name starts with `prefix`, oldest first."""
+    res = ctl.run("scontrol show job -o", hide=True, warn=True)
+    out = [job_from_fields(parse_scontrol_job(line)) for line in res.stdout.splitlines() if "JobId=" in line]
+    return sorted((j for j in out if j.name.startswith(prefix)), key=lambda j: int(j.id))
+
+
+def wait_job(ctl: Connection, job_id: str, timeout_s: float, poll_s: float = 1.0) -> Job:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        j = job(ctl, job_id)
+        if j is None:
+            raise SlurmError(f"job {job_id} vanished from Slurm before it finished")
+        if j.finished:
+            return j
+        if time.monotonic() >= deadline:
+            raise SlurmError(f"job {job_id} still {j.state} after {timeout_s:.0f} s "
+                             f"(reason: {j.reason}); cancel it with `fab cancel --job {job_id}`")
+        time.sleep(poll_s)
+
+
+def cancel(ctl: Connection, job_id: str) -> Job:
+    """scancel a job Slurm knows and has not finished; return its state before."""
+    j = job(ctl, job_id)
+    if j is None:
+        raise SlurmError(f"no job {job_id} on this cluster (Slurm does not know it, or has forgotten it "
+                         "after it ended); `fab status` lists the queue")
+    if j.finished:
+        raise SlurmError(f"job {job_id} already ended ({j.state}, exit {j.exit_code}): nothing to cancel")
+    res = ctl.run(f"scancel {shlex.quote(job_id)}", hide=True, warn=True)
+    if not res.ok:
+        raise SlurmError(f"scancel {job_id} failed: {(res.stderr or res.stdout).strip()}")
+    return j

@@ -1,0 +1,171 @@
+"""Reading a fine-tune job's log as it grows: steps, loss, restarts, metrics, NCCL lines.
+
+The log holds every rank's output with srun's "N: " labels. The lines that matter:
+
+    SLURM_GPU_JOB {...}        the batch script starting (again, after a requeue: restart > 0)
+    SLURM_GPU_LOG {...}        rank 0, one per logged optimizer step (step, max_steps, loss, ...)
+    SLURM_GPU_RESUMED {...}    rank 0 resumed from a checkpoint
+    SLURM_GPU_METRICS {...}    rank 0, the final metrics
+    {'loss': '2.1', ...}       the HF Trainer's own per-step dict (used when the above is absent)
+    ... NCCL INFO ...          NCCL's connection lines (ops/actions/nccl.py)
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+_LABEL = re.compile(r"^\s*\d+: ")
+_TAGS = ("SLURM_GPU_JOB", "SLURM_GPU_LOG", "SLURM_GPU_RESUMED", "SLURM_GPU_METRICS")
+_TAGGED = re.compile(r"\b(?P<tag>" + "|".join(_TAGS) + r") (?P<body>\{.*\})\s*$")
+_HF_DICT = re.compile(r"^\{'(?:loss|train_runtime)'.*\}$")
+_BAR = re.compile(r"(?P<step>\d+)/(?P<total>\d+) \[")
+_RANK = re.compile(r"^\[(?:rank|default)\d+\]:\s*")
+# A log line that states a cause: an exception's last line, srun/slurm errors, our own messages.
+_ERROR = re.compile(r"^(?:[\w.]*(?:Error|Exception|Interrupt)\b:?|.*\berror: |slurm-gpu: |training data error)")
+MAX_ERRORS = 12
+
+
+@dataclass
+class Event:
+    kind: str  # "start", "step", "resumed", "metrics"
+    data: dict
+
+
+def _floats(d: dict) -> dict:
+    """HF's ProgressCallback prints floats as strings ('2.134'): make them numbers again."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, str):
+            try:
+                v = float(v)
+            except ValueError:
+                pass
+        out[k] = v
+    return out
+
+
+@dataclass
+class JobLog:
+    """Feed it log text as it arrives; it yields events and remembers what the summary needs."""
+
+    steps: list[dict] = field(default_factory=list)
+    nccl_lines: list[str] = field(default_factory=list)
+    tail: deque = field(default_factory=lambda: deque(maxlen=40))
+    errors: list[str] = field(default_factory=list)  # distinct error lines (all ranks), first seen first
+    metrics: dict | None = None
+    job_dir: str | None = None
+    restarts: int = 0
+    resumed_from: int | None = None
+    max_steps: int | None = None
+    _partial: str = ""
+    _tokens_t0: tuple[float, float] | None = None  # (arrival time, num_tokens) of the first step
+
+    def feed(self, text: str, now: float | None = None) -> list[Event]:
+        now = time.monotonic() if now is None else now
+        data = self._partial + text
+        *lines, self._partial = re.split(r"\r\n|\n|\r", data)
+        events = []
+        for line in lines:
+            ev = self.line(line, now)
+            if ev:
+                events.append(ev)
+        return events
+
+    def line(self, raw: str, now: float) -> Event | None:
+        line = _LABEL.sub("", raw, count=1).rstrip()
+        if not line:
+            return None
+        if "NCCL INFO" in line:
+            self.nccl_lines.append(raw)
+            return None
+        self.tail.append(raw)
+        self._error(line)
+        if m := _TAGGED.search(line):
+            try:
+                body = json.loads(m["body"])
+            except json.JSONDecodeError:
+                return None
+            return self._tagged(m["tag"], body, now)
+        if _HF_DICT.match(line) and not self._has_tagged_steps():
+            try:
+                body = _floats(ast.literal_eval(line))
+            except (ValueError, SyntaxError):
+                return None
+            if "loss" in body:
+                body.setdefault("step", len(self.steps) + 1)
+                return self._step(body, now)
+        if (m := _BAR.search(line)) and self.max_steps is None:
+            self.max_steps = int(m["total"])
+        return None
+
+    def _error(self, line: str) -> None:
+        text = _RANK.sub("", line).strip()
+        if _ERROR.match(text) and "warning" not in text.lower()[:20] and text not in self.errors \
+                and len(self.errors) < MAX_ERRORS:
+            self.errors.append(text)
+
+    def _has_tagged_steps(self) -> bool:
+        # Our training prints a tagged line per logged step; its job script announces itself with
+        # SLURM_GPU_JOB first. HF's own dict for the same step comes before the tagged line, so
+        # it is only used for logs without our tags (else the first step would be shown twice).
+        return self.job_dir is not None or any(s.get("_tagged") for s in self.steps)
+
+    def _tagged(self, tag: str, body: dict, now: float) -> Event | None:
+        if tag == "SLURM_GPU_JOB":
+            self.job_dir = body.get("job_dir") or self.job_dir
+            self.restarts = int(body.get("restart", 0))
+            return Event("start", body)
+        if tag == "SLURM_GPU_RESUMED":
+            self.resumed_from = int(body.get("step", 0))
+            return Event("resumed", body)
+        if tag == "SLURM_GPU_METRICS":
+            self.metrics = body
+            return Event("metrics", body)
+        if "loss" not in body:  # e.g. the final train_runtime dict
+            return None
+        body = {**_floats(body), "_tagged": True}
+        return self._step(body, now)
+
+    def _step(self, body: dict, now: float) -> Event:
+        if body.get("max_steps"):
+            self.max_steps = int(body["max_steps"])
+        tokens = body.get("num_tokens")
+        if isinstance(tokens, (int, float)):
+            if self._tokens_t0 is None:
+                self._tokens_t0 = (now, tokens)
+            elif now > self._tokens_t0[0]:
+                body["tokens_per_s"] = (tokens - self._tokens_t0[1]) / (now - self._tokens_t0[0])
+        self.steps.append(body)
+        return Event("step", body)
+
+    # ---- what the user sees
+
+    def progress(self, step: dict) -> str:
+        total = f"/{self.max_steps}" if self.max_steps else ""
+        parts = [f"step {int(step.get('step', len(self.steps)))}{total}", f"loss {step['loss']:.4f}"]
+        if isinstance(step.get("mean_token_accuracy"), float):
+            parts.append(f"acc {step['mean_token_accuracy']:.3f}")
+        if step.get("tokens_per_s"):
+            parts.append(f"{step['tokens_per_s']:,.0f} tok/s")
+        if isinstance(step.get("epoch"), float):
+            parts.append(f"epoch {step['epoch']:.2f}")
+        return "  ".join(parts)
+
+    def describe(self, ev: Event) -> str | None:
+        if ev.kind == "step":
+            return self.progress(ev.data)
+        if ev.kind == "start":
+            if self.restarts:
+                return (f"job restarted after a requeue (restart {self.restarts}) on "
+                        f"{ev.data.get('nodes', '?')}")
+            return f"job started on {ev.data.get('nodes', '?')}"
+        if ev.kind == "resumed":
+            return f"resumed from checkpoint step {ev.data.get('step')} ({ev.data.get('checkpoint')})"
+        if ev.kind == "metrics":
+            return "training finished; final metrics written"
+        return None

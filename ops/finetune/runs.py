@@ -1,0 +1,90 @@
+"""`fab runs`: the fine-tunes brought home under runs/, newest first, one line each; one run's summary again.
+
+Read from what `fab train` left in runs/<job>/: metrics.json (losses, eval, tokens/s), timeline.json (wall
+time), run.json (model, cluster shape, cost from the stack's prices) and the GPU samples. A run missing a file
+shows "-" there.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from ops.finetune import summary
+from ops.finetune.joblog import JobLog
+
+COLUMNS = ("job", "date", "model", "rows", "nodes x GPUs", "train loss", "eval loss base -> tuned", "tokens/s",
+           "wall", "cost")
+
+
+class RunsError(ValueError):
+    pass
+
+
+def _read(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def run_dirs(runs: Path) -> list[Path]:
+    """runs/<job>/ that hold a run's metrics, newest first (by when metrics.json arrived)."""
+    if not runs.is_dir():
+        return []
+    found = [d for d in runs.iterdir() if (d / "metrics.json").is_file()]
+    return sorted(found, key=lambda d: (d / "metrics.json").stat().st_mtime, reverse=True)
+
+
+def _f(value, fmt: str) -> str:
+    return format(value, fmt) if isinstance(value, (int, float)) else "-"
+
+
+def row(d: Path) -> list[str]:
+    m, tl, rec = _read(d / "metrics.json"), _read(d / "timeline.json"), _read(d / "run.json")
+    ev = m.get("eval") or {}
+    base, tuned = (ev.get("base") or {}).get("loss"), (ev.get("tuned") or {}).get("loss")
+    evaluated = f"{_f(base, '.3f')} -> {_f(tuned, '.3f')}" if tuned is not None else "-"
+    when = tl.get("started") or (d / "metrics.json").stat().st_mtime
+    model = rec.get("model") or "-"
+    if model.startswith("/"):  # a path on the cluster: its last part names it
+        model = Path(model).name if Path(model).name != "model" else "/".join(Path(model).parts[-2:])
+    shape = f"{rec['nodes']} x {rec['gpus_per_node']}" if rec.get("nodes") else f"{m.get('world_size', '-')} ranks"
+    rows = m.get("train_rows")
+    rows_text = "-" if rows is None else f"{rows}" + (f" +{ev['rows']} eval" if ev.get("rows") else "")
+    wall = tl.get("wall_s") or rec.get("wall_s")
+    cost = rec.get("cost_usd")
+    return [d.name, time.strftime("%Y-%m-%d %H:%M", time.localtime(when)), model, rows_text, shape,
+            _f(m.get("last_loss"), ".3f"), evaluated, _f(m.get("tokens_per_s"), ",.0f"),
+            f"{wall:.0f} s" if isinstance(wall, (int, float)) else "-",
+            f"${cost:.2f}" if isinstance(cost, (int, float)) else "-"]
+
+
+def table(runs: Path) -> list[str]:
+    dirs = run_dirs(runs)
+    if not dirs:
+        return [f"no runs under {runs} yet: `fab train` brings each run home there"]
+    rows = [list(COLUMNS)] + [row(d) for d in dirs]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+
+
+def show(runs: Path, job: str) -> list[str]:
+    """One run's summary again (as `fab train` printed it), from runs/<job>/."""
+    d = runs / job
+    if not (d / "metrics.json").is_file():
+        known = ", ".join(p.name for p in run_dirs(runs)) or "none"
+        raise RunsError(f"no run {job!r} under {runs} (runs there: {known}); `fab runs` lists them")
+    log = JobLog()
+    if (d / "job.log").exists():
+        log.feed((d / "job.log").read_text(errors="replace"))
+    run = summary.build(job, "", log, d)
+    rec = _read(d / "run.json")
+    run.real_gpus = rec.get("target", "aws") != "local"
+    lines = run.lines()
+    if (d / "samples.md").exists():
+        lines.append(f"  samples       {d / 'samples.md'}")
+    if (d / "tensorboard").is_dir():
+        lines.append(f"  TensorBoard   tensorboard --logdir {runs}")
+    return lines

@@ -1,0 +1,214 @@
+"""Reaching the hosts of a cluster with Fabric, and acting on a group of them.
+
+The controller is reached directly (public IP on AWS, bridge IP locally); GPU nodes
+only through the controller as a jump host, as on AWS where they have no public IP.
+Per-host helpers take a `Connection`; `each` runs one on a group and reports every
+host that failed in one error instead of stopping at the first.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import shlex
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
+
+from fabric import Config, Connection
+from fabric.runners import Remote
+from paramiko import PKey, RejectPolicy
+from paramiko.ssh_exception import BadHostKeyException, SSHException
+
+from cluster import targets
+from cluster.errors import UserError
+from cluster.inventory import Inventory
+from ops.ssh import hostkeys
+
+if TYPE_CHECKING:
+    from ops.actions.options import ClusterOptions
+
+T = TypeVar("T")
+CONNECT_TIMEOUT_S = 20
+
+
+class HostError(UserError, RuntimeError):
+    """One or more hosts failed a step; `failures` maps host name -> reason."""
+
+    def __init__(self, step: str, failures: dict[str, str]):
+        self.step, self.failures = step, failures
+        lines = "\n".join(f"  {host}: {why}" for host, why in sorted(failures.items()))
+        super().__init__(f"{step} failed on {', '.join(sorted(failures))}:\n{lines}")
+
+
+@dataclass
+class Cluster:
+    """Open-on-demand connections to every host of an inventory."""
+
+    inventory: Inventory
+    controller: Connection
+    nodes: dict[str, Connection]  # GPU node name -> connection through the controller
+
+    def close(self) -> None:
+        for c in (*self.nodes.values(), self.controller):
+            c.close()
+
+
+class PinnedConnection(Connection):
+    """A Fabric connection that accepts only its host's pinned SSH key (ops/ssh/hostkeys.py),
+    never an unknown one (Fabric's own default is paramiko's AutoAddPolicy)."""
+
+    def __init__(self, *args, node_name: str, pins: hostkeys.Pins, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.node_name, self.pins = node_name, pins
+        self.client.set_missing_host_key_policy(RejectPolicy())
+
+    def open(self):
+        if self.is_connected:
+            return None
+        expected = self.pins.keys(self.node_name)
+        # Under the address used now, so paramiko asks for the pinned key type and compares.
+        lookup = self.host if self.port == 22 else f"[{self.host}]:{self.port}"
+        store = self.client.get_host_keys()
+        for keytype, blob in expected:
+            store.add(lookup, keytype, PKey.from_type_string(keytype, base64.b64decode(blob)))
+        try:
+            return super().open()
+        except BadHostKeyException as exc:
+            presented = (exc.key.get_name(), exc.key.get_base64())
+            raise hostkeys.HostKeyError(hostkeys.mismatch_message(
+                self.node_name, self.host, self.pins.path, expected, presented)) from None
+        except SSHException as exc:
+            if "known_hosts" not in str(exc):
+                raise
+            # It offered none of the pinned key types: as bad as a wrong key.
+            raise hostkeys.HostKeyError(
+                f"{self.node_name} ({self.host}) offered no host key of a pinned type "
+                f"({', '.join(t for t, _ in expected)}, from {self.pins.path}): do not connect; if the "
+                "host was rebuilt, delete its lines from that file and run the command again") from None
+
+
+class InterruptibleRemote(Remote):
+    """Ctrl-C stops a running remote command now: its channel is closed, then the interrupt goes on.
+
+    Fabric (no pty) re-raises the interrupt but first waits for the command's output to end, so
+    Ctrl-C during a slow `sinfo` (slurmctld busy) or a long `tail` waited for the command to finish.
+    Closing the channel ends that output at once; the remote command ends with its session.
+    """
+
+    def send_interrupt(self, interrupt):
+        if not self.using_pty and hasattr(self, "channel"):
+            self.channel.close()
+        super().send_interrupt(interrupt)
+
+
+def _config() -> Config:
+    # Remote commands never read the user's terminal: nothing we run is interactive, and a
+    # forwarded stdin breaks under pytest or cron. (The munge key goes in by explicit in_stream.)
+    return Config(overrides={"run": {"in_stream": False}, "runners": {"remote": InterruptibleRemote}})
+
+
+def connect(inv: Inventory, identity: str | None = None) -> Cluster:
+    """Connections for `inv` (nothing is opened until the first command)."""
+    key = identity or inv.ssh_key_file
+    # With a key given, use only it (an agent's keys could lock us out after too many tries).
+    kwargs = {"key_filename": [key], "look_for_keys": False, "allow_agent": False} if key else {}
+    ctl_ip = inv.controller.public_ip or inv.controller.private_ip
+    pins = hostkeys.Pins(inv)
+    ctl = PinnedConnection(ctl_ip, user=inv.ssh_user, connect_kwargs=dict(kwargs),
+                           connect_timeout=CONNECT_TIMEOUT_S, config=_config(),
+                           node_name=inv.controller.name, pins=pins)
+    nodes = {
+        n.name: PinnedConnection(n.private_ip, user=inv.ssh_user, gateway=ctl, config=_config(),
+                                 connect_kwargs=dict(kwargs), connect_timeout=CONNECT_TIMEOUT_S,
+                                 node_name=n.name, pins=pins)
+        for n in inv.gpu_nodes
+    }
+    return Cluster(inv, ctl, nodes)
+
+
+@contextmanager
+def open_cluster(where: ClusterOptions) -> Iterator[Cluster]:
+    """The cluster `where` names, its controller's connection opened (a wrong key or a down host fails
+    here, by its own cause, before a task does anything); every connection closed afterwards."""
+    cl = connect(targets.load(where.target, where.stack), where.identity)
+    try:
+        cl.controller.open()
+        yield cl
+    finally:
+        cl.close()
+
+
+class WholeInput(io.StringIO):
+    """Text for a remote command's stdin (`in_stream=`), handed over in one piece. Invoke reads a
+    stream that is not a terminal one byte at a time with a 10 ms nap after each: a munge
+    credential took 1.5 s to send, a key ~2 s."""
+
+    def read(self, size: int | None = -1) -> str:
+        return super().read()
+
+
+def sudo(c: Connection, cmd: str, **kwargs):
+    """Run `cmd` as root: directly when we log in as root (local cluster), else with sudo."""
+    kwargs.setdefault("hide", True)
+    kwargs.setdefault("echo_stdin", False)
+    kwargs.setdefault("in_stream", False)  # never forward the user's terminal
+    if c.user == "root":
+        return c.run(cmd, **kwargs)
+    return c.sudo(cmd, **kwargs)
+
+
+def service(c: Connection, inv: Inventory, action: str, name: str, **kwargs):
+    """start/stop/restart a daemon (munge, slurmd, slurmctld) on the host behind `c`."""
+    cmd = inv.service_cmd.format(action=shlex.quote(action), service=shlex.quote(name))
+    return sudo(c, cmd, **kwargs)
+
+
+def reason(exc: BaseException) -> str:
+    """A one-line reason for a failure (stderr of a failed command, not a traceback)."""
+    from paramiko.ssh_exception import AuthenticationException
+
+    if getattr(exc, "plain_reason", False):  # already says what failed and how to fix it
+        return str(exc)
+    if isinstance(exc, AuthenticationException):
+        return f"the SSH key was refused ({exc}); pass --identity with the cluster's private key"
+    result = getattr(exc, "result", None)
+    if result is not None:
+        err = (result.stderr or result.stdout or "").strip().splitlines()
+        tail = err[-1] if err else ""
+        return f"`{result.command}` exited {result.exited}" + (f": {tail}" if tail else "")
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def each(step: str, conns: dict[str, Connection], fn: Callable[[str, Connection], T],
+         parallel: bool = True) -> dict[str, T]:
+    """fn(name, conn) on every host; raise one HostError naming all hosts that failed."""
+    results: dict[str, T] = {}
+    failures: dict[str, str] = {}
+
+    def one(item):
+        name, c = item
+        try:
+            results[name] = fn(name, c)
+        except Exception as exc:  # noqa: BLE001 - reported per host below
+            failures[name] = reason(exc)
+
+    for c in conns.values():  # open a shared jump host once, not from racing threads
+        gw = getattr(c, "gateway", None)
+        if isinstance(gw, Connection) and not gw.is_connected:
+            try:
+                gw.open()
+            except Exception as exc:  # noqa: BLE001
+                why = f"cannot reach the jump host: {reason(exc)}"
+                raise HostError(step, {f"controller ({gw.host})": why}) from exc
+    if parallel and len(conns) > 1:
+        with ThreadPoolExecutor(max_workers=min(8, len(conns))) as pool:
+            list(pool.map(one, conns.items()))
+    else:
+        for item in conns.items():
+            one(item)
+    if failures:
+        raise HostError(step, failures)
+    return results
