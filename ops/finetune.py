@@ -24,6 +24,7 @@ from fabric import Connection
 from bootstrap.inventory import Inventory
 from ops import (
     cloudinit,
+    gpu_events,
     inventory,
     jobs,
     munge,
@@ -425,6 +426,8 @@ def finish(cl: Cluster, job_id: str, followed: stream.Followed, say: Say,
         if got or run.losses else None
     adapters = [f for f in got if f.startswith("adapter_")]
     gpus_png = summary.plot_gpus(run.gpus, dest / "gpus.png", f"job {job_id} GPUs") if run.gpus else None
+    if run.gpus:
+        gpu_events.write(dest)  # tensorboard/gpus/: the same samples as TensorBoard events
     extras = [f for f in ("samples.md", "tensorboard/") if f in got] + [p.name for p in (png, gpus_png) if p]
     step(say, 7, f"downloaded to {dest.relative_to(REPO) if dest.is_relative_to(REPO) else dest}/: "
                  f"{', '.join(adapters) or 'no adapters'}, "
