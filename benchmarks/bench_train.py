@@ -354,7 +354,7 @@ def seed_layout(examples_per_step: int) -> tuple[int, int]:
 
 def run_recipe(name: str, rows: list[dict], cfg: dict, device: str, steps: int, warmup: int, out_dir: str,
                compile_model: bool | None, logging_steps: int, profile: tuple[int, int] | None = None,
-               examples_per_step: int = 16) -> dict:
+               examples_per_step: int = 16, eval_rows: int = 0, samples: int = 0) -> dict:
     from datasets import Dataset
 
     from training.args import ModelArguments, TrainConfig
@@ -387,8 +387,10 @@ def run_recipe(name: str, rows: list[dict], cfg: dict, device: str, steps: int, 
         compile_layers={None: "auto", True: "true", False: "false"}[compile_model] if project else "auto",
         cuda_graphs=graphs)
     model_args = ModelArguments(model_name_or_path="synthetic-qwen3")
+    held = rows[len(rows) - eval_rows:] if eval_rows else []  # held out as eval_split holds rows out
+    rows = rows[:len(rows) - eval_rows]
     trainer = build_trainer(model, tokenizer, Dataset.from_list(rows), model_args, train_args,
-                            flex_packing=project)
+                            flex_packing=project, eval_dataset=Dataset.from_list(held) if held else None)
     if project:
         first = batches.pack_examples(
             [{"input_ids": r["input_ids"], "labels": r["input_ids"]}
@@ -405,6 +407,8 @@ def run_recipe(name: str, rows: list[dict], cfg: dict, device: str, steps: int, 
     if profiler:
         trainer.add_callback(profiler)
     output = trainer.train()
+    train_peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+    after = eval_and_sample_peaks(trainer, held, samples, device) if held else None
     end_t, end_tok, end_flops, end_step, end_sflops = clock.end
     runtime = end_t - clock.start
     row = {
@@ -431,7 +435,8 @@ def run_recipe(name: str, rows: list[dict], cfg: dict, device: str, steps: int, 
         "mfu_scored_head_incl_warmup": end_sflops / runtime / PEAK_FLOPS,
         "final_loss": next((h["loss"] for h in reversed(trainer.state.log_history) if "loss" in h), None),
         "train_loss": output.training_loss,
-        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+        "peak_mem_gib": train_peak,
+        "after_training": after,
         "profile": profiler.summary if profiler else None,
         "step_graphs": ({"captured": trainer.step_graphs.captured, "replayed": trainer.step_graphs.replayed,
                          "capture_s": round(trainer.step_graphs.capture_s, 2),
@@ -453,6 +458,35 @@ def run_recipe(name: str, rows: list[dict], cfg: dict, device: str, steps: int, 
     if device == "cuda":
         torch.cuda.empty_cache()
     return row
+
+
+def eval_and_sample_peaks(trainer, held: list[dict], samples: int, device: str) -> dict:
+    """What train.py does after the last step, each with its own peak memory: the held-out evaluation, then
+    `samples` greedy answers (64 new tokens) to the held-out rows' prompts. The peaks start from the memory
+    the run holds after training (weights, optimizer state), as the training peak includes it too."""
+    from training.evaluate import evaluate
+    from training.samples import generate_ids
+
+    def peak() -> float | None:
+        return torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    result = evaluate(trainer)
+    out = {"eval_rows": len(held), "eval": result, "eval_s": round(time.perf_counter() - started, 2),
+           "eval_peak_mem_gib": peak()}
+    if samples:
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        prompts = [[t for t, c in zip(r["input_ids"], r["completion_mask"], strict=True) if not c]
+                   for r in held[:samples]]
+        started = time.perf_counter()
+        answers = generate_ids(trainer, prompts, 1, 64, 60.0)
+        out.update({"samples": samples, "samples_s": round(time.perf_counter() - started, 2),
+                    "samples_new_tokens": [len(a) if a is not None else None for a in answers],
+                    "samples_peak_mem_gib": peak()})
+    return out
 
 
 # ---------------------------------------------------------------- time to adapters
@@ -598,6 +632,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--results-name", default=None, help="results file name suffix (default: the GPU)")
     parser.add_argument("--no-write", action="store_true", help="print only; write no results file")
     parser.add_argument("--profile", default=None, help="FIRST:LAST optimizer steps to profile (GPU)")
+    parser.add_argument("--eval-rows", type=int, default=0,
+                        help="hold out this many rows and, after training, evaluate on them as train.py does "
+                             "(the row's after_training: each step's peak memory beside the training's)")
+    parser.add_argument("--samples", type=int, default=0,
+                        help="with --eval-rows: also answer this many held-out prompts greedily (64 new tokens)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no GPU visible (use --device cpu --tiny)")
@@ -696,7 +735,8 @@ def main(argv: list[str] | None = None) -> dict:
                         row = run_recipe(name, rows, cfg, args.device, steps, warmup, tmp, None,
                                          recipe_logging_steps(name, args.logging_steps),
                                          profile if name.startswith("project") else None,
-                                         examples_per_step=per_step)
+                                         examples_per_step=per_step, eval_rows=args.eval_rows,
+                                         samples=args.samples)
                     except Exception as e:  # noqa: BLE001 - one failed recipe must not lose the others' figures
                         import traceback
 
@@ -730,6 +770,10 @@ def main(argv: list[str] | None = None) -> dict:
         mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "-"
         print(f"{r['workload']:11} {r['examples_per_step']:5} {r['recipe']:8} {r['tokens_per_s']:9.0f} {r['mfu']:6.1%} "
               f"{r['tokens_per_s_incl_warmup']:10.0f} {mem:>8} {r['train_runtime_s']:9.1f} {r['final_loss']!s:>7}")
+        if r.get("after_training"):
+            after = r["after_training"]
+            print(f"{'':11} {'':5} after training: eval peak {after['eval_peak_mem_gib']!s} GiB, samples peak "
+                  f"{after.get('samples_peak_mem_gib')!s} GiB (training {mem} GiB)")
     if not args.no_write:
         suffix = args.results_name or gpu_slug(gpu, args.tiny)
         write_results(results, args.results_dir / f"{results['date']}-{suffix}.json")

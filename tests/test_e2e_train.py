@@ -105,6 +105,7 @@ def test_train_end_to_end(local_cluster, runs_dir):
     assert evaluation["rows"] == 20 and evaluation["tuned"]["loss"] < evaluation["base"]["loss"], evaluation
     assert re.search(r"eval loss\s+\d+\.\d+ base -> \d+\.\d+ tuned", out), out
     assert "GPUs          no GPU metrics (stand-in GPUs)" in out and not (run / "gpus.png").exists()
+    assert not (run / "tensorboard" / "gpus").exists()  # no samples, no GPU events: no made-up numbers
     samples_md = (run / "samples.md").read_text()
     assert samples_md.count("**Base**") == samples_md.count("**Tuned**") == 3
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -43,18 +43,23 @@ def test_packed_eval_equals_padded_eval_in_bf16(tiny, tmp_path):
     assert packed["token_accuracy"] == pytest.approx(padded["token_accuracy"], abs=0.05)
 
 
-@pytest.mark.xfail(strict=True, reason="known defect: on an H100 (2026-12-06) evaluation + samples peaked at 74.1 MiB "
-                   "against the tiny model's 70.4 MiB training peak; not yet found which allocation")
 def test_eval_and_samples_stay_under_the_training_peak(tiny, tmp_path):
+    """What train.py does after the last step (the held-out evaluation, then the sample answers) peaks below the
+    training's own peak. Evaluating one packed row of all the held-out rows (up to the token budget the GPU's
+    free memory allows) peaked above it (74.1 against 70.4 MiB on an H100); a training micro-batch at a time
+    does not."""
     trainer, tokenizer, eval_rows = _trainer(tiny, tmp_path / "peak", True, "--max_steps", "20")
     torch.cuda.reset_peak_memory_stats()
     trainer.train()
     train_peak = torch.cuda.max_memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     evaluate(trainer)
+    eval_peak = torch.cuda.max_memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
     prompts = samples.sample_prompts(3, None, eval_rows)
     samples.answer(trainer, tokenizer, prompts, 64, 30.0)
-    eval_peak = torch.cuda.max_memory_allocated()
+    samples_peak = torch.cuda.max_memory_allocated()
     print(f"\npeak memory on {torch.cuda.get_device_name()}: training {train_peak / 2**20:.1f} MiB, "
-          f"eval + samples {eval_peak / 2**20:.1f} MiB")
+          f"eval {eval_peak / 2**20:.1f} MiB, samples {samples_peak / 2**20:.1f} MiB")
     assert eval_peak <= train_peak
+    assert samples_peak <= train_peak

@@ -70,7 +70,7 @@ def test_job_script_samples_gpus_where_nvidia_smi_is(tmp_path):
                         output_dir="/scratch/jobs/x/output")
     script = jobs.render_finetune(spec)
     assert "export GPU_SAMPLES=/scratch/jobs/x/output" in script
-    assert ("if command -v nvidia-smi >/dev/null 2>&1; then mkdir -p \"$GPU_SAMPLES\"; nvidia-smi "
+    assert ("if command -v nvidia-smi >/dev/null 2>&1; then mkdir -p \"$GPU_SAMPLES\"; TZ=UTC nvidia-smi "
             "--query-gpu=timestamp,index,utilization.gpu,memory.used,power.draw --format=csv,noheader,nounits "
             "-l 5 >>\"$GPU_SAMPLES/gpus-$(hostname).csv\"") in script
     (tmp_path / "job.sh").write_text(script)

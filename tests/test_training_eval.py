@@ -112,6 +112,36 @@ def test_packed_and_padded_paths_score_the_same_rows_alike(tiny, tmp_path):
     assert packed["token_accuracy"] == pytest.approx(padded["token_accuracy"], abs=1e-9)
 
 
+def test_packed_eval_runs_no_forward_larger_than_a_training_micro_batch(tiny, tmp_path):
+    """Evaluation after training must not raise the run's memory peak: on the packed path it packs the held-out
+    rows a training micro-batch at a time (per_device_train_batch_size rows), not one row of all of them up to
+    the token budget (what the GPU's free memory allows). Seen: the forwards' own inputs, counted by a hook."""
+    from training.args import parse_args
+    from training.evaluate import evaluate
+    from training.fastpath.model import unwrap
+
+    data_args, model_args, train_args = parse_args(argv_for(tiny, tmp_path, "--eval_split", str(HELD_OUT),
+                                                            "--flex_packing", "true"))
+    dataset, eval_rows = train.prepare_datasets(data_args, train_args.seed)
+    tokenizer = train.load_tokenizer(model_args, train_args)
+    model = train.load_model(model_args, train_args, flex_packing=True)
+    trainer = train.build_trainer(model, tokenizer, dataset, model_args, train_args, True, eval_dataset=eval_rows)
+    micro = trainer.args.per_device_train_batch_size
+    assert micro < HELD_OUT
+    documents = []  # examples in each forward: position 0 starts one
+
+    def count(_module, args, kwargs):
+        documents.append(int((kwargs["position_ids"] == 0).sum()))
+
+    hook = unwrap(trainer.model).model.register_forward_pre_hook(count, with_kwargs=True)
+    try:
+        result = evaluate(trainer)
+    finally:
+        hook.remove()
+    assert result["rows"] == HELD_OUT and sum(documents) >= HELD_OUT
+    assert max(documents) <= micro + 1, documents  # + 1: the padding at a row's end restarts at 0
+
+
 def test_no_eval_no_samples(tiny, tmp_path):
     metrics = train.main(argv_for(tiny, tmp_path, "--eval_split", "0", "--max_steps", "2", "--report_to", "none"))
     assert "eval" not in metrics and "samples" not in metrics

@@ -19,6 +19,8 @@ import random
 import torch
 from transformers import Trainer, TrainerCallback
 
+from training.fastpath.batches import split_by_token_budget
+
 log = logging.getLogger("training.train")
 
 # `auto`: this share of the rows, at most AUTO_MAX_ROWS (seconds of evaluation on a GPU node), and none at all
@@ -63,14 +65,28 @@ def split_eval(dataset, setting: str, seed: int, eval_source=None):
     return dataset.select(keep), dataset.select(sorted(held))
 
 
-def _scores_packed(model, rows: list[dict], pad_token_id: int, token_budget: int, device) -> torch.Tensor:
-    """[nll sum, top-1 hits, scored tokens] of `rows` through the packed LM head (the fast path)."""
+def micro_batches(lengths: list[int], examples: int, token_budget: int) -> list[list[int]]:
+    """Row indices, in order, in groups no larger than one training micro-batch: at most `examples` rows
+    and, within those, at most `token_budget` tokens. A group packed only up to the token budget (the
+    budget is what the GPU's free memory allows, not what training used) made one row of all the eval rows,
+    and its dense document mask and attention scores raised the peak above the training's own."""
+    groups = []
+    for start in range(0, len(lengths), max(1, examples)):
+        chunk = lengths[start:start + max(1, examples)]
+        groups += [[start + i for i in g] for g in split_by_token_budget(chunk, token_budget)]
+    return groups
+
+
+def _scores_packed(model, rows: list[dict], pad_token_id: int, token_budget: int, examples: int,
+                   device) -> torch.Tensor:
+    """[nll sum, top-1 hits, scored tokens] of `rows` through the packed LM head (the fast path), `examples`
+    rows (the training's micro-batch) at a time."""
     from training.fastpath.attention import attention_mask_for
-    from training.fastpath.batches import pack_examples, split_by_token_budget
+    from training.fastpath.batches import pack_examples
     from training.fastpath.model import unwrap
 
     total = torch.zeros(3, dtype=torch.float64, device=device)
-    for group in split_by_token_budget([len(r["input_ids"]) for r in rows], token_budget):
+    for group in micro_batches([len(r["input_ids"]) for r in rows], examples, token_budget):
         packed = pack_examples([rows[i] for i in group], pad_token_id)
         batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in packed.items()}
         if not batch["num_targets"]:
@@ -134,7 +150,8 @@ def evaluate(trainer, dataset=None) -> dict | None:
         with _eager(), trainer.compute_loss_context_manager():
             collator = trainer.data_collator
             if isinstance(collator, PackedCollator):
-                total = _scores_packed(model, rows, collator.pad_token_id, collator.token_budget, device)
+                total = _scores_packed(model, rows, collator.pad_token_id, collator.token_budget,
+                                       args.per_device_train_batch_size, device)
             else:
                 total = _scores_padded(model, rows, collator, args.per_device_train_batch_size, device)
     finally:

@@ -34,6 +34,15 @@ def sample_prompts(k: int, samples_file: str | None, eval_rows) -> list[dict]:
 
 def answer(trainer, tokenizer, prompts: list[dict], max_new_tokens: int, max_time_s: float) -> list[str]:
     """Greedy answers of the trainer's model as it stands, one prompt at a time (no padding)."""
+    ids = [tokenizer(item["prompt"], return_tensors="pt")["input_ids"] for item in prompts]
+    outs = generate_ids(trainer, ids, tokenizer.pad_token_id, max_new_tokens, max_time_s)
+    return [tokenizer.decode(out, skip_special_tokens=True) if out is not None
+            else "(no time left: sample_max_time_s)" for out in outs]
+
+
+def generate_ids(trainer, prompt_ids: list, pad_token_id: int, max_new_tokens: int, max_time_s: float) -> list:
+    """The new tokens (a 1-D tensor, None once max_time_s is spent) the trainer's model generates greedily
+    after each prompt's token ids ([1, n] each), one prompt at a time."""
     from training.fastpath.model import unwrap
 
     model = getattr(trainer.model, "module", trainer.model)
@@ -43,23 +52,24 @@ def answer(trainer, tokenizer, prompts: list[dict], max_new_tokens: int, max_tim
     config._attn_implementation, config.use_cache = "sdpa", True
     was_training = model.training
     model.eval()
-    answers = []
+    outs = []
     deadline = time.monotonic() + max_time_s
     try:
         with torch.no_grad(), _eager(), trainer.compute_loss_context_manager():
-            for item in prompts:
+            for ids in prompt_ids:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    answers.append("(no time left: sample_max_time_s)")
+                    outs.append(None)
                     continue
-                inputs = tokenizer(item["prompt"], return_tensors="pt").to(trainer.args.device)
-                out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens, max_time=left,
-                                     pad_token_id=tokenizer.pad_token_id, use_cache=True)
-                answers.append(tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+                ids = torch.as_tensor(ids).reshape(1, -1).to(trainer.args.device)
+                out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                     max_new_tokens=max_new_tokens, max_time=left, pad_token_id=pad_token_id,
+                                     use_cache=True)
+                outs.append(out[0, ids.shape[1]:].cpu())
     finally:
         config._attn_implementation, config.use_cache = attention, use_cache
         model.train(was_training)
-    return answers
+    return outs
 
 
 def answer_base(trainer, tokenizer, prompts, max_new_tokens, max_time_s) -> list[str]:

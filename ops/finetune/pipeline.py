@@ -27,8 +27,8 @@ from ops.actions import cloudinit, munge, netcheck, node_update, prefetch, recon
 from ops.actions import node_power as power
 from ops.actions.options import REPO, TrainOptions, check_against
 from ops.cost import estimate as est
+from ops.finetune import gpu_events, stream, summary, timeline
 from ops.finetune import sbatch as jobs
-from ops.finetune import stream, summary, timeline
 from ops.say import Say
 from ops.ssh.remote import Cluster, HostError, connect, each, service
 
@@ -414,6 +414,8 @@ def finish(cl: Cluster, job_id: str, followed: stream.Followed, say: Say,
         if got or run.losses else None
     adapters = [f for f in got if f.startswith("adapter_")]
     gpus_png = summary.plot_gpus(run.gpus, dest / "gpus.png", f"job {job_id} GPUs") if run.gpus else None
+    if run.gpus:
+        gpu_events.write(dest)  # tensorboard/gpus/: the same samples as TensorBoard events
     extras = [f for f in ("samples.md", "tensorboard/") if f in got] + [p.name for p in (png, gpus_png) if p]
     step(say, 7, f"downloaded to {dest.relative_to(REPO) if dest.is_relative_to(REPO) else dest}/: "
                  f"{', '.join(adapters) or 'no adapters'}, "

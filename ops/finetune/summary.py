@@ -97,10 +97,11 @@ def _short(text: str, width: int = 70) -> str:
     return flat if len(flat) <= width else flat[:width - 3] + "..."
 
 
-def read_gpu_samples(run_dir: Path) -> dict[str, list[tuple[float, int, float, float, float]]]:
+def read_gpu_samples(run_dir: Path, relative: bool = True) -> dict[str, list[tuple[float, int, float, float, float]]]:
     """The nodes' nvidia-smi samples (timestamp, index, utilization.gpu, memory.used, power.draw; csv,
-    noheader, nounits) by node; lines a sampler cut short, or "[N/A]" fields, are skipped."""
-    from datetime import datetime
+    noheader, nounits) by node, the time in seconds since the node's first sample (relative=False: since the
+    epoch); lines a sampler cut short, or "[N/A]" fields, are skipped."""
+    from datetime import UTC, datetime
 
     out = {}
     for path in sorted(run_dir.glob("gpus-*.csv")):
@@ -108,12 +109,13 @@ def read_gpu_samples(run_dir: Path) -> dict[str, list[tuple[float, int, float, f
         for line in path.read_text(errors="replace").splitlines():
             fields = [f.strip() for f in line.split(",")]
             try:
-                t = datetime.strptime(fields[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+                # UTC: the sampler runs under TZ=UTC (jobs/finetune.sbatch.j2)
+                t = datetime.strptime(fields[0], "%Y/%m/%d %H:%M:%S.%f").replace(tzinfo=UTC).timestamp()
                 rows.append((t, int(fields[1]), float(fields[2]), float(fields[3]), float(fields[4])))
             except (ValueError, IndexError):
                 continue
         if rows:
-            t0 = rows[0][0]
+            t0 = rows[0][0] if relative else 0.0
             out[path.stem.removeprefix("gpus-")] = [(t - t0, *rest) for t, *rest in rows]
     return out
 
