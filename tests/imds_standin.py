@@ -4,7 +4,7 @@ PUT /latest/api/token gives a token; GETs without a valid one answer 401. The no
 JSON file read at every request (the test writes it): {"instance-action": {...} | absent,
 "rebalance": {...} | absent, "revoke": bool}; an item that is absent answers 404, as the real service
 does. `revoke` makes every token issued so far invalid (as one that expired). Run inside a local
-cluster host's namespace: `python -m tests.imds_standin PORT STATE_FILE` serves that host's 127.0.0.1.
+cluster host's namespace: `python tests/imds_standin.py PORT STATE_FILE` serves that host's 127.0.0.1.
 """
 
 from __future__ import annotations
