@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import signal
+import threading
 from pathlib import Path
 
 from transformers import TrainerCallback
@@ -33,8 +34,9 @@ class CheckpointOnSignal(TrainerCallback):
         self.pending = NONE
         self.stopped_at: int | None = None  # the step whose checkpoint ends the run (a STOP)
         self._group = None
-        for sig in SIGNALS:
-            signal.signal(sig, self._handle)
+        if threading.current_thread() is threading.main_thread():  # else Python refuses handlers
+            for sig in SIGNALS:
+                signal.signal(sig, self._handle)
 
     def _handle(self, signum, _frame) -> None:
         self.pending = max(self.pending, SIGNALS[signum])
