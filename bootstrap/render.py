@@ -44,6 +44,12 @@ HOSTS_BLOCK_FILE = "/etc/slurm-gpu/hosts.block"
 # Configless GPU nodes: slurmd's options (--conf-server) and the systemd drop-in that reads them.
 SLURMD_ENV_FILE = "/etc/slurm-gpu/slurmd.env"
 SLURMD_DROPIN = "/etc/systemd/system/slurmd.service.d/slurm-gpu.conf"
+# Spot GPU nodes: the interruption watcher (bootstrap/spot_watch.py), its unit and its settings.
+SPOT_WATCH_PATH = "/usr/local/sbin/slurm-gpu-spot-watch"
+SPOT_WATCH_UNIT = "slurm-gpu-spot-watch.service"
+SPOT_WATCH_UNIT_PATH = f"/etc/systemd/system/{SPOT_WATCH_UNIT}"
+SPOT_WATCH_ENV = "/etc/slurm-gpu/spot-watch.env"
+SPOT_WATCH_POLL_S = 5  # AWS recommends checking for interruption notices every 5 seconds
 # Slurm's SuspendProgram/ResumeProgram on AWS (run by slurmctld as SlurmUser) and their log.
 SUSPEND_PATH = "/usr/local/sbin/slurm-gpu-suspend"
 RESUME_PATH = "/usr/local/sbin/slurm-gpu-resume"
@@ -96,7 +102,7 @@ MAX_USER_DATA_BYTES = 16384
 
 # Mode of each rendered file (default 0644).
 FILE_MODES = {HEALTHCHECK_PATH: 0o755, BOOTSTRAP_PATH: 0o755, SUSPEND_PATH: 0o755, RESUME_PATH: 0o755,
-              POWER_PATH: 0o755}
+              POWER_PATH: 0o755, SPOT_WATCH_PATH: 0o755}
 
 
 # The training stack on GPU nodes: pinned to the same versions as the repo's
@@ -196,6 +202,9 @@ def _context(facts: ClusterFacts) -> dict:
         "facts": facts,
         "platform": facts.platform,
         "cluster_name": facts.cluster_name,
+        "spot": facts.spot,
+        "spot_imds": facts.spot_imds,
+        "spot_watch_unit": SPOT_WATCH_UNIT,
         "controller": facts.controller,
         "gpu_nodes": facts.gpu_nodes,
         "shape": shape,
@@ -319,6 +328,19 @@ def render_slurmd_dropin(facts: ClusterFacts) -> str:
     return _TEMPLATES.get_template("slurmd-dropin.conf.j2").render(**_context(facts))
 
 
+def render_spot_watch(facts: ClusterFacts) -> dict[str, str]:
+    """The watcher program, its systemd unit and its settings (a spot GPU node's files)."""
+    if not re.fullmatch(r"http://[A-Za-z0-9.\-\[\]:]+", facts.spot_imds):
+        raise ValueError(f"spot_imds must be http://HOST[:PORT] (got {facts.spot_imds!r})")
+    ctx = {**_context(facts), "watch_path": SPOT_WATCH_PATH, "env_file": SPOT_WATCH_ENV,
+           "poll_s": SPOT_WATCH_POLL_S}
+    return {
+        SPOT_WATCH_PATH: (Path(__file__).parent / "spot_watch.py").read_text(),
+        SPOT_WATCH_UNIT_PATH: _TEMPLATES.get_template("spot-watch.service.j2").render(**ctx),
+        SPOT_WATCH_ENV: _TEMPLATES.get_template("spot-watch.env.j2").render(**ctx),
+    }
+
+
 def render_apt_lock_conf(facts: ClusterFacts) -> str:
     """apt's wait for the dpkg lock (the bootstrap's apt-get, and any apt run on the node)."""
     return _TEMPLATES.get_template("apt-lock-wait.conf.j2").render(**_context(facts))
@@ -340,6 +362,8 @@ def render_files(facts: ClusterFacts) -> dict[str, str]:
     }
     if facts.platform.cgroup:
         files[CGROUP_CONF] = render_cgroup_conf(facts)
+    if facts.spot:
+        files.update(render_spot_watch(facts))
     if facts.power_save is not None and facts.power_save.provider == "ec2":
         files[POWER_PATH] = render_power_program(facts)
         files[SUSPEND_PATH] = render_power_program(facts, "suspend")
@@ -350,7 +374,8 @@ def render_files(facts: ClusterFacts) -> dict[str, str]:
 # What each role does not get. GPU nodes run slurmd in configless mode: slurm.conf and
 # gres.conf come from slurmctld at start, so no GPU node file depends on the node list.
 NOT_FOR_ROLE = {
-    "controller": (HEALTHCHECK_PATH, SLURMD_ENV_FILE, SLURMD_DROPIN),
+    "controller": (HEALTHCHECK_PATH, SLURMD_ENV_FILE, SLURMD_DROPIN, SPOT_WATCH_PATH, SPOT_WATCH_UNIT_PATH,
+                   SPOT_WATCH_ENV),
     # slurmctld runs the power programs: only the controller has them.
     "gpu": (EXPORTS_FILE, SLURM_CONF, GRES_CONF, CGROUP_CONF, SUSPEND_PATH, RESUME_PATH, POWER_PATH),
 }

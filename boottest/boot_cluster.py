@@ -35,6 +35,9 @@ NODES = 2
 SCRATCH_SHARE = "/srv/cluster-scratch"  # where a GPU node sees the shared scratch (platform fact)
 SERVICE_CMD = "sudo systemctl {action} {service}"  # as on AWS (infra/cluster_component.py)
 NVIDIA_MAJOR = 195
+# GPU nodes render as spot nodes, so their interruption watcher runs under systemd; it asks each
+# container's own loopback (nothing listens there: it keeps retrying), never a real metadata service.
+SPOT_IMDS = "http://127.0.0.1:18169"
 
 
 def machine_shape() -> NodeShape:
@@ -50,7 +53,8 @@ def machine_shape() -> NodeShape:
 def cluster_facts(platform: Platform) -> ClusterFacts:
     ctl, nodes = plan_hosts(net.SUBNET, NODES)
     return ClusterFacts(cluster_name=CLUSTER_NAME, controller=ctl, gpu_nodes=nodes, shape=machine_shape(),
-                        subnet_cidr=net.SUBNET, ssh_user="ubuntu", platform=platform, efa=False)
+                        subnet_cidr=net.SUBNET, ssh_user="ubuntu", platform=platform, efa=False,
+                        spot=True, spot_imds=SPOT_IMDS)
 
 
 def ec2_style_name(ip: str) -> str:

@@ -24,6 +24,8 @@ RESERVED_AT_START = 4
 RESERVED_AT_END = 1
 CONTROLLER_OFFSET = 10
 NAT_GATEWAY_OFFSET = RESERVED_AT_START
+# The instance metadata service's address on every EC2 instance (IMDSv2, link-local).
+DEFAULT_IMDS = "http://169.254.169.254"
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,11 @@ class ClusterFacts:
     sched_interval: int | None = None
     # None: nodes never stop when idle (no power-save keys in slurm.conf).
     power_save: PowerSave | None = None
+    # Spot GPU nodes: each runs the interruption watcher (bootstrap/spot_watch.py) as a service.
+    # The one switch for it: the stack's market setting decides it (False: on demand).
+    spot: bool = False
+    # Where the watcher asks for notices: the instance metadata service (tests give a stand-in).
+    spot_imds: str = DEFAULT_IMDS
     extra: dict = field(default_factory=dict, compare=False, hash=False)
     # What the hosts boot (OS, Python, Slurm version, cgroups, driver): cluster/platform.py.
     platform: Platform = AWS

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from bootstrap.render import STEPS
+from bootstrap.render import SPOT_WATCH_UNIT, STEPS
 from cluster.platform import BOOT_DEBIAN12, BOOT_DEBIAN13
 
 REPO = Path(__file__).resolve().parent.parent
@@ -156,6 +156,14 @@ def test_daemons_after_first_boot(booted):
     for h in bc.facts.gpu_nodes:
         c = bc.containers[h.name]
         assert c.run("systemctl is-active munge", check=False).stdout.strip() == "active"
+        # Spot renders (boottest/boot_cluster.py): the interruption watcher runs on every GPU node.
+        from boottest.boot_cluster import SPOT_IMDS
+
+        watch = c.run(f"systemctl is-active {SPOT_WATCH_UNIT}", check=False).stdout.strip()
+        assert watch == "active", f"{h.name}: {SPOT_WATCH_UNIT} is {watch}:\n" + c.run(
+            f"journalctl -u {SPOT_WATCH_UNIT} --no-pager -n 15", check=False).stdout
+        assert f"watching {SPOT_IMDS} every" in c.run(f"journalctl -u {SPOT_WATCH_UNIT} --no-pager",
+                                                      check=False).stdout
         state = c.run("systemctl is-failed slurmd", check=False).stdout.strip()
         assert state != "failed", f"{h.name}: slurmd failed at first boot:\n" + c.run(
             "journalctl -u slurmd --no-pager -n 15; tail -n 15 /var/log/slurm/slurmd.log", check=False).stdout

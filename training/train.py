@@ -40,6 +40,7 @@ from training.callbacks import FAULT_RANK_ENV, FAULT_STEP_ENV, LOG_PREFIX, Phase
 from training.checkpoints import with_background_checkpoints
 from training.data import DataError, load_instruction_dataset
 from training.evaluate import EvalEveryCallback, base_model, evaluate, log_eval, split_eval
+from training.interrupts import CheckpointOnSignal, mark_interrupted
 from training.outputs import (
     COMPLETED_MARKER,
     METRICS_PREFIX,
@@ -193,12 +194,13 @@ def main(argv: list[str] | None = None) -> dict | None:
             model = load_model(model_args, train_args, flex_packing)
         timing["model_loaded"] = time.time()
     clock = PhaseTimingCallback(phases)
+    on_signal = CheckpointOnSignal()  # the spot watcher's "checkpoint now" (training/interrupts.py)
     every = EvalEveryCallback(train_args.eval_every_steps if eval_rows is not None else 0)
     if tensorboard_events.enabled(train_args):
         tensorboard_events.use_log_dir(train_args)
     with phases.phase("trainer"):
         trainer = build_trainer(model, tokenizer, dataset, model_args, train_args, flex_packing,
-                                [*make_callbacks(train_args.final_checkpoint), clock, every], eval_rows)
+                                [*make_callbacks(train_args.final_checkpoint), clock, every, on_signal], eval_rows)
     every.trainer = trainer
     timing["trainer_built"] = time.time()
     if trainer.is_world_process_zero():
@@ -223,6 +225,10 @@ def main(argv: list[str] | None = None) -> dict | None:
 
     train_output = trainer.train(resume_from_checkpoint=resume)
     timing["trained"] = time.time()
+    if on_signal.stopped_at is not None:  # every rank agreed: the checkpoint is complete, the job requeues
+        if trainer.is_world_process_zero():
+            mark_interrupted(train_args.output_dir, on_signal.stopped_at)
+        return None
     if eval_rows is not None:
         with phases.phase("eval"):
             evaluation["tuned"] = evaluate(trainer)

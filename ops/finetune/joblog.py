@@ -5,6 +5,7 @@ The log holds every rank's output with srun's "N: " labels. The lines that matte
     SLURM_GPU_JOB {...}        the batch script starting (again, after a requeue: restart > 0)
     SLURM_GPU_LOG {...}        rank 0, one per logged optimizer step (step, max_steps, loss, ...)
     SLURM_GPU_RESUMED {...}    rank 0 resumed from a checkpoint
+    SLURM_GPU_SPOT {...}       rank 0: a checkpoint now, on the spot watcher's signal (training/interrupts.py)
     SLURM_GPU_METRICS {...}    rank 0, the final metrics
     {'loss': '2.1', ...}       the HF Trainer's own per-step dict (used when the above is absent)
     ... NCCL INFO ...          NCCL's connection lines (ops/actions/nccl.py)
@@ -20,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 _LABEL = re.compile(r"^\s*\d+: ")
-_TAGS = ("SLURM_GPU_JOB", "SLURM_GPU_LOG", "SLURM_GPU_RESUMED", "SLURM_GPU_METRICS")
+_TAGS = ("SLURM_GPU_JOB", "SLURM_GPU_LOG", "SLURM_GPU_RESUMED", "SLURM_GPU_METRICS", "SLURM_GPU_SPOT")
 _TAGGED = re.compile(r"\b(?P<tag>" + "|".join(_TAGS) + r") (?P<body>\{.*\})\s*$")
 _HF_DICT = re.compile(r"^\{'(?:loss|train_runtime)'.*\}$")
 _BAR = re.compile(r"(?P<step>\d+)/(?P<total>\d+) \[")
@@ -32,7 +33,7 @@ MAX_ERRORS = 12
 
 @dataclass
 class Event:
-    kind: str  # "start", "step", "resumed", "metrics"
+    kind: str  # "start", "step", "resumed", "metrics", "spot"
     data: dict
 
 
@@ -61,6 +62,7 @@ class JobLog:
     job_dir: str | None = None
     restarts: int = 0
     resumed_from: int | None = None
+    nodes: str | None = None  # the current attempt's node list (Slurm's hostlist)
     max_steps: int | None = None
     _partial: str = ""
     _tokens_t0: tuple[float, float] | None = None  # (arrival time, num_tokens) of the first step
@@ -119,7 +121,10 @@ class JobLog:
         if tag == "SLURM_GPU_JOB":
             self.job_dir = body.get("job_dir") or self.job_dir
             self.restarts = int(body.get("restart", 0))
+            self.nodes = body.get("nodes") or self.nodes
             return Event("start", body)
+        if tag == "SLURM_GPU_SPOT":
+            return Event("spot", body)
         if tag == "SLURM_GPU_RESUMED":
             self.resumed_from = int(body.get("step", 0))
             return Event("resumed", body)
@@ -168,4 +173,17 @@ class JobLog:
             return f"resumed from checkpoint step {ev.data.get('step')} ({ev.data.get('checkpoint')})"
         if ev.kind == "metrics":
             return "training finished; final metrics written"
+        if ev.kind == "spot":
+            return spot_line(ev.data)
         return None
+
+
+def spot_line(data: dict, node: str | None = None, reason: str | None = None) -> str:
+    """What `fab train` says of a SLURM_GPU_SPOT line; `node` and `reason`: the drained node, when known."""
+    step = data.get("step")
+    if data.get("stop"):
+        where = f" on {node} ({reason})" if node else ""
+        return (f"spot interruption{where}: checkpoint at step {step}, requeued; the job resumes from it "
+                "when enough nodes are back")
+    return (f"spot rebalance recommendation: checkpoint at step {step}; training goes on "
+            "(no drain: the node is not interrupted yet)")

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from fabric import Connection
 
 from ops.actions import slurm
-from ops.finetune.joblog import JobLog
+from ops.finetune import spot_notice
+from ops.finetune.joblog import Event, JobLog
 
 
 @dataclass
@@ -41,8 +42,10 @@ def read_from(sftp, path: str, offset: int) -> tuple[bytes, int]:
     return data, offset + len(data)
 
 
-def _report(log: JobLog, data: bytes, say: Callable[[str], None], raw: bool, final: bool = False) -> None:
-    """Feed new log bytes to the parser and say them (raw, or as compact progress lines)."""
+def _report(log: JobLog, data: bytes, say: Callable[[str], None], raw: bool, final: bool = False,
+            explain: Callable[[Event], str] | None = None) -> None:
+    """Feed new log bytes to the parser and say them (raw, or as compact progress lines); `explain`
+    gives the line of a spot event (it asks Slurm which node was drained)."""
     if not data:
         return
     text = data.decode("utf-8", errors="replace")
@@ -51,7 +54,9 @@ def _report(log: JobLog, data: bytes, say: Callable[[str], None], raw: bool, fin
         say(text.rstrip("\n"))
         return
     for ev in events:
-        if line := log.describe(ev):
+        if ev.kind == "spot" and explain is not None:
+            say(explain(ev))
+        elif line := log.describe(ev):
             say(line)
 
 
@@ -73,6 +78,10 @@ def follow(ctl: Connection, job_id: str, log_path: str, say: Callable[[str], Non
     offset, last_state, last_restarts = 0, None, 0
     lost_since: float | None = None
     last_error = ""
+
+    def explain(ev: Event) -> str:
+        return spot_notice.describe(ctl, log, ev)
+
     while True:
         try:
             if lost_since is not None and not slurm.controller_up(ctl):  # a quick probe while it is down
@@ -98,7 +107,7 @@ def follow(ctl: Connection, job_id: str, log_path: str, say: Callable[[str], Non
                 f"job {job_id} is {job.state if job else 'no longer known to Slurm'}")
             lost_since = None
         data, offset = read_from(sftp, log_path, offset)
-        _report(log, data, say, raw)
+        _report(log, data, say, raw, explain=explain)
         if job is not None:
             if job.restarts > last_restarts:
                 say(f"job {job_id} was requeued by Slurm (restart {job.restarts}): {job.reason}; "

@@ -1,0 +1,238 @@
+"""The spot interruption watcher (bootstrap/spot_watch.py) against a stand-in metadata service on loopback,
+its files in the GPU node's render, the training's "checkpoint now" signal handling, and fab's words."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+
+from bootstrap import render, spot_watch
+from cluster.facts import DEFAULT_IMDS
+from ops.finetune.joblog import JobLog
+from tests.imds_standin import serve_in_thread
+from tests.test_bootstrap_render import FACTS
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def imds(tmp_path):
+    """(state file, server, client) of a stand-in on 127.0.0.1."""
+    state = tmp_path / "imds.json"
+    state.write_text("{}")
+    port = free_port()
+    server = serve_in_thread(port, state)
+    try:
+        yield state, server, spot_watch.Imds(f"http://127.0.0.1:{port}")
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+# ---------------------------------------------------------------- parsing
+
+
+@pytest.mark.parametrize("action", ["terminate", "stop", "hibernate"])
+def test_instance_action_parses_each_action(action):
+    n = spot_watch.parse_instance_action(json.dumps({"action": action, "time": "2026-12-06T17:00:00Z"}))
+    assert (n.kind, n.action, n.time) == ("interruption", action, "2026-12-06T17:00:00Z")
+    assert n.reason == f"spot interruption: {action} at 2026-12-06T17:00:00Z"
+
+
+def test_rebalance_parses_notice_time():
+    n = spot_watch.parse_rebalance('{"noticeTime": "2026-12-06T16:58:00Z"}')
+    assert (n.kind, n.time) == ("rebalance", "2026-12-06T16:58:00Z")
+
+
+@pytest.mark.parametrize("body", ["", "not json", '{"time": "x"}', "[1]"])
+def test_malformed_notice_is_an_error(body):
+    with pytest.raises(spot_watch.ImdsError, match="instance-action"):
+        spot_watch.parse_instance_action(body)
+
+
+def test_non_http_endpoint_is_refused():
+    with pytest.raises(ValueError, match="SLURM_GPU_IMDS"):
+        spot_watch.Imds("https://169.254.169.254")
+
+
+# ---------------------------------------------------------------- the service
+
+
+def test_404_is_no_notice(imds):
+    _, server, client = imds
+    assert client.notices() == []
+    assert server.issued == 1  # one token serves both items
+
+
+def test_notices_from_the_service(imds):
+    state, _, client = imds
+    state.write_text(json.dumps({"instance-action": {"action": "stop", "time": "T1"},
+                                 "rebalance": {"noticeTime": "T0"}}))
+    assert client.notices() == [spot_watch.Notice("interruption", "stop", "T1"),
+                                spot_watch.Notice("rebalance", "rebalance", "T0")]
+
+
+def test_token_refreshed_when_refused(imds):
+    state, server, client = imds
+    client.notices()
+    state.write_text(json.dumps({"revoke": True, "instance-action": {"action": "terminate", "time": "T"}}))
+    assert [n.action for n in client.notices()] == ["terminate"]  # 401, a new token, the answer
+    assert server.issued == client.tokens == 2
+
+
+def test_token_refreshed_before_it_expires(imds):
+    _, server, _client = imds
+    now = [0.0]
+    client = spot_watch.Imds(_client.base, clock=lambda: now[0])
+    client.notices()
+    client.notices()
+    assert client.tokens == 1
+    now[0] = spot_watch.TOKEN_TTL_S - spot_watch.TOKEN_MARGIN_S  # about to expire: a new one first
+    client.notices()
+    assert client.tokens == 2 and server.issued == 2
+
+
+# ---------------------------------------------------------------- what it does
+
+
+class FakeSlurm:
+    """Records the Slurm commands; squeue lists job 42 on the node; sinfo gives `reason`."""
+
+    def __init__(self, reason=""):
+        self.calls, self.reason = [], reason
+
+    def __call__(self, *argv):
+        self.calls.append(list(argv))
+        out = {"squeue": "42\n", "sinfo": self.reason + "\n"}.get(argv[0], "")
+        return subprocess.CompletedProcess(argv, 0, out, "")
+
+
+def test_interruption_drains_and_signals_once(imds):
+    state, _, client = imds
+    slurm, said = FakeSlurm(), []
+    w = spot_watch.Watcher(client, "gpu-node-02", run=slurm, say=said.append)
+    assert w.poll() == []
+    slurm.calls.clear()
+    state.write_text(json.dumps({"instance-action": {"action": "stop", "time": "2026-12-06T17:00:00Z"},
+                                 "rebalance": {"noticeTime": "2026-12-06T16:59:00Z"}}))
+    assert [n.kind for n in w.poll()] == ["interruption"]  # the interruption's checkpoint covers the rebalance
+    assert slurm.calls == [
+        ["scontrol", "update", "nodename=gpu-node-02", "state=DRAIN",
+         "reason=spot interruption: stop at 2026-12-06T17:00:00Z"],
+        ["squeue", "-h", "-w", "gpu-node-02", "-t", "RUNNING", "-o", "%A"],
+        ["scancel", "--signal=USR1", "42"],
+    ]
+    slurm.calls.clear()
+    assert w.poll() == [] and slurm.calls == []  # the same notice again: nothing more
+
+
+def test_rebalance_checkpoints_without_drain(imds):
+    state, _, client = imds
+    slurm, said = FakeSlurm(), []
+    w = spot_watch.Watcher(client, "gpu-node-01", run=slurm, say=said.append)
+    w.started = True
+    state.write_text(json.dumps({"rebalance": {"noticeTime": "T0"}}))
+    w.poll()
+    assert slurm.calls == [["squeue", "-h", "-w", "gpu-node-01", "-t", "RUNNING", "-o", "%A"],
+                           ["scancel", "--signal=USR2", "42"]]
+    assert "checkpoint only, no drain" in said[0]
+
+
+@pytest.mark.parametrize("reason, resumed", [("spot interruption: stop at T", True), ("Not responding", False),
+                                             ("", False)])
+def test_start_resumes_only_its_own_drain(imds, reason, resumed):
+    _, _, client = imds
+    slurm = FakeSlurm(reason)
+    spot_watch.Watcher(client, "gpu-node-01", run=slurm, say=lambda m: None).poll()
+    assert (["scontrol", "update", "nodename=gpu-node-01", "state=RESUME"] in slurm.calls) == resumed
+
+
+# ---------------------------------------------------------------- render
+
+
+def test_watcher_files_only_on_spot_gpu_nodes():
+    facts = FACTS["l4x2"]
+    assert not any("spot" in p for p in render.role_files(facts, "gpu"))
+    assert "spot-watch" not in render.bootstrap_script(facts, "gpu", "gpu-node-01")
+    spot = replace(facts, spot=True)
+    gpu = render.role_files(spot, "gpu")
+    assert gpu[render.SPOT_WATCH_PATH] == (render.Path(spot_watch.__file__)).read_text()
+    assert render.FILE_MODES[render.SPOT_WATCH_PATH] == 0o755
+    assert f"SLURM_GPU_IMDS={DEFAULT_IMDS}\n" in gpu[render.SPOT_WATCH_ENV]
+    unit = gpu[render.SPOT_WATCH_UNIT_PATH]
+    assert f"ExecStart=/usr/bin/python3 {render.SPOT_WATCH_PATH}\n" in unit and "Restart=always" in unit
+    assert not any("spot" in p for p in render.role_files(spot, "controller"))
+    assert f"systemctl enable --now {render.SPOT_WATCH_UNIT}" in render.bootstrap_script(spot, "gpu", "gpu-node-01")
+    render.user_data_gzip(replace(FACTS["h100x3"], spot=True), "gpu")  # still fits EC2's 16 KiB
+
+
+def test_bad_endpoint_names_the_setting():
+    with pytest.raises(ValueError, match="spot_imds"):
+        render.render_files(replace(FACTS["l4x2"], spot=True, spot_imds="169.254.169.254; rm -rf /"))
+
+
+def test_spot_bootstrap_passes_shellcheck(tmp_path):
+    if not shutil.which("shellcheck"):
+        pytest.skip("shellcheck is not installed")
+    p = tmp_path / "gpu.sh"
+    p.write_text(render.bootstrap_script(replace(FACTS["single"], spot=True), "gpu", "gpu-node-01"))
+    res = subprocess.run(["shellcheck", "--shell=bash", "--severity=style", str(p)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+# ---------------------------------------------------------------- training and fab
+
+
+def step(callback, global_step, max_steps=100):
+    args = SimpleNamespace(output_dir="/out")
+    state = SimpleNamespace(global_step=global_step, max_steps=max_steps, is_world_process_zero=True)
+    control = SimpleNamespace(should_save=False, should_training_stop=False)
+    callback.on_step_end(args, state, control)
+    return control
+
+
+def test_training_checkpoints_on_the_signals(capsys):
+    from training.interrupts import CheckpointOnSignal
+
+    old = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGUSR2)}
+    try:
+        cb = CheckpointOnSignal()
+        assert not step(cb, 3).should_save
+        os.kill(os.getpid(), signal.SIGUSR2)  # rebalance: a checkpoint, training goes on
+        c = step(cb, 4)
+        assert c.should_save and not c.should_training_stop and cb.stopped_at is None
+        assert not step(cb, 5).should_save  # once
+        os.kill(os.getpid(), signal.SIGUSR1)  # interruption: checkpoint this step, then stop
+        c = step(cb, 6)
+        assert c.should_save and c.should_training_stop and cb.stopped_at == 6
+        out = capsys.readouterr().out
+        assert 'SLURM_GPU_SPOT {"kind": "rebalance", "step": 4' in out
+        assert '"kind": "interruption", "step": 6, "checkpoint": "/out/checkpoint-6", "stop": true' in out
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def test_fab_says_what_the_spot_line_means():
+    log = JobLog()
+    log.feed('SLURM_GPU_JOB {"job_id": "7", "restart": 0, "job_dir": "/j", "nodes": "gpu-node-[01-02]"}\n')
+    [ev] = log.feed('0: SLURM_GPU_SPOT {"kind": "interruption", "step": 12, "checkpoint": "/o/checkpoint-12", '
+                    '"stop": true}\n')
+    assert ev.kind == "spot" and log.nodes == "gpu-node-[01-02]"
+    from ops.finetune.joblog import spot_line
+
+    assert spot_line(ev.data, "gpu-node-02", "stop at T") == (
+        "spot interruption on gpu-node-02 (stop at T): checkpoint at step 12, requeued; the job resumes from it "
+        "when enough nodes are back")
+    [ev] = log.feed('0: SLURM_GPU_SPOT {"kind": "rebalance", "step": 5, "checkpoint": "c", "stop": false}\n')
+    assert log.describe(ev).startswith("spot rebalance recommendation: checkpoint at step 5; training goes on")
