@@ -80,7 +80,17 @@ SETTINGS: dict[str, tuple[Any, str]] = {
     "idleStopMinutes": (30, "30"),
     "scratchThroughputMBps": (125, "1000"),
     "scratchIops": (None, "4000"),
+    "gpuMarket": ("on-demand", "spot"),
+    "capacityReservationId": (None, "cr-0123456789abcdef0"),
 }
+
+# How GPU nodes are bought (infra/market.py renders each on the instances; docs/CONFIG.md says
+# what each costs and gives up). The controller is always On-Demand.
+ON_DEMAND, SPOT, CAPACITY_RESERVATION, CAPACITY_BLOCK = "on-demand", "spot", "capacity-reservation", "capacity-block"
+MARKETS = (ON_DEMAND, SPOT, CAPACITY_RESERVATION, CAPACITY_BLOCK)
+RESERVED_MARKETS = (CAPACITY_RESERVATION, CAPACITY_BLOCK)
+# EC2 resource ids: "cr-" and 8 or 17 hex digits (EC2 API Reference, CapacityReservation).
+CAPACITY_RESERVATION_ID_RE = re.compile(r"^cr-([0-9a-f]{8}|[0-9a-f]{17})$")
 
 # idleStopMinutes: 0 turns stopping off; otherwise at least this long, so a node is not
 # stopped and started again between the jobs of one session (a start takes minutes).
@@ -122,6 +132,8 @@ class StackConfig:
     # The controller's root volume, which holds the shared /scratch: gp3 throughput and IOPS.
     scratch_throughput_mbps: int = GP3_THROUGHPUT[0]
     scratch_iops: int = GP3_IOPS[0]
+    gpu_market: str = ON_DEMAND  # MARKETS
+    capacity_reservation_id: str | None = None  # the reservation's id, for RESERVED_MARKETS only
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any]) -> StackConfig:
@@ -216,7 +228,14 @@ class StackConfig:
                 "mini",
             )
 
-        idle = _int("idleStopMinutes", value("idleStopMinutes"))
+        market, reservation = _market(value("gpuMarket"), value("capacityReservationId"))
+        idle_raw = value("idleStopMinutes")
+        if market in RESERVED_MARKETS and raw.get("idleStopMinutes") in (None, ""):
+            # Reserved capacity bills by the hour whether its instances run or not (EC2 User Guide,
+            # "Capacity Reservation pricing and billing"; Capacity Blocks are paid up front): stopping
+            # idle nodes saves nothing there, so they stay up unless the user asks otherwise.
+            idle_raw = 0
+        idle = _int("idleStopMinutes", idle_raw)
         if idle != 0 and not MIN_IDLE_STOP_MINUTES <= idle <= MAX_IDLE_STOP_MINUTES:
             raise _fail(
                 "idleStopMinutes",
@@ -249,6 +268,8 @@ class StackConfig:
             idle_stop_minutes=idle,
             scratch_throughput_mbps=throughput,
             scratch_iops=iops,
+            gpu_market=market,
+            capacity_reservation_id=reservation,
         )
 
 
@@ -291,6 +312,28 @@ def _scratch_volume(throughput_raw: Any, iops_raw: Any) -> tuple[int, int]:
                     f"most {GP3_MIBPS_PER_IOPS} MiB/s per IOPS, so {throughput} MiB/s needs at least {least} "
                     f"IOPS (or unset {NAMESPACE}:scratchIops to get that)", str(least))
     return throughput, iops
+
+
+def _market(market_raw: Any, reservation_raw: Any) -> tuple[str, str | None]:
+    """gpuMarket and the capacityReservationId it needs (reservations) or refuses (the others)."""
+    market = str(market_raw).strip().lower()
+    if market not in MARKETS:
+        raise _fail("gpuMarket", f"is {market_raw!r}; it must be one of {', '.join(MARKETS)}", ON_DEMAND)
+    reservation = None if reservation_raw is None else str(reservation_raw).strip()
+    if market in RESERVED_MARKETS:
+        if reservation is None:
+            raise _fail("capacityReservationId", f"is required when {NAMESPACE}:gpuMarket is {market} (the id "
+                        "of the reservation the GPU nodes launch into, from `aws ec2 "
+                        "describe-capacity-reservations`)", SETTINGS["capacityReservationId"][1])
+        if not CAPACITY_RESERVATION_ID_RE.match(reservation):
+            raise _fail("capacityReservationId", f"({reservation!r}) is not a capacity reservation id like "
+                        "cr-0123456789abcdef0", SETTINGS["capacityReservationId"][1])
+    elif reservation is not None:
+        raise ConfigError(
+            f"{NAMESPACE}:capacityReservationId is set but {NAMESPACE}:gpuMarket is {market}, which uses no "
+            f"reservation; remove it with `pulumi config rm {NAMESPACE}:capacityReservationId`, or "
+            f"{_set_cmd('gpuMarket', CAPACITY_RESERVATION)} (or {CAPACITY_BLOCK} for a Capacity Block)")
+    return market, reservation
 
 
 def _int(key: str, v: Any) -> int:

@@ -69,6 +69,10 @@ DELIBERATE = {
     "associatePublicIpAddress": "the controller always has one",
     "primaryNetworkInterface": "the node's own primary interface resource: fixed once made",
     "networkInterfaces": "the node's own EFA interface resources (cards of its instance type): fixed once made",
+    "instanceMarketOptions": "slurm-gpu:gpuMarket (spot, capacity-block): a config change that replaces every "
+                             "GPU node (instance_market_options is ForceNew): drain the nodes first (docs/CONFIG.md)",
+    "capacityReservationSpecification": "slurm-gpu:gpuMarket / capacityReservationId: a config change; the provider "
+                                        "stops and starts each GPU node to retarget it: drain the nodes first",
     "rootBlockDevice": "size, encryption key, gp3 throughput and IOPS from slurm-gpu:rootVolumeGiB, ebsKmsKeyId, "
                        "scratchThroughputMBps, scratchIops: config changes (size, IOPS, throughput modify the "
                        "volume in place; the key would replace the host)",
@@ -98,6 +102,8 @@ class NodesComponent(pulumi.ComponentResource):
         ebs_key_arn: str | None = None,
         scratch_throughput_mbps: int | None = None,
         scratch_iops: int | None = None,
+        gpu_market_args: dict | None = None,
+        gpu_placement_group: bool | str | None = True,
         opts: pulumi.ResourceOptions | None = None,
     ):
         super().__init__("slurm-gpu:infra:Nodes", name, None, opts)
@@ -111,10 +117,13 @@ class NodesComponent(pulumi.ComponentResource):
             f"{name}-key", public_key=ssh_public_key,
             tags={"Cluster": cluster, "Name": f"{cluster}-admin"}, opts=child,
         )
+        # True: the stack's own cluster placement group; a name: a reservation's; None: none
+        # (a stop-on-interruption spot instance cannot be in one: infra/market.py).
         self.placement_group = aws.ec2.PlacementGroup(
             f"{name}-pg", strategy="cluster",
             tags={"Cluster": cluster, "Name": f"{cluster}-gpu"}, opts=child,
-        )
+        ) if gpu_placement_group is True else None
+        gpu_group = self.placement_group.name if self.placement_group else gpu_placement_group
 
         self.controller = aws.ec2.Instance(
             f"{name}-{facts.controller.name}",
@@ -160,7 +169,7 @@ class NodesComponent(pulumi.ComponentResource):
                 ami=ami["gpu"],
                 instance_type=gpu_instance_type,
                 key_name=self.key_pair.key_name,
-                placement_group=self.placement_group.name,
+                placement_group=gpu_group,
                 metadata_options=self._imdsv2(),
                 root_block_device=self._root("gpu", host),
                 user_data_base64=user_data[host.name],
@@ -173,6 +182,7 @@ class NodesComponent(pulumi.ComponentResource):
                                                             *self._ignore_ami(follow_ami, "gpu")],
                                             delete_before_replace=True),
                 **interfaces,
+                **(gpu_market_args or {}),
             )
             self.gpu_interfaces[host.name] = enis
             self.gpu_nodes.append(node)

@@ -7,6 +7,8 @@ creates nothing.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pulumi
 
 from bootstrap.facts import ClusterFacts, PowerSave, plan_hosts
@@ -16,6 +18,7 @@ from infra.ami import Ami, resolve_images
 from infra.cluster import ClusterComponent
 from infra.instance_types import check_controller_type, choose_availability_zone, lookup_gpu_node_facts
 from infra.kms import EbsKey, resolve_ebs_key
+from infra.market import Reservation, check_reservation
 from infra.quotas import check_vcpu_quotas
 
 SSH_USER = "ubuntu"  # the Ubuntu AMI's login user
@@ -37,12 +40,17 @@ def power_save(cfg: stack_config.StackConfig, region: str | None) -> PowerSave |
                      resume_timeout=RESUME_TIMEOUT_S, provider="ec2", region=region)
 
 
-def plan(cfg: stack_config.StackConfig) -> tuple[ClusterFacts, str, dict[str, Ami], int, EbsKey]:
-    """Look up instance facts, AZ, images, the EBS key and quotas; refuse bad combinations. Declares
-    nothing. Returns the cluster facts, the AZ, each role's image, the EFA interfaces per GPU
-    node and the root volumes' key."""
+def plan(cfg: stack_config.StackConfig) -> tuple[ClusterFacts, str, dict[str, Ami], int, EbsKey,
+                                                 Reservation | None]:
+    """Look up instance facts, AZ, images, the EBS key, the reservation and quotas; refuse bad
+    combinations. Declares nothing. Returns the cluster facts, the AZ, each role's image, the EFA
+    interfaces per GPU node, the root volumes' key and the GPU nodes' reservation (if any)."""
     gpu = lookup_gpu_node_facts(cfg)
     controller_vcpus = check_controller_type(cfg)
+    reservation = check_reservation(cfg)
+    if reservation and reservation.availability_zone and not cfg.availability_zone:
+        # The nodes must launch in the reservation's zone: the stack follows it.
+        cfg = dataclasses.replace(cfg, availability_zone=reservation.availability_zone)
     az = choose_availability_zone(cfg)
     images = resolve_images(cfg)
     region = pulumi.Config("aws").get("region")
@@ -64,7 +72,7 @@ def plan(cfg: stack_config.StackConfig) -> tuple[ClusterFacts, str, dict[str, Am
         power_save=power_save(cfg, region),
         platform=AWS,
     )
-    return facts, az, images, gpu.efa_interfaces, ebs_key
+    return facts, az, images, gpu.efa_interfaces, ebs_key, reservation
 
 
 def render_user_data(facts: ClusterFacts) -> dict[str, str]:
@@ -86,13 +94,14 @@ def render_user_data(facts: ClusterFacts) -> dict[str, str]:
 
 def main() -> dict[str, pulumi.Output]:
     cfg = stack_config.load()
-    facts, az, images, efa_interfaces, ebs_key = plan(cfg)
+    facts, az, images, efa_interfaces, ebs_key, reservation = plan(cfg)
     user_data = render_user_data(facts)
     region = pulumi.Config("aws").get("region")
 
     cluster = ClusterComponent(
         cfg.cluster_name, cfg=cfg, facts=facts, images=images, availability_zone=az,
         user_data=user_data, efa_interfaces=efa_interfaces, region=region, ebs_key=ebs_key,
+        reservation=reservation,
     )
     outputs = {
         "controllerPublicIp": cluster.controller_public_ip,

@@ -16,11 +16,15 @@ existed are recognised by their Cluster tag. A later `pulumi up` is refused only
 the stack's own instances (in any state: stopped ones start again) already cover its need, a full
 quota is a warning, not a refusal (the instances exist; another team's may have filled the quota).
 
-Only On-Demand instances count: spot instances are under the Spot quotas, and instances in a
-Capacity Block for ML are paid for by the block, under its own instance limit (EC2 User Guide,
-"Capacity Blocks for ML": up to 64 instances a block, 256 across blocks), so both are left out
-(DescribeInstances filter instance-lifecycle: spot | scheduled | capacity-block; EC2 API Reference,
-DescribeInstances). Leaving out one that did count only moves a failure back to launch time; counting
+Only On-Demand instances count against an On-Demand quota: spot instances are under the Spot
+quotas, and instances in a Capacity Block for ML are paid for by the block, under its own instance
+limit (EC2 User Guide, "Capacity Blocks for ML": up to 64 instances a block, 256 across blocks), so
+both are left out (DescribeInstances filter instance-lifecycle: spot | scheduled | capacity-block;
+EC2 API Reference, DescribeInstances). So with slurm-gpu:gpuMarket spot the GPU nodes are checked
+against the group's Spot quota ("All G and VT Spot Instance Requests" ...: the vCPUs of running spot
+instances, EC2 User Guide, "Spot Instance quotas"), counting the account's other running spot
+instances; with capacity-block they are not checked (the block holds them); an On-Demand Capacity
+Reservation's instances are On-Demand ones and count as such. Leaving out one that did count only moves a failure back to launch time; counting
 one that does not would refuse a stack that fits.
 """
 
@@ -33,7 +37,7 @@ from dataclasses import dataclass
 import pulumi
 import pulumi_aws as aws
 
-from infra.config import NAMESPACE, ConfigError, StackConfig
+from infra.config import CAPACITY_BLOCK, NAMESPACE, SPOT, ConfigError, StackConfig
 
 SERVICE_CODE = "ec2"
 STACK_TAG = "slurm-gpu:stack"  # on each instance: the Pulumi stack that owns it (stack_name())
@@ -57,7 +61,7 @@ class QuotaGroup:
     """Instance families that share one On-Demand and one Spot vCPU quota."""
     families: frozenset[str]  # an instance type's family: the letters before its generation
     on_demand: Quota
-    spot: Quota  # not checked yet: for a spot market
+    spot: Quota  # what spot GPU nodes (slurm-gpu:gpuMarket spot) count against
 
 
 # Every group a GPU node or the controller can fall in: a GPU node's type must have NVIDIA GPUs
@@ -114,6 +118,7 @@ class Need:
     count: int
     vcpus: int  # per instance
     settings: tuple[str, ...]  # what lowers it
+    spot: bool = False  # bought on the spot market: the group's Spot quota
 
     @property
     def total(self) -> int:
@@ -127,25 +132,30 @@ def check_vcpu_quotas(cfg: StackConfig, *, gpu_vcpus: int, controller_vcpus: int
                       region: str | None) -> None:
     """Refuse (QuotaError) a stack whose instances the account's On-Demand vCPU quotas cannot
     hold, counting the account's other running instances of the same quota."""
+    spot = cfg.gpu_market == SPOT
     needs = [
-        Need(f"{cfg.gpu_node_count} GPU node{'s' if cfg.gpu_node_count > 1 else ''}",
-             cfg.gpu_instance_type, cfg.gpu_node_count, gpu_vcpus, ("gpuNodeCount", "gpuInstanceType")),
+        Need(f"{cfg.gpu_node_count} {'spot ' if spot else ''}GPU node{'s' if cfg.gpu_node_count > 1 else ''}",
+             cfg.gpu_instance_type, cfg.gpu_node_count, gpu_vcpus,
+             ("gpuNodeCount", "gpuInstanceType", *(("gpuMarket",) if spot else ())), spot=spot),
         Need("the controller", cfg.controller_instance_type, 1, controller_vcpus, ("controllerInstanceType",)),
     ]
-    by_group: dict[QuotaGroup, list[Need]] = {}
+    if cfg.gpu_market == CAPACITY_BLOCK:
+        needs = needs[1:]  # under the block's own limit (module docstring)
+    by_group: dict[tuple[QuotaGroup, bool], list[Need]] = {}
     for need in needs:
         group = quota_group(need.instance_type)
         if group is None:
             pulumi.log.warn(f"{need.what}: {need.instance_type} is in no instance family whose vCPU "
                             f"quota this program knows; its quota is not checked")
             continue
-        by_group.setdefault(group, []).append(need)
-    for group, group_needs in by_group.items():
-        _check(group, group_needs, cluster_name=cfg.cluster_name, region=region)
+        by_group.setdefault((group, need.spot), []).append(need)
+    for (group, is_spot), group_needs in by_group.items():
+        _check(group, group_needs, cluster_name=cfg.cluster_name, region=region, spot=is_spot)
 
 
-def _check(group: QuotaGroup, needs: list[Need], *, cluster_name: str, region: str | None) -> None:
-    quota = group.on_demand
+def _check(group: QuotaGroup, needs: list[Need], *, cluster_name: str, region: str | None,
+           spot: bool = False) -> None:
+    quota = group.spot if spot else group.on_demand
     need = sum(n.total for n in needs)
     try:
         found = aws.servicequotas.get_service_quota(service_code=SERVICE_CODE, quota_code=quota.code)
@@ -160,7 +170,7 @@ def _check(group: QuotaGroup, needs: list[Need], *, cluster_name: str, region: s
             f"going on without it (if the quota is below the {need} vCPUs the stack needs, launching "
             f"the instances fails with VcpuLimitExceeded once the network exists)")
         return
-    usage = _usage(group, cluster_name)
+    usage = _usage(group, cluster_name, quota, spot=spot)
     others = usage.others
     if need + others <= value:
         return
@@ -200,25 +210,28 @@ def _ids(filters: list[dict], states: list[str]) -> list[str]:
     return aws.ec2.get_instances(filters=filters, instance_state_names=states).ids or []
 
 
-def _usage(group: QuotaGroup, cluster_name: str) -> Usage:
-    """What the account runs against this quota group besides the stack (On-Demand, pending and
-    running), and what the stack itself already has in it."""
+def _usage(group: QuotaGroup, cluster_name: str, quota: Quota, *, spot: bool = False) -> Usage:
+    """What the account runs against this quota besides the stack (On-Demand, or spot, pending and
+    running), and what the stack itself already has in the group."""
     types = {"name": "instance-type", "values": [f"{fam}*" for fam in sorted(group.families)]}  # wildcards
     me = stack_name()
     try:
-        running = set(_ids([types], RUNNING))
-        # Spot and Capacity Block instances are under other limits (module docstring).
-        running -= set(_ids([types, {"name": "instance-lifecycle", "values": NOT_ON_DEMAND}], RUNNING))
+        if spot:
+            running = set(_ids([types, {"name": "instance-lifecycle", "values": ["spot"]}], RUNNING))
+        else:
+            running = set(_ids([types], RUNNING))
+            # Spot and Capacity Block instances are under other limits (module docstring).
+            running -= set(_ids([types, {"name": "instance-lifecycle", "values": NOT_ON_DEMAND}], RUNNING))
         # The stack's own, in any state: by its stack tag, or (made before that tag) its cluster's.
         own = set(_ids([types, {"name": f"tag:{STACK_TAG}", "values": [me]}], EXISTING))
         own |= set(_ids([types, {"name": "tag:Cluster", "values": [cluster_name]}], EXISTING))
     except Exception as exc:
-        pulumi.log.warn(f"could not list the instances for the quota \"{group.on_demand.name}\" "
+        pulumi.log.warn(f"could not list the instances for the quota \"{quota.name}\" "
                         f"({_first_line(exc)}); only this stack's own vCPUs are counted against it")
         return Usage()
     ids = sorted(own) + sorted(running - own)
     if len(ids) > MAX_LOOKUPS:
-        pulumi.log.warn(f"{len(ids)} instances run against the quota \"{group.on_demand.name}\"; "
+        pulumi.log.warn(f"{len(ids)} instances run against the quota \"{quota.name}\"; "
                         f"the check counts the first {MAX_LOOKUPS} of them")
     vcpus_of: dict[str, int] = {}
     usage = Usage()

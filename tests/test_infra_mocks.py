@@ -97,6 +97,9 @@ QUOTA_NAMES = {
     "L-DB2E81BA": "Running On-Demand G and VT instances",
     "L-417A185B": "Running On-Demand P instances",
     "L-1216C47A": "Running On-Demand Standard (A, C, D, H, I, M, R, T, Z) instances",
+    "L-3819A6DF": "All G and VT Spot Instance Requests",
+    "L-7212CCBC": "All P Spot Instance Requests",
+    "L-34B43A08": "All Standard (A, C, D, H, I, M, R, T, Z) Spot Instance Requests",
 }
 # What an account answers unless a test says otherwise: room for every case's stack.
 ROOMY_QUOTA = 100000.0
@@ -107,6 +110,18 @@ def quota_result(code: str, value: float | None) -> dict:
     return {"id": arn, "arn": arn, "quotaCode": code, "quotaName": QUOTA_NAMES[code], "serviceCode": "ec2",
             "serviceName": "Amazon Elastic Compute Cloud (Amazon EC2)", "value": value, "defaultValue": value,
             "adjustable": True, "globalQuota": False, "region": REGION, "usageMetrics": []}
+
+
+def capacity_block_result(rid: str, instance_type: str = "p5.48xlarge", zone: str = "ap-northeast-2c",
+                          count: int = 2, available: int | None = None, state: str = "active",
+                          placement_group_arn: str = "") -> dict:
+    """DescribeCapacityReservations of a Capacity Block, as getCapacityBlockReservation returns it."""
+    return {"id": rid, "arn": f"arn:aws:ec2:{REGION}:{ACCOUNT}:capacity-reservation/{rid}",
+            "availabilityZone": zone, "instanceType": instance_type, "instanceCount": count,
+            "availableInstanceCount": count if available is None else available, "state": state,
+            "reservationType": "capacity-block", "instancePlatform": "Linux/UNIX", "tenancy": "default",
+            "startDate": "2026-12-07T11:30:00Z", "endDate": "2026-12-08T11:30:00Z",
+            "placementGroupArn": placement_group_arn, "ownerId": ACCOUNT}
 
 
 @dataclass(frozen=True)
@@ -213,7 +228,7 @@ class ClusterMocks(pulumi.runtime.Mocks):
                  newest_dlami: str = DLAMI_ID, newest_ubuntu: str = UBUNTU_ID,
                  default_ebs_key: str = AWS_EBS_ALIAS, stashed: dict | None = None,
                  arches: dict[str, str] | None = None, quotas: dict[str, float | str | None] | None = None,
-                 running: list[Running] | None = None):
+                 running: list[Running] | None = None, capacity_blocks: dict[str, dict | str] | None = None):
         self.resources: list[Registered] = []  # custom resources, with their inputs
         self.components: list[Registered] = []  # everything registered, components included
         self.calls: list[tuple[str, dict]] = []
@@ -232,6 +247,8 @@ class ClusterMocks(pulumi.runtime.Mocks):
         # (ROOMY_QUOTA where not given)
         self.quotas = dict(quotas or {})
         self.running = list(running or [])
+        # Capacity Block id -> capacity_block_result(...) fields, or the provider's error reading it
+        self.capacity_blocks = dict(capacity_blocks or {})
 
     def call(self, args: pulumi.runtime.MockCallArgs):
         self.calls.append((args.token, dict(args.args)))
@@ -285,6 +302,13 @@ class ClusterMocks(pulumi.runtime.Mocks):
                 return {}, [("instanceId", "Your query returned no results")]
             return {"id": inst.id, "instanceType": inst.instance_type, "tags": dict(inst.tags),
                     "instanceState": inst.state}
+        if args.token == "aws:ec2/getCapacityBlockReservation:getCapacityBlockReservation":
+            block = self.capacity_blocks.get(args.args["id"])
+            if block is None:
+                return {}, [("id", "no matching EC2 Capacity Block Reservation found")]
+            if isinstance(block, str):
+                return {}, [("id", block)]
+            return block
         raise Exception(f"unexpected call {args.token}")
 
     @staticmethod

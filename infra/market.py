@@ -1,0 +1,155 @@
+"""How the GPU nodes are bought (slurm-gpu:gpuMarket): what each market sets on the instances,
+and the plan-time check of a reservation.
+
+- on-demand: nothing (EC2's default market).
+- spot: `instance_market_options` market `spot` with a persistent request that stops on
+  interruption. A spot instance can stop (on interruption, or when power saving stops it) only
+  with a persistent request, and "while an interrupted Spot Instance is stopped, you are charged
+  only for the EBS volumes, which are preserved" (EC2 User Guide, "Behavior of Spot Instance
+  interruptions": https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/interruption-behavior.html;
+  pulumi_aws 7.x InstanceInstanceMarketOptionsSpotOptionsArgs: "Persistent Spot Instance requests
+  are only supported when the instance interruption behavior is either hibernate or stop"). No
+  maximum price: AWS advises against one (it only adds interruptions; EC2 API Reference,
+  SpotMarketOptions.MaxPrice), and the price is then at most the On-Demand one. Such an instance
+  cannot be in a placement group ("You can't launch a Spot Instance that is configured to stop or
+  hibernate on interruption in a placement group": EC2 User Guide, "Placement group rules and
+  limitations"), so spot GPU nodes are launched without the cluster's.
+- capacity-reservation (an On-Demand Capacity Reservation): `capacity_reservation_specification`
+  targeting the id, market on-demand.
+- capacity-block (Capacity Blocks for ML): market `capacity-block` and the same target (EC2 User
+  Guide, "Launch instances using Capacity Blocks": run-instances --instance-market-options
+  MarketType='capacity-block' --capacity-reservation-specification CapacityReservationTarget=...).
+  Instances in a block may be stopped and started while it is active ("When you stop or terminate
+  an instance in a Capacity Block, it takes several minutes to clean up ... the available capacity
+  ... will update"), and are terminated when it ends (EC2 API Reference, CapacityBlock.endDate).
+Reservations place the nodes themselves: the stack's placement group is left off, unless the Capacity
+Block reports one of its own, which the nodes then join.
+
+A change of market replaces every GPU node (instance_market_options is ForceNew in
+terraform-provider-aws's aws_instance; a reservation target change stops and starts them):
+infra/nodes.py lists both as deliberate config changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pulumi
+import pulumi_aws as aws
+
+from infra.config import CAPACITY_BLOCK, CAPACITY_RESERVATION, NAMESPACE, SPOT, ConfigError, StackConfig
+
+# Capacity Block states in which instances can run now / later (EC2 API Reference,
+# CapacityReservation.State: active, expired, cancelled, pending, failed, scheduled, payment-pending,
+# payment-failed, assessing, delayed, unsupported).
+RUNNABLE = "active"
+LATER = ("scheduled", "payment-pending", "pending", "assessing", "delayed")
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """What the plan learnt of the reservation (None fields: not readable at plan time)."""
+    id: str
+    availability_zone: str | None = None
+    placement_group: str | None = None  # the block's own cluster placement group, by name
+
+
+def instance_args(cfg: StackConfig) -> dict:
+    """The aws.ec2.Instance keyword arguments of the GPU nodes' market ({} for on-demand)."""
+    target = None
+    if cfg.capacity_reservation_id:
+        target = aws.ec2.InstanceCapacityReservationSpecificationArgs(
+            capacity_reservation_target=aws.ec2.InstanceCapacityReservationSpecificationCapacityReservationTargetArgs(
+                capacity_reservation_id=cfg.capacity_reservation_id))
+    if cfg.gpu_market == SPOT:
+        return {"instance_market_options": aws.ec2.InstanceInstanceMarketOptionsArgs(
+            market_type="spot",
+            spot_options=aws.ec2.InstanceInstanceMarketOptionsSpotOptionsArgs(
+                spot_instance_type="persistent", instance_interruption_behavior="stop")),
+        }
+    if cfg.gpu_market == CAPACITY_RESERVATION:
+        return {"capacity_reservation_specification": target}
+    if cfg.gpu_market == CAPACITY_BLOCK:
+        return {"instance_market_options": aws.ec2.InstanceInstanceMarketOptionsArgs(market_type="capacity-block"),
+                "capacity_reservation_specification": target}
+    return {}
+
+
+def uses_placement_group(cfg: StackConfig) -> bool:
+    """Whether the GPU nodes join the stack's cluster placement group (module docstring)."""
+    return cfg.gpu_market not in (SPOT, CAPACITY_RESERVATION, CAPACITY_BLOCK)
+
+
+def check_reservation(cfg: StackConfig, *, own_nodes: int | None = None) -> Reservation | None:
+    """Refuse a reservation whose AZ, instance type or free instances do not fit the stack; warn and
+    go on where it cannot be read. `own_nodes`: GPU nodes of this stack that exist already (their
+    instances already hold, or freed when stopped, their place in it)."""
+    if cfg.gpu_market not in (CAPACITY_RESERVATION, CAPACITY_BLOCK):
+        return None
+    rid = cfg.capacity_reservation_id
+    assert rid is not None
+    if cfg.gpu_market == CAPACITY_RESERVATION:
+        # pulumi_aws 7.x has a data source for Capacity Blocks (aws.ec2.get_capacity_block_reservation,
+        # which "returns only Capacity Reservations whose reservation_type is capacity-block") but none
+        # for On-Demand Capacity Reservations: EC2 itself refuses a mismatch at launch.
+        pulumi.log.warn(f"{NAMESPACE}:capacityReservationId {rid}: an On-Demand Capacity Reservation cannot be "
+                        f"read at plan time; its instance type ({cfg.gpu_instance_type}), availability zone and "
+                        f"{cfg.gpu_node_count} free instances are checked by EC2 when the nodes launch")
+        return Reservation(rid, cfg.availability_zone)
+    if own_nodes is None:
+        own_nodes = _own_gpu_nodes()
+    try:
+        found = aws.ec2.get_capacity_block_reservation(id=rid)
+    except Exception as exc:  # e.g. not authorised for ec2:DescribeCapacityReservations
+        pulumi.log.warn(f"could not read the Capacity Block {rid} ({_first_line(exc)}); going on without "
+                        "checking its zone, instance type and free instances (EC2 checks them at launch)")
+        return Reservation(rid, cfg.availability_zone)
+    fix = f"`pulumi config set {NAMESPACE}:capacityReservationId cr-...` (`aws ec2 describe-capacity-reservations`)"
+    if found.instance_type and found.instance_type != cfg.gpu_instance_type:
+        raise ConfigError(
+            f"{NAMESPACE}:capacityReservationId {rid} reserves {found.instance_type} but "
+            f"{NAMESPACE}:gpuInstanceType is {cfg.gpu_instance_type}; set "
+            f"`pulumi config set {NAMESPACE}:gpuInstanceType {found.instance_type}` or name another block: {fix}")
+    zone = found.availability_zone
+    if zone and cfg.availability_zone and zone != cfg.availability_zone:
+        raise ConfigError(
+            f"{NAMESPACE}:capacityReservationId {rid} is in {zone} but {NAMESPACE}:availabilityZone is "
+            f"{cfg.availability_zone} (an instance cannot launch into a Capacity Block of another zone); set "
+            f"`pulumi config set {NAMESPACE}:availabilityZone {zone}` or remove it to follow the block")
+    state = found.state or ""
+    if state in LATER:
+        raise ConfigError(
+            f"{NAMESPACE}:capacityReservationId {rid} is {state} (it starts {found.start_date}); instances can "
+            f"launch into it only once it is active: run `pulumi up` then")
+    if state and state != RUNNABLE:
+        raise ConfigError(f"{NAMESPACE}:capacityReservationId {rid} is {state}; no instance can launch into "
+                          f"it: buy another block and {fix}")
+    free = found.available_instance_count
+    if free is not None and int(free) + own_nodes < cfg.gpu_node_count:
+        raise ConfigError(
+            f"{NAMESPACE}:gpuNodeCount is {cfg.gpu_node_count} but Capacity Block {rid} has {int(free)} free "
+            f"instance{'s' if free != 1 else ''} of {found.instance_count}"
+            + (f" (and {own_nodes} of this stack's nodes exist)" if own_nodes else "")
+            + f"; lower it with `pulumi config set {NAMESPACE}:gpuNodeCount "
+            f"{int(free) + own_nodes}` or use a larger block")
+    pulumi.log.info(f"Capacity Block {rid}: {found.instance_type} in {zone}, ends {found.end_date} "
+                    "(its instances are terminated then)")
+    group = found.placement_group_arn.rsplit("/", 1)[-1] if found.placement_group_arn else None
+    return Reservation(rid, zone, group)
+
+
+def _own_gpu_nodes() -> int:
+    """This stack's GPU instances that exist (any state but terminated), by their tags."""
+    from infra.quotas import EXISTING, STACK_TAG, stack_name
+
+    try:
+        return len(aws.ec2.get_instances(filters=[{"name": f"tag:{STACK_TAG}", "values": [stack_name()]},
+                                                  {"name": "tag:Role", "values": ["gpu"]}],
+                                         instance_state_names=EXISTING).ids or [])
+    except Exception:
+        return 0
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__

@@ -1,0 +1,252 @@
+"""slurm-gpu:gpuMarket: each market renders the GPU instances it needs (and on-demand none of it),
+the controller stays On-Demand, bad combinations are refused naming the setting, a Capacity Block is
+checked at plan time, spot nodes are checked against the Spot quota, and the power role and the
+policy pack stay as scoped as before.
+
+AWS facts relied on are cited in infra/market.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+
+import pytest
+
+import tests.test_infra_mocks as harness
+from infra.config import ConfigError, StackConfig
+from tests.test_infra_mocks import (
+    ADMIN_CIDR,
+    SSH_KEY,
+    ClusterMocks,
+    Running,
+    capacity_block_result,
+    run_program,
+    stack_config,
+)
+
+CR = "cr-0123456789abcdef0"
+CB = "cr-0fedcba9876543210"
+MARKET_KEYS = ("instanceMarketOptions", "capacityReservationSpecification")
+
+
+def parse(**overrides) -> StackConfig:
+    raw = {"adminCidr": ADMIN_CIDR, "sshPublicKey": SSH_KEY, **overrides}
+    return StackConfig.from_mapping({k: v for k, v in raw.items() if v is not None})
+
+
+def gpu_and_controller(run):
+    instances = run.of_type("instance")
+    gpu = [i for i in instances if i.inputs["tags"]["Role"] == "gpu"]
+    ctl = [i for i in instances if i.inputs["tags"]["Role"] == "controller"]
+    assert len(ctl) == 1 and gpu
+    return gpu, ctl[0]
+
+
+def blocks(**kw) -> ClusterMocks:
+    return ClusterMocks(capacity_blocks={CB: capacity_block_result(CB, **kw)})
+
+
+# ------------------------------------------------------------------ config
+
+def test_market_defaults_to_on_demand_and_parses_each_market():
+    assert parse().gpu_market == "on-demand" and parse().capacity_reservation_id is None
+    assert parse(gpuMarket="spot").gpu_market == "spot"
+    cfg = parse(gpuMarket="capacity-reservation", capacityReservationId=CR)
+    assert (cfg.gpu_market, cfg.capacity_reservation_id) == ("capacity-reservation", CR)
+    assert parse(gpuMarket="capacity-block", capacityReservationId=CB).gpu_market == "capacity-block"
+
+
+def test_bad_market_settings_are_refused_with_the_fix():
+    with pytest.raises(ConfigError, match=r"slurm-gpu:gpuMarket is 'reserved'; it must be one of on-demand, "
+                                          r"spot, capacity-reservation, capacity-block.*pulumi config set"):
+        parse(gpuMarket="reserved")
+    for market in ("capacity-reservation", "capacity-block"):
+        with pytest.raises(ConfigError, match=rf"slurm-gpu:capacityReservationId is required when "
+                                              rf"slurm-gpu:gpuMarket is {market}"):
+            parse(gpuMarket=market)
+    with pytest.raises(ConfigError, match=r"slurm-gpu:capacityReservationId \('cr-123'\) is not a capacity "
+                                          r"reservation id"):
+        parse(gpuMarket="capacity-block", capacityReservationId="cr-123")
+    for market in ("on-demand", "spot"):
+        with pytest.raises(ConfigError, match=rf"capacityReservationId is set but slurm-gpu:gpuMarket is {market}"
+                                              r".*pulumi config rm slurm-gpu:capacityReservationId"):
+            parse(gpuMarket=market, capacityReservationId=CR)
+
+
+def test_reserved_capacity_keeps_idle_nodes_up_unless_told():
+    """Reserved capacity bills whether it runs or not: power saving is off by default there, and on
+    when the user sets it (instances in a reservation can stop and start)."""
+    assert parse(gpuMarket="capacity-block", capacityReservationId=CB).idle_stop_minutes == 0
+    assert parse(gpuMarket="capacity-reservation", capacityReservationId=CR).idle_stop_minutes == 0
+    assert parse(gpuMarket="capacity-block", capacityReservationId=CB, idleStopMinutes="15").idle_stop_minutes == 15
+    assert parse(gpuMarket="spot").idle_stop_minutes == 30
+
+
+# ------------------------------------------------------------------ rendering
+
+def test_on_demand_renders_no_market_options_and_keeps_the_placement_group():
+    run = run_program(stack_config())
+    gpu, ctl = gpu_and_controller(run)
+    for inst in [*gpu, ctl]:
+        assert not any(inst.inputs.get(k) for k in MARKET_KEYS), inst.name
+    group = run.one("pg")
+    assert all(i.inputs["placementGroup"] == group.inputs.get("name", "mini-nodes-pg-4d5e6f") for i in gpu)
+
+
+def test_spot_is_a_persistent_request_that_stops_and_has_no_placement_group():
+    run = run_program(stack_config(gpuMarket="spot"))
+    gpu, ctl = gpu_and_controller(run)
+    for inst in gpu:
+        assert inst.inputs["instanceMarketOptions"] == {
+            "marketType": "spot",
+            "spotOptions": {"spotInstanceType": "persistent", "instanceInterruptionBehavior": "stop"},
+        }
+        assert "maxPrice" not in inst.inputs["instanceMarketOptions"]["spotOptions"]
+        assert not inst.inputs.get("capacityReservationSpecification")
+        # AWS refuses a stop-on-interruption spot instance in a placement group.
+        assert not inst.inputs.get("placementGroup")
+    assert run.of_type("pg") == []
+    assert not any(ctl.inputs.get(k) for k in MARKET_KEYS)  # the controller stays On-Demand
+    # Power saving stays on for spot: a stopped spot node pays only for its volume.
+    assert run.of_type("role_policy")
+
+
+def test_capacity_reservation_targets_the_id(caplog):
+    with caplog.at_level(logging.WARNING):
+        run = run_program(stack_config(gpuMarket="capacity-reservation", capacityReservationId=CR))
+    gpu, ctl = gpu_and_controller(run)
+    for inst in gpu:
+        assert inst.inputs["capacityReservationSpecification"] == {
+            "capacityReservationTarget": {"capacityReservationId": CR}}
+        assert not inst.inputs.get("instanceMarketOptions") and not inst.inputs.get("placementGroup")
+    assert not any(ctl.inputs.get(k) for k in MARKET_KEYS)
+    assert run.of_type("role_policy") == []  # idle nodes stay up: no power role at all
+    warned = "\n".join(r.getMessage() for r in caplog.records)
+    assert f"capacityReservationId {CR}: an On-Demand Capacity Reservation cannot be read at plan time" in warned
+
+
+def test_capacity_block_is_the_capacity_block_market_and_its_target():
+    mocks = blocks(placement_group_arn=f"arn:aws:ec2:{harness.REGION}:{harness.ACCOUNT}:placement-group/ml-block")
+    run = run_program(stack_config(gpuMarket="capacity-block", capacityReservationId=CB,
+                                   gpuInstanceType="p5.48xlarge"), mocks)
+    gpu, ctl = gpu_and_controller(run)
+    for inst in gpu:
+        assert inst.inputs["instanceMarketOptions"] == {"marketType": "capacity-block"}
+        assert inst.inputs["capacityReservationSpecification"] == {
+            "capacityReservationTarget": {"capacityReservationId": CB}}
+        assert inst.inputs["placementGroup"] == "ml-block"  # the block's own group
+    assert run.of_type("pg") == []
+    assert not any(ctl.inputs.get(k) for k in MARKET_KEYS)
+    # The stack follows the block's zone when it names none.
+    assert {s.inputs["availabilityZone"] for s in run.of_type("subnet")} == {"ap-northeast-2c"}
+
+
+# ------------------------------------------------------------------ plan-time checks of a block
+
+def refused(mocks: ClusterMocks, **config) -> str:
+    with pytest.raises(ConfigError) as info:
+        run_program(stack_config(**config), mocks)
+    assert mocks.resources == []  # refused before anything is declared
+    return str(info.value)
+
+
+P5_BLOCK = {"gpuMarket": "capacity-block", "capacityReservationId": CB, "gpuInstanceType": "p5.48xlarge"}
+
+
+def test_a_block_of_another_type_zone_state_or_size_is_refused():
+    msg = refused(blocks(instance_type="p4d.24xlarge"), **P5_BLOCK)
+    assert f"capacityReservationId {CB} reserves p4d.24xlarge but slurm-gpu:gpuInstanceType is p5.48xlarge" in msg
+    assert "pulumi config set slurm-gpu:gpuInstanceType p4d.24xlarge" in msg
+    msg = refused(blocks(), **P5_BLOCK, availabilityZone="ap-northeast-2a")
+    assert "is in ap-northeast-2c but slurm-gpu:availabilityZone is ap-northeast-2a" in msg
+    msg = refused(blocks(available=1), **P5_BLOCK)
+    assert "slurm-gpu:gpuNodeCount is 2 but Capacity Block" in msg and "has 1 free instance of 2" in msg
+    assert "pulumi config set slurm-gpu:gpuNodeCount 1" in msg
+    msg = refused(blocks(state="scheduled"), **P5_BLOCK)
+    assert "is scheduled (it starts 2026-12-07T11:30:00Z)" in msg
+    msg = refused(blocks(state="expired"), **P5_BLOCK)
+    assert f"{CB} is expired; no instance can launch into it" in msg
+
+
+def test_a_block_already_holding_the_stacks_nodes_is_not_short():
+    own = [Running(f"i-0e{n}", "p5.48xlarge", {"Cluster": "mini", "Role": "gpu", "slurm-gpu:stack": "slurm-gpu/test"},
+                   lifecycle="capacity-block") for n in range(2)]
+    mocks = ClusterMocks(capacity_blocks={CB: capacity_block_result(CB, available=0)}, running=own)
+    run = run_program(stack_config(**P5_BLOCK), mocks)
+    assert len(run.of_type("instance")) == 3
+
+
+def test_an_unreadable_block_is_reported_and_the_stack_goes_on(caplog):
+    denied = "UnauthorizedOperation: You are not authorized to perform: ec2:DescribeCapacityReservations"
+    with caplog.at_level(logging.WARNING):
+        run = run_program(stack_config(**P5_BLOCK), ClusterMocks(capacity_blocks={CB: denied}))
+    assert len(run.of_type("instance")) == 3
+    warned = "\n".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert f"could not read the Capacity Block {CB}" in warned and "UnauthorizedOperation" in warned
+
+
+# ------------------------------------------------------------------ quotas
+
+QUOTA_CALL = "aws:servicequotas/getServiceQuota:getServiceQuota"
+
+
+def test_spot_nodes_are_checked_against_the_spot_quota():
+    running = [Running("i-0f1", "g4dn.xlarge", lifecycle="spot"),  # 4 spot vCPUs of G and VT
+               Running("i-0f2", "g6.12xlarge")]  # On-Demand: not in the spot quota
+    mocks = ClusterMocks(quotas={"L-3819A6DF": 96.0, "L-DB2E81BA": 0.0}, running=running)
+    msg = refused(mocks, gpuMarket="spot")
+    assert '"All G and VT Spot Instance Requests" (L-3819A6DF)' in msg
+    assert "2 spot GPU nodes (2 x g6.12xlarge, 48 vCPUs each) need 96 vCPUs" in msg
+    assert "already run 4 vCPUs against it: 100 in all" in msg
+    assert "--quota-code L-3819A6DF --desired-value 100" in msg and "slurm-gpu:gpuMarket" in msg
+    mocks = ClusterMocks(quotas={"L-3819A6DF": 100.0, "L-DB2E81BA": 0.0}, running=running)
+    run = run_program(stack_config(gpuMarket="spot"), mocks)
+    assert len(run.of_type("instance")) == 3
+    read = sorted(a["quotaCode"] for t, a in mocks.calls if t == QUOTA_CALL)
+    assert read == ["L-1216C47A", "L-3819A6DF"]  # the On-Demand G quota is not the spot nodes'
+
+
+def test_capacity_block_nodes_are_not_checked_against_a_vcpu_quota():
+    mocks = ClusterMocks(quotas={"L-417A185B": 0.0, "L-7212CCBC": 0.0},
+                         capacity_blocks={CB: capacity_block_result(CB)})
+    run = run_program(stack_config(**P5_BLOCK), mocks)
+    assert len(run.of_type("instance")) == 3
+    assert sorted(a["quotaCode"] for t, a in mocks.calls if t == QUOTA_CALL) == ["L-1216C47A"]
+
+
+# ------------------------------------------------------------------ IAM and the policy pack
+
+@pytest.mark.parametrize("config", [
+    {"gpuMarket": "spot"},
+    {"gpuMarket": "spot", "gpuInstanceType": "p5.48xlarge", "gpuNodeCount": 2},
+    {"gpuMarket": "capacity-reservation", "capacityReservationId": CR, "idleStopMinutes": 30},
+    {**P5_BLOCK, "idleStopMinutes": 30},
+], ids=["spot", "spot-p5", "odcr", "block"])
+def test_each_market_passes_the_policy_pack_with_the_same_power_role(config, monkeypatch):
+    """No market widens the power role: StartInstances/StopInstances on the cluster's tagged GPU nodes
+    serves a persistent spot instance too (a stopped one's request reopens when it is started: EC2 User
+    Guide, "Get the status of a Spot Instance request"), and the EFA placement-group rule allows the
+    nodes AWS places."""
+    from tests import test_policy_pack as pack
+
+    monkeypatch.setattr(harness, "ClusterMocks", functools.partial(
+        ClusterMocks, capacity_blocks={CB: capacity_block_result(CB)}))
+    stack = pack.declare(**config)
+    assert pack.analyze(stack) == [] and pack.analyze_stack(stack) == []
+    baseline = pack.declare()
+    policy = [json.loads(r.inputs["policy"]) for r in stack if r.typ == pack.rules.IAM_ROLE_POLICY]
+    assert policy == [json.loads(r.inputs["policy"]) for r in baseline if r.typ == pack.rules.IAM_ROLE_POLICY]
+
+
+def test_the_placement_group_rule_still_holds_for_on_demand_efa_nodes():
+    from tests import test_policy_pack as pack
+
+    stack = pack.declare()
+    node = next(r for r in stack if r.typ == pack.rules.INSTANCE and r.inputs["tags"]["Role"] == "gpu")
+    for props in (node.inputs, node.outputs):
+        props.pop("placementGroup")
+    node.property_dependencies.pop("placementGroup", None)
+    found = pack.analyze_stack(stack)
+    assert any("no placementGroup" in f.message for f in found)
