@@ -24,8 +24,8 @@ EC2 API Reference, DescribeInstances). So with slurm-gpu:gpuMarket spot the GPU 
 against the group's Spot quota ("All G and VT Spot Instance Requests" ...: the vCPUs of running spot
 instances, EC2 User Guide, "Spot Instance quotas"), counting the account's other running spot
 instances; with capacity-block they are not checked (the block holds them); an On-Demand Capacity
-Reservation's instances are On-Demand ones and count as such. Leaving out one that did count only moves a failure back to launch time; counting
-one that does not would refuse a stack that fits.
+Reservation's instances are On-Demand ones and count as such. Leaving out one that did count only
+moves a failure back to launch time; counting one that does not would refuse a stack that fits.
 """
 
 from __future__ import annotations

@@ -76,6 +76,7 @@ class Cluster:
     stack_nodes: int = 0  # GPU nodes the stack runs (and bills), of which the job uses `nodes`
     # No real GPUs (the local cluster): phase times calibrated on the CI machine, nothing billed.
     calibrated: bool = False
+    market: str = "on-demand"  # slurm-gpu:gpuMarket: ops/market_prices.py prices spot and Capacity Blocks
 
     @property
     def billed_nodes(self) -> int:
@@ -433,6 +434,9 @@ def lines(est: Estimate, scenarios: tuple[str, ...] = SCENARIOS) -> list[str]:
         if bill:
             out.append(f"  cost, {SCENARIO_TITLES[s]}: ${sum(c.usd for c in bill):.2f}")
             out.extend(f"    ${c.usd:>7.3f}  {c.what}" for c in bill)
+            from ops.market_prices import market_lines
+
+            out.extend(market_lines(est, cl.market, s))
     tail = idle_tail(est)
     if tail:
         out.append(f"  ${tail.usd:.2f} {tail.what}: `fab` does not stop them sooner")
@@ -520,7 +524,8 @@ def cluster_for(target: str, stack: str | None, inv=None, nodes: int | None = No
     cl = Cluster(target, reg, itype, settings["controllerInstanceType"], n, g,
                  root_volume_gib=int(settings["rootVolumeGiB"]), idle_stop_min=idle, scratch_mbps=scratch,
                  scratch_iops=iops, scratch_from=scratch_from,
-                 source=source + (" + inventory" if inv else ""), stack_nodes=stack_nodes)
+                 source=source + (" + inventory" if inv else ""), stack_nodes=stack_nodes,
+                 market=str(settings.get("gpuMarket") or "on-demand"))
     prices(reg)  # an unknown region or type fails here, naming the price table
     price_per_h(reg, cl.gpu_type)
     price_per_h(reg, cl.controller_type)

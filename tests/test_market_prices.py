@@ -1,0 +1,78 @@
+"""Prices per market (ops/market_prices.py): the estimate shows On-Demand and spot side by side (spot
+as the recorded range, said to be one), a Capacity Block's up-front cost when the stack buys one, and
+README's spot column is the estimate's."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+from ops import estimate as est
+from ops import market_prices as mp
+
+REPO = Path(__file__).resolve().parent.parent
+SEED_CONFIG = REPO / "training" / "configs" / "qwen3-4b-lora.yaml"
+
+
+def _estimate(cl: est.Cluster) -> est.Estimate:
+    return est.estimate(cl, est.job_from_config(SEED_CONFIG, None, None, None))
+
+
+def test_price_table_records_spot_ranges_and_block_rates_with_their_sources():
+    table = json.loads((REPO / "ops" / "data" / "prices.json").read_text())
+    for section in ("spot", "capacity_block"):
+        assert table[section]["date"] and table[section]["source"]
+    for region, types in table["spot"]["regions"].items():
+        for itype, (low, high) in types.items():
+            # A range, at most the On-Demand price (AWS: the spot price never exceeds it).
+            assert 0 < low <= high <= table["regions"][region]["instance_per_h"][itype], (region, itype)
+    assert mp.spot_range("ap-northeast-2", "g6.12xlarge") and mp.capacity_block_rate("us-east-1", "p5.48xlarge")
+
+
+def test_estimate_shows_on_demand_and_spot_side_by_side():
+    e = _estimate(est.cluster_for("aws", "dev", None))
+    spot = mp.spot_range("ap-northeast-2", "g6.12xlarge")
+    text = "\n".join(est.lines(e))
+    for s in est.SCENARIOS:
+        wall = e.total(s)
+        od = 2 * est.price_per_h("ap-northeast-2", "g6.12xlarge") * wall / 3600
+        lo, hi = 2 * spot.low * wall / 3600, 2 * spot.high * wall / 3600
+        assert f"${od:.2f} on-demand, ${lo:.2f}-${hi:.2f} on spot" in text
+    assert "a recorded range across ap-northeast-2's zones" in text and "not a quote" in text
+    assert "Capacity Block" not in text  # only when the stack buys one
+
+
+def test_a_type_without_a_recorded_spot_range_says_so():
+    cl = est.cluster_for("aws", None, None, gpu_instance_type="p5.48xlarge", region="us-east-1")
+    text = "\n".join(est.lines(_estimate(cl)))
+    assert "no recorded spot range for p5.48xlarge in us-east-1" in text
+
+
+def test_a_capacity_block_costs_whole_days_up_front():
+    cl = dataclasses.replace(est.cluster_for("aws", None, None, gpu_instance_type="p5.48xlarge",
+                                             region="us-east-1"), market="capacity-block")
+    e = _estimate(cl)
+    rate = mp.capacity_block_rate("us-east-1", "p5.48xlarge")
+    lines = mp.market_lines(e, "capacity-block", "new")
+    assert any(f"Capacity Block: ${2 * rate * 24:.2f} up front" in line and "for 1 day" in line for line in lines)
+    # A run longer than a day needs a second day of the block.
+    longer = dataclasses.replace(e, phases=[*e.phases, est.PhaseEstimate("train", {"new": 24 * 3600.0}, "x")])
+    assert any(f"${2 * rate * 48:.2f} up front" in line for line in mp.market_lines(longer, "capacity-block", "new"))
+
+
+def test_the_stacks_market_comes_from_its_settings(tmp_path, monkeypatch):
+    (tmp_path / "Pulumi.x.yaml").write_text("config:\n  aws:region: us-east-1\n  slurm-gpu:gpuMarket: spot\n")
+    settings, _ = est.stack_settings("x", tmp_path)
+    assert settings["gpuMarket"] == "spot"
+    monkeypatch.setattr(est, "stack_settings", lambda stack, repo=est.REPO: (settings, "Pulumi.x.yaml"))
+    cl = est.cluster_for("aws", "x", None)
+    assert cl.market == "spot"
+    assert "(this stack's market)" in "\n".join(est.lines(_estimate(cl)))
+
+
+def test_readme_spot_column_is_the_estimate():
+    e = _estimate(est.cluster_for("aws", "dev", None))
+    text = (REPO / "README.md").read_text()
+    for scenario in ("new", "again"):
+        lo, hi = mp.spot_bill(e, scenario)
+        assert f"${lo:.2f}-${hi:.2f}" in text, scenario
+    assert lo < hi < sum(c.usd for c in est.cost(e, "again"))  # spot is cheaper than on-demand here
