@@ -138,6 +138,15 @@ def check_reservation(cfg: StackConfig, *, own_nodes: int | None = None) -> Rese
     return Reservation(rid, zone, group)
 
 
+def zones_offering(instance_type: str) -> list[str]:
+    """The region's availability zones that offer the type (DescribeInstanceTypeOfferings): where to
+    move the stack when its zone has no capacity. Exported as gpuTypeZones, so `pulumi preview`
+    lists them (docs/FAULTS.md)."""
+    found = aws.ec2.get_instance_type_offerings(
+        location_type="availability-zone", filters=[{"name": "instance-type", "values": [instance_type]}])
+    return sorted(set(found.locations or []))
+
+
 def _own_gpu_nodes() -> int:
     """This stack's GPU instances that exist (any state but terminated), by their tags."""
     from infra.quotas import EXISTING, STACK_TAG, stack_name

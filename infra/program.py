@@ -18,7 +18,7 @@ from infra.ami import Ami, resolve_images
 from infra.cluster import ClusterComponent
 from infra.instance_types import check_controller_type, choose_availability_zone, lookup_gpu_node_facts
 from infra.kms import EbsKey, resolve_ebs_key
-from infra.market import Reservation, check_reservation
+from infra.market import Reservation, check_reservation, zones_offering
 from infra.quotas import check_vcpu_quotas
 
 SSH_USER = "ubuntu"  # the Ubuntu AMI's login user
@@ -112,6 +112,10 @@ def main() -> dict[str, pulumi.Output]:
         # The image each host runs (from its state): what to pin with slurm-gpu:amiId and
         # controllerAmiId, and what `pulumi up` keeps (README: "Moving to a newer image").
         "images": cluster.images_running,
+        # Where else the GPU type is offered: the zones to try when this one has no capacity
+        # (InsufficientInstanceCapacity; docs/FAULTS.md).
+        "gpuTypeZones": {"instanceType": cfg.gpu_instance_type, "zone": az,
+                         "zones": zones_offering(cfg.gpu_instance_type)},
     }
     for key, value in outputs.items():
         pulumi.export(key, value)

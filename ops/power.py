@@ -45,7 +45,11 @@ def describe(name: str, power: str, power_up_time: str) -> str:
 
 # EC2's "no capacity right now" answers (EC2 API Reference, "Error codes").
 CAPACITY_CODES = ("InsufficientInstanceCapacity", "InsufficientHostCapacity",
-                  "InsufficientReservedInstanceCapacity", "InsufficientCapacity")
+                  "InsufficientReservedInstanceCapacity", "InsufficientCapacity", "UnfulfillableCapacity")
+# A spot node's start refused by the Spot market (EC2 API Reference, "Error codes"; Spot request
+# status codes such as capacity-not-available: EC2 User Guide, "Spot request status codes").
+SPOT_CODES = ("IncorrectSpotRequestState", "MaxSpotInstanceCountExceeded", "SpotMaxPriceTooLow",
+              "capacity-not-available", "capacity-oversubscribed", "price-too-low")
 POWER_LOG = render.POWER_LOG
 
 
@@ -60,6 +64,11 @@ def advice(reason: str) -> str:
     """What the user can do about a failed start, from the error code in its reason."""
     code = reason.removeprefix(render.START_FAILED_REASON).strip().split(":", 1)[0]
     retry = "Slurm powered it down again; the next job that needs it (or `fab train` again) starts it again"
+    if code in SPOT_CODES or (code in CAPACITY_CODES and "spot" in reason.lower()):
+        return (f"the Spot market has no capacity for this spot node now ({code}). An interrupted spot node is "
+                "started again by EC2 itself when capacity returns (its root volume kept); until then, wait "
+                f"({retry}), or move the stack to on-demand or a reservation (`pulumi config set "
+                "slurm-gpu:gpuMarket on-demand`, which replaces the GPU nodes; docs/FAULTS.md)")
     if code in CAPACITY_CODES:
         return (f"AWS has no spare capacity for the instance type in the placement group's zone now. Wait and "
                 f"retry ({retry}); or move to another Availability Zone that offers the type (`aws ec2 "

@@ -250,3 +250,9 @@ def test_the_placement_group_rule_still_holds_for_on_demand_efa_nodes():
     node.property_dependencies.pop("placementGroup", None)
     found = pack.analyze_stack(stack)
     assert any("no placementGroup" in f.message for f in found)
+
+
+def test_preview_lists_the_zones_that_offer_the_gpu_type():
+    run = run_program(stack_config(gpuInstanceType="g6.48xlarge"))
+    assert run.outputs["gpuTypeZones"] == {"instanceType": "g6.48xlarge", "zone": "ap-northeast-2b",
+                                           "zones": ["ap-northeast-2b", "ap-northeast-2d"]}

@@ -76,3 +76,17 @@ def test_readme_spot_column_is_the_estimate():
         lo, hi = mp.spot_bill(e, scenario)
         assert f"${lo:.2f}-${hi:.2f}" in text, scenario
     assert lo < hi < sum(c.usd for c in est.cost(e, "again"))  # spot is cheaper than on-demand here
+
+
+def test_a_spot_node_that_could_not_start_gets_the_spot_advice():
+    from ops import power, slurm
+
+    for reason in ("start failed: InsufficientInstanceCapacity: There is no Spot capacity available that "
+                   "matches your request.", "start failed: capacity-not-available: no spot capacity",
+                   "start failed: IncorrectSpotRequestState: the request is not in a state to start"):
+        assert power.start_failure(slurm.NodeState("gpu-node-01", "idle~", reason)) == reason
+        advice = power.advice(reason)
+        assert "Spot market has no capacity" in advice and "slurm-gpu:gpuMarket on-demand" in advice, reason
+    on_demand = power.advice("start failed: InsufficientInstanceCapacity: We currently do not have sufficient "
+                             "g6.12xlarge capacity in the Availability Zone you requested")
+    assert "Spot" not in on_demand and "slurm-gpu:availabilityZone" in on_demand
