@@ -18,6 +18,8 @@ from pathlib import Path
 
 import yaml
 
+from ops import market_prices
+
 DATA = Path(__file__).resolve().parent / "data"
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 MONTH_S = 730 * 3600  # AWS prices storage per GB-month of 730 hours
@@ -395,6 +397,19 @@ def cost(est: Estimate, scenario: str) -> list[CostLine]:
     return lines
 
 
+def spot_bill(est: Estimate, scenario: str) -> tuple[float, float] | None:
+    """The run's bill with the GPU nodes on spot (low, high over the recorded range of
+    ops/data/prices.json): cost()'s GPU line priced at the spot range instead."""
+    cl = est.cluster
+    spot = None if cl.calibrated else market_prices.spot_range(_json("prices.json"), cl.region, cl.gpu_type)
+    if spot is None:
+        return None
+    rest = sum(c.usd for c in cost(est, scenario)[1:])  # its first line is the GPU nodes
+    wall = est.total(scenario)
+    low, high = (rest + cl.billed_nodes * p * wall / 3600 for p in (spot.low, spot.high))
+    return low, high
+
+
 def idle_tail(est: Estimate) -> CostLine | None:
     """What the GPU nodes cost while they wait idle for power saving to stop them after the job."""
     cl = est.cluster
@@ -434,9 +449,9 @@ def lines(est: Estimate, scenarios: tuple[str, ...] = SCENARIOS) -> list[str]:
         if bill:
             out.append(f"  cost, {SCENARIO_TITLES[s]}: ${sum(c.usd for c in bill):.2f}")
             out.extend(f"    ${c.usd:>7.3f}  {c.what}" for c in bill)
-            from ops.market_prices import market_lines
-
-            out.extend(market_lines(est, cl.market, s))
+            out.extend(market_prices.market_lines(
+                _json("prices.json"), region=cl.region, gpu_type=cl.gpu_type, nodes=cl.billed_nodes,
+                wall=est.total(s), on_demand_h=price_per_h(cl.region, cl.gpu_type), market=cl.market))
     tail = idle_tail(est)
     if tail:
         out.append(f"  ${tail.usd:.2f} {tail.what}: `fab` does not stop them sooner")

@@ -9,8 +9,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ops import estimate as est
-
 DAY_H = 24
 
 
@@ -22,65 +20,49 @@ class SpotRange:
     source: str
 
 
-def spot_range(region: str, itype: str) -> SpotRange | None:
-    """The recorded spot range of a type in a region, or None when the table has none."""
-    table = est._json("prices.json").get("spot") or {}
+def spot_range(prices: dict, region: str, itype: str) -> SpotRange | None:
+    """The recorded spot range of a type in a region (prices: ops/data/prices.json), or None."""
+    table = prices.get("spot") or {}
     found = (table.get("regions") or {}).get(region, {}).get(itype)
     if not found:
         return None
     return SpotRange(float(found[0]), float(found[1]), table["date"], table["source"])
 
 
-def capacity_block_rate(region: str, itype: str) -> float | None:
-    table = est._json("prices.json").get("capacity_block") or {}
+def capacity_block_rate(prices: dict, region: str, itype: str) -> float | None:
+    table = prices.get("capacity_block") or {}
     rate = (table.get("regions") or {}).get(region, {}).get(itype)
     return None if rate is None else float(rate)
 
 
-def market_lines(e: est.Estimate, market: str, scenario: str) -> list[str]:
-    """What the user sees beside the On-Demand bill: the GPU nodes on spot (always, as the
-    alternative, or as the stack's own market) and, for a Capacity Block stack, the block's cost."""
-    cl = e.cluster
-    if cl.calibrated:
-        return []
-    wall = e.total(scenario)
-    on_demand_h = est.price_per_h(cl.region, cl.gpu_type)
-    nodes = cl.billed_nodes
+def market_lines(prices: dict, *, region: str, gpu_type: str, nodes: int, wall: float, on_demand_h: float,
+                 market: str) -> list[str]:
+    """What the user sees beside the On-Demand bill of a run of `wall` seconds on `nodes` GPU nodes:
+    the GPU nodes on spot (always: the alternative, or the stack's own market) and, for a Capacity
+    Block stack, the block's cost."""
     run_od = nodes * on_demand_h * wall / 3600
     out = []
-    spot = spot_range(cl.region, cl.gpu_type)
+    spot = spot_range(prices, region, gpu_type)
     if spot is None:
-        out.append(f"  spot: no recorded spot range for {cl.gpu_type} in {cl.region} in ops/data/prices.json "
+        out.append(f"  spot: no recorded spot range for {gpu_type} in {region} in ops/data/prices.json "
                    f"(spot never costs more than On-Demand, ${on_demand_h}/h)")
     else:
         lo, hi = (nodes * p * wall / 3600 for p in (spot.low, spot.high))
         mine = " (this stack's market)" if market == "spot" else ""
         out.append(f"  GPU nodes, on-demand vs spot{mine}: ${run_od:.2f} on-demand, ${lo:.2f}-${hi:.2f} on spot "
-                   f"({nodes} x {cl.gpu_type} at ${spot.low}-${spot.high}/h: a recorded range across "
-                   f"{cl.region}'s zones, {spot.date}, not a quote; a stopped spot node pays only its volume)")
+                   f"({nodes} x {gpu_type} at ${spot.low}-${spot.high}/h: a recorded range across "
+                   f"{region}'s zones, {spot.date}, not a quote; a stopped spot node pays only its volume)")
     if market == "capacity-block":
-        rate = capacity_block_rate(cl.region, cl.gpu_type)
+        rate = capacity_block_rate(prices, region, gpu_type)
         if rate is None:
-            out.append(f"  Capacity Block: no published rate for {cl.gpu_type} in {cl.region} in "
+            out.append(f"  Capacity Block: no published rate for {gpu_type} in {region} in "
                        "ops/data/prices.json (see https://aws.amazon.com/ec2/capacityblocks/pricing/)")
         else:
             days = max(1, math.ceil(wall / 3600 / DAY_H))
             block = nodes * rate * DAY_H * days
-            out.append(f"  Capacity Block: ${block:.2f} up front ({nodes} x {cl.gpu_type} at ${rate}/h for "
+            out.append(f"  Capacity Block: ${block:.2f} up front ({nodes} x {gpu_type} at ${rate}/h for "
                        f"{days} day{'s' if days > 1 else ''}, the shortest block that covers this run's "
                        f"{wall / 60:.0f} min), paid whether the nodes run or not; the instance lines above "
                        "are On-Demand prices, which the block replaces")
     return out
 
-
-def spot_bill(e: est.Estimate, scenario: str) -> tuple[float, float] | None:
-    """The whole run's bill with the GPU nodes on spot (low, high over the recorded range): the
-    On-Demand bill with its GPU line priced at the spot range instead."""
-    cl = e.cluster
-    spot = None if cl.calibrated else spot_range(cl.region, cl.gpu_type)
-    if spot is None:
-        return None
-    bill = est.cost(e, scenario)
-    rest = sum(c.usd for c in bill[1:])  # cost()'s first line is the GPU nodes
-    wall = e.total(scenario)
-    return tuple(rest + cl.billed_nodes * p * wall / 3600 for p in (spot.low, spot.high))

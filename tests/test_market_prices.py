@@ -25,12 +25,12 @@ def test_price_table_records_spot_ranges_and_block_rates_with_their_sources():
         for itype, (low, high) in types.items():
             # A range, at most the On-Demand price (AWS: the spot price never exceeds it).
             assert 0 < low <= high <= table["regions"][region]["instance_per_h"][itype], (region, itype)
-    assert mp.spot_range("ap-northeast-2", "g6.12xlarge") and mp.capacity_block_rate("us-east-1", "p5.48xlarge")
+    assert mp.spot_range(table, "ap-northeast-2", "g6.12xlarge") and mp.capacity_block_rate(table, "us-east-1", "p5.48xlarge")
 
 
 def test_estimate_shows_on_demand_and_spot_side_by_side():
     e = _estimate(est.cluster_for("aws", "dev", None))
-    spot = mp.spot_range("ap-northeast-2", "g6.12xlarge")
+    spot = mp.spot_range(est._json("prices.json"), "ap-northeast-2", "g6.12xlarge")
     text = "\n".join(est.lines(e))
     for s in est.SCENARIOS:
         wall = e.total(s)
@@ -51,12 +51,19 @@ def test_a_capacity_block_costs_whole_days_up_front():
     cl = dataclasses.replace(est.cluster_for("aws", None, None, gpu_instance_type="p5.48xlarge",
                                              region="us-east-1"), market="capacity-block")
     e = _estimate(cl)
-    rate = mp.capacity_block_rate("us-east-1", "p5.48xlarge")
-    lines = mp.market_lines(e, "capacity-block", "new")
+    prices = est._json("prices.json")
+    rate = mp.capacity_block_rate(prices, "us-east-1", "p5.48xlarge")
+
+    def block_lines(e):
+        return mp.market_lines(prices, region="us-east-1", gpu_type="p5.48xlarge", nodes=2, wall=e.total("new"),
+                               on_demand_h=est.price_per_h("us-east-1", "p5.48xlarge"), market="capacity-block")
+
+    lines = block_lines(e)
+    assert any(line in "\n".join(est.lines(e)) for line in lines)
     assert any(f"Capacity Block: ${2 * rate * 24:.2f} up front" in line and "for 1 day" in line for line in lines)
     # A run longer than a day needs a second day of the block.
     longer = dataclasses.replace(e, phases=[*e.phases, est.PhaseEstimate("train", {"new": 24 * 3600.0}, "x")])
-    assert any(f"${2 * rate * 48:.2f} up front" in line for line in mp.market_lines(longer, "capacity-block", "new"))
+    assert any(f"${2 * rate * 48:.2f} up front" in line for line in block_lines(longer))
 
 
 def test_the_stacks_market_comes_from_its_settings(tmp_path, monkeypatch):
@@ -73,7 +80,7 @@ def test_readme_spot_column_is_the_estimate():
     e = _estimate(est.cluster_for("aws", "dev", None))
     text = (REPO / "README.md").read_text()
     for scenario in ("new", "again"):
-        lo, hi = mp.spot_bill(e, scenario)
+        lo, hi = est.spot_bill(e, scenario)
         assert f"${lo:.2f}-${hi:.2f}" in text, scenario
     assert lo < hi < sum(c.usd for c in est.cost(e, "again"))  # spot is cheaper than on-demand here
 
