@@ -12,7 +12,7 @@ from bootstrap.render import TRAINING_PYTHON
 from infra.ami import Ami, ImagesComponent
 from infra.config import StackConfig
 from infra.kms import EbsKey
-from infra.market import Reservation, instance_args, uses_placement_group
+from infra.market import Reservation, instance_args, market_key, uses_placement_group
 from infra.network import NetworkComponent
 from infra.nodes import NodesComponent
 from infra.power import PowerSaveComponent
@@ -100,6 +100,7 @@ class ClusterComponent(pulumi.ComponentResource):
             gpu_market_args=instance_args(cfg),
             gpu_placement_group=(True if uses_placement_group(cfg)
                                  else (reservation.placement_group if reservation else None)),
+            gpu_market_key=market_key(cfg),
             opts=pulumi.ResourceOptions(parent=self, depends_on=[self.network, self.security]),
         )
 

@@ -229,6 +229,13 @@ class StackConfig:
             )
 
         market, reservation = _market(value("gpuMarket"), value("capacityReservationId"))
+        if market == CAPACITY_RESERVATION and az is None:
+            # pulumi_aws 7.51.1 has no data source for an On-Demand Capacity Reservation (only
+            # get_capacity_block_reservation), so the plan cannot follow its zone as it does a block's.
+            raise _fail("availabilityZone", f"is required when {NAMESPACE}:gpuMarket is {CAPACITY_RESERVATION}: "
+                        f"the reservation's zone (`aws ec2 describe-capacity-reservations --capacity-reservation-ids "
+                        f"{reservation} --query 'CapacityReservations[0].AvailabilityZone'`), which the plan "
+                        "cannot read", SETTINGS["availabilityZone"][1])
         idle_raw = value("idleStopMinutes")
         if market in RESERVED_MARKETS and raw.get("idleStopMinutes") in (None, ""):
             # Reserved capacity bills by the hour whether its instances run or not (EC2 User Guide,

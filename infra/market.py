@@ -13,7 +13,8 @@ and the plan-time check of a reservation.
   SpotMarketOptions.MaxPrice), and the price is then at most the On-Demand one. Such an instance
   cannot be in a placement group ("You can't launch a Spot Instance that is configured to stop or
   hibernate on interruption in a placement group": EC2 User Guide, "Placement group rules and
-  limitations"), so spot GPU nodes are launched without the cluster's.
+  limitations"), so spot GPU nodes are launched without the cluster's. The request's end date is
+  SPOT_VALID_UNTIL (below).
 - capacity-reservation (an On-Demand Capacity Reservation): `capacity_reservation_specification`
   targeting the id, market on-demand.
 - capacity-block (Capacity Blocks for ML): market `capacity-block` and the same target (EC2 User
@@ -21,13 +22,19 @@ and the plan-time check of a reservation.
   MarketType='capacity-block' --capacity-reservation-specification CapacityReservationTarget=...).
   Instances in a block may be stopped and started while it is active ("When you stop or terminate
   an instance in a Capacity Block, it takes several minutes to clean up ... the available capacity
-  ... will update"), and are terminated when it ends (EC2 API Reference, CapacityBlock.endDate).
+  ... will update"). EC2 begins terminating them 30 minutes before the block's end time (EC2 User
+  Guide, "Use Capacity Blocks": https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/capacity-blocks-using.html).
 Reservations place the nodes themselves: the stack's placement group is left off, unless the Capacity
 Block reports one of its own, which the nodes then join.
 
-A change of market replaces every GPU node (instance_market_options is ForceNew in
-terraform-provider-aws's aws_instance; a reservation target change stops and starts them):
-infra/nodes.py lists both as deliberate config changes.
+A change of market replaces every GPU node, through the replacement_trigger option (market_key):
+in terraform-provider-aws's aws_instance schema (internal/service/ec2/ec2_instance.go)
+instance_market_options and placement_group are Optional+Computed+ForceNew and
+capacity_reservation_specification is Optional+Computed, and a Computed block the program leaves
+out shows no diff (terraform-provider-aws#38141, "Revert from spot doesn't work"): without the
+trigger, spot -> capacity-reservation would keep the spot instances, and on-demand ->
+capacity-reservation would keep them in the placement group the program deletes. infra/nodes.py
+lists these inputs as deliberate config changes.
 """
 
 from __future__ import annotations
@@ -44,6 +51,20 @@ from infra.config import CAPACITY_BLOCK, CAPACITY_RESERVATION, NAMESPACE, SPOT, 
 # payment-failed, assessing, delayed, unsupported).
 RUNNABLE = "active"
 LATER = ("scheduled", "payment-pending", "pending", "assessing", "delayed")
+# EC2 starts terminating a Capacity Block's instances this long before its end time (capacity-blocks-using.html).
+BLOCK_END_LEAD_MINUTES = 30
+# The platform the GPU nodes' images run (the DLAMI: Linux/UNIX); a block reserved for another
+# platform cannot take them (CapacityReservation.InstancePlatform).
+LINUX_PLATFORM = "Linux/UNIX"
+# The end date of each spot node's persistent request. Left out, AWS documents a default of
+# "7 days from the current date" for a launch template's spot options
+# (LaunchTemplateSpotMarketOptionsRequest.ValidUntil), and a cancelled or expired persistent request
+# terminates its stopped instance: a node power saving stopped a week after launch would be lost.
+# A fixed constant, never now()+N: valid_until is ForceNew in aws_instance's schema, so a moving
+# value would replace every spot node on each `pulumi up`. UNVERIFIED on AWS: no maximum is
+# documented for RunInstances' SpotMarketOptions.ValidUntil, nor that this default applies there;
+# should EC2 refuse the date, the launch fails with its message (docs/FAULTS.md).
+SPOT_VALID_UNTIL = "2099-12-31T23:59:59Z"
 
 
 @dataclass(frozen=True)
@@ -65,7 +86,8 @@ def instance_args(cfg: StackConfig) -> dict:
         return {"instance_market_options": aws.ec2.InstanceInstanceMarketOptionsArgs(
             market_type="spot",
             spot_options=aws.ec2.InstanceInstanceMarketOptionsSpotOptionsArgs(
-                spot_instance_type="persistent", instance_interruption_behavior="stop")),
+                spot_instance_type="persistent", instance_interruption_behavior="stop",
+                valid_until=SPOT_VALID_UNTIL)),
         }
     if cfg.gpu_market == CAPACITY_RESERVATION:
         return {"capacity_reservation_specification": target}
@@ -75,6 +97,12 @@ def instance_args(cfg: StackConfig) -> dict:
     return {}
 
 
+def market_key(cfg: StackConfig) -> str:
+    """What replaces every GPU node when it changes (ResourceOptions.replacement_trigger): the market
+    and the reservation (module docstring)."""
+    return f"{cfg.gpu_market}|{cfg.capacity_reservation_id or ''}"
+
+
 def uses_placement_group(cfg: StackConfig) -> bool:
     """Whether the GPU nodes join the stack's cluster placement group (module docstring)."""
     return cfg.gpu_market not in (SPOT, CAPACITY_RESERVATION, CAPACITY_BLOCK)
@@ -82,8 +110,8 @@ def uses_placement_group(cfg: StackConfig) -> bool:
 
 def check_reservation(cfg: StackConfig, *, own_nodes: int | None = None) -> Reservation | None:
     """Refuse a reservation whose AZ, instance type or free instances do not fit the stack; warn and
-    go on where it cannot be read. `own_nodes`: GPU nodes of this stack that exist already (their
-    instances already hold, or freed when stopped, their place in it)."""
+    go on where it cannot be read. `own_nodes`: GPU nodes of this stack that run in the block already
+    (they hold places that its free count leaves out)."""
     if cfg.gpu_market not in (CAPACITY_RESERVATION, CAPACITY_BLOCK):
         return None
     rid = cfg.capacity_reservation_id
@@ -96,8 +124,6 @@ def check_reservation(cfg: StackConfig, *, own_nodes: int | None = None) -> Rese
                         f"read at plan time; its instance type ({cfg.gpu_instance_type}), availability zone and "
                         f"{cfg.gpu_node_count} free instances are checked by EC2 when the nodes launch")
         return Reservation(rid, cfg.availability_zone)
-    if own_nodes is None:
-        own_nodes = _own_gpu_nodes()
     try:
         found = aws.ec2.get_capacity_block_reservation(id=rid)
     except Exception as exc:  # e.g. not authorised for ec2:DescribeCapacityReservations
@@ -124,16 +150,24 @@ def check_reservation(cfg: StackConfig, *, own_nodes: int | None = None) -> Rese
     if state and state != RUNNABLE:
         raise ConfigError(f"{NAMESPACE}:capacityReservationId {rid} is {state}; no instance can launch into "
                           f"it: buy another block and {fix}")
+    platform = getattr(found, "instance_platform", None)
+    if platform and platform != LINUX_PLATFORM:
+        raise ConfigError(
+            f"{NAMESPACE}:capacityReservationId {rid} is reserved for the {platform} platform but the GPU "
+            f"nodes' image is {LINUX_PLATFORM} (an instance launches into a reservation only of its own "
+            f"platform); name a {LINUX_PLATFORM} block: {fix}")
     free = found.available_instance_count
+    if own_nodes is None:
+        own_nodes = _own_nodes_in(rid)
     if free is not None and int(free) + own_nodes < cfg.gpu_node_count:
         raise ConfigError(
             f"{NAMESPACE}:gpuNodeCount is {cfg.gpu_node_count} but Capacity Block {rid} has {int(free)} free "
             f"instance{'s' if free != 1 else ''} of {found.instance_count}"
-            + (f" (and {own_nodes} of this stack's nodes exist)" if own_nodes else "")
+            + (f" (and {own_nodes} of this stack's nodes run in it)" if own_nodes else "")
             + f"; lower it with `pulumi config set {NAMESPACE}:gpuNodeCount "
             f"{int(free) + own_nodes}` or use a larger block")
     pulumi.log.info(f"Capacity Block {rid}: {found.instance_type} in {zone}, ends {found.end_date} "
-                    "(its instances are terminated then)")
+                    f"(EC2 begins terminating its instances {BLOCK_END_LEAD_MINUTES} minutes before then)")
     group = found.placement_group_arn.rsplit("/", 1)[-1] if found.placement_group_arn else None
     return Reservation(rid, zone, group)
 
@@ -147,14 +181,17 @@ def zones_offering(instance_type: str) -> list[str]:
     return sorted(set(found.locations or []))
 
 
-def _own_gpu_nodes() -> int:
-    """This stack's GPU instances that exist (any state but terminated), by their tags."""
-    from infra.quotas import EXISTING, STACK_TAG, stack_name
+def _own_nodes_in(rid: str) -> int:
+    """This stack's GPU instances that hold a place in the reservation now: pending or running in it
+    (DescribeInstances filter capacity-reservation-id). A stopped one has freed its place, which
+    AvailableInstanceCount already counts; one outside the block (another market) holds none."""
+    from infra.quotas import RUNNING, STACK_TAG, stack_name
 
     try:
         return len(aws.ec2.get_instances(filters=[{"name": f"tag:{STACK_TAG}", "values": [stack_name()]},
-                                                  {"name": "tag:Role", "values": ["gpu"]}],
-                                         instance_state_names=EXISTING).ids or [])
+                                                  {"name": "tag:Role", "values": ["gpu"]},
+                                                  {"name": "capacity-reservation-id", "values": [rid]}],
+                                         instance_state_names=RUNNING).ids or [])
     except Exception:
         return 0
 

@@ -16,6 +16,7 @@ import pytest
 
 import tests.test_infra_mocks as harness
 from infra.config import ConfigError, StackConfig
+from infra.market import SPOT_VALID_UNTIL
 from tests.test_infra_mocks import (
     ADMIN_CIDR,
     SSH_KEY,
@@ -53,7 +54,7 @@ def blocks(**kw) -> ClusterMocks:
 def test_market_defaults_to_on_demand_and_parses_each_market():
     assert parse().gpu_market == "on-demand" and parse().capacity_reservation_id is None
     assert parse(gpuMarket="spot").gpu_market == "spot"
-    cfg = parse(gpuMarket="capacity-reservation", capacityReservationId=CR)
+    cfg = parse(gpuMarket="capacity-reservation", capacityReservationId=CR, availabilityZone="ap-northeast-2a")
     assert (cfg.gpu_market, cfg.capacity_reservation_id) == ("capacity-reservation", CR)
     assert parse(gpuMarket="capacity-block", capacityReservationId=CB).gpu_market == "capacity-block"
 
@@ -69,6 +70,10 @@ def test_bad_market_settings_are_refused_with_the_fix():
     with pytest.raises(ConfigError, match=r"slurm-gpu:capacityReservationId \('cr-123'\) is not a capacity "
                                           r"reservation id"):
         parse(gpuMarket="capacity-block", capacityReservationId="cr-123")
+    # An On-Demand Capacity Reservation cannot be read at plan time: the stack cannot follow its zone.
+    with pytest.raises(ConfigError, match=r"slurm-gpu:availabilityZone is required when slurm-gpu:gpuMarket is "
+                                          r"capacity-reservation.*pulumi config set slurm-gpu:availabilityZone"):
+        parse(gpuMarket="capacity-reservation", capacityReservationId=CR)
     for market in ("on-demand", "spot"):
         with pytest.raises(ConfigError, match=rf"capacityReservationId is set but slurm-gpu:gpuMarket is {market}"
                                               r".*pulumi config rm slurm-gpu:capacityReservationId"):
@@ -79,7 +84,8 @@ def test_reserved_capacity_keeps_idle_nodes_up_unless_told():
     """Reserved capacity bills whether it runs or not: power saving is off by default there, and on
     when the user sets it (instances in a reservation can stop and start)."""
     assert parse(gpuMarket="capacity-block", capacityReservationId=CB).idle_stop_minutes == 0
-    assert parse(gpuMarket="capacity-reservation", capacityReservationId=CR).idle_stop_minutes == 0
+    assert parse(gpuMarket="capacity-reservation", capacityReservationId=CR,
+                 availabilityZone="ap-northeast-2a").idle_stop_minutes == 0
     assert parse(gpuMarket="capacity-block", capacityReservationId=CB, idleStopMinutes="15").idle_stop_minutes == 15
     assert parse(gpuMarket="spot").idle_stop_minutes == 30
 
@@ -98,7 +104,8 @@ def test_spot_is_a_persistent_request_that_stops_and_has_no_placement_group():
     for inst in gpu:
         assert inst.inputs["instanceMarketOptions"] == {
             "marketType": "spot",
-            "spotOptions": {"spotInstanceType": "persistent", "instanceInterruptionBehavior": "stop"},
+            "spotOptions": {"spotInstanceType": "persistent", "instanceInterruptionBehavior": "stop",
+                            "validUntil": SPOT_VALID_UNTIL},
         }
         assert "maxPrice" not in inst.inputs["instanceMarketOptions"]["spotOptions"]
         assert not inst.inputs.get("capacityReservationSpecification")
@@ -108,11 +115,15 @@ def test_spot_is_a_persistent_request_that_stops_and_has_no_placement_group():
     assert not any(ctl.inputs.get(k) for k in MARKET_KEYS)  # the controller stays On-Demand
     # Power saving stays on for spot: a stopped spot node pays only for its volume.
     assert run.of_type("role_policy")
+    # The request's end date is a fixed far-future constant (left out, AWS documents a 7-day default,
+    # and an expired request terminates its stopped instance); it is ForceNew, so never now()+N.
+    assert SPOT_VALID_UNTIL.endswith("Z") and SPOT_VALID_UNTIL > "2090"
 
 
 def test_capacity_reservation_targets_the_id(caplog):
     with caplog.at_level(logging.WARNING):
-        run = run_program(stack_config(gpuMarket="capacity-reservation", capacityReservationId=CR))
+        run = run_program(stack_config(gpuMarket="capacity-reservation", capacityReservationId=CR,
+                                       availabilityZone="ap-northeast-2a"))
     gpu, ctl = gpu_and_controller(run)
     for inst in gpu:
         assert inst.inputs["capacityReservationSpecification"] == {
@@ -138,6 +149,34 @@ def test_capacity_block_is_the_capacity_block_market_and_its_target():
     assert not any(ctl.inputs.get(k) for k in MARKET_KEYS)
     # The stack follows the block's zone when it names none.
     assert {s.inputs["availabilityZone"] for s in run.of_type("subnet")} == {"ap-northeast-2c"}
+
+
+# ------------------------------------------------------------------ changing market on a stack
+
+@pytest.mark.parametrize("market", [
+    {}, {"gpuMarket": "spot"}, {"gpuMarket": "capacity-reservation", "capacityReservationId": CR,
+                                "availabilityZone": "ap-northeast-2a"},
+    {"gpuMarket": "capacity-block", "capacityReservationId": CB, "gpuInstanceType": "p5.48xlarge"},
+], ids=["on-demand", "spot", "odcr", "block"])
+def test_a_market_change_replaces_every_gpu_node(market):
+    """The provider shows no diff when a Computed market block or placement group is left out
+    (terraform-provider-aws#38141): each GPU node carries a replacement_trigger of its market and
+    reservation, deleted first (its fixed IP); the controller carries none."""
+    run = run_program(stack_config(**market), blocks())
+    gpu, ctl = gpu_and_controller(run)
+    want = f"{market.get('gpuMarket', 'on-demand')}|{market.get('capacityReservationId', '')}"
+    assert [(i.replacement_trigger, i.delete_before_replace) for i in gpu] == [(want, True)] * len(gpu)
+    assert ctl.replacement_trigger is None
+
+
+def test_the_trigger_differs_for_each_market_and_reservation():
+    other = "cr-0aaaaaaaaaaaaaaaa"
+    configs = [{}, {"gpuMarket": "spot"},
+               {"gpuMarket": "capacity-reservation", "capacityReservationId": CR, "availabilityZone": "ap-northeast-2a"},
+               {"gpuMarket": "capacity-reservation", "capacityReservationId": other,
+                "availabilityZone": "ap-northeast-2a"}]
+    triggers = {gpu_and_controller(run_program(stack_config(**c)))[0][0].replacement_trigger for c in configs}
+    assert len(triggers) == len(configs)
 
 
 # ------------------------------------------------------------------ plan-time checks of a block
@@ -167,12 +206,33 @@ def test_a_block_of_another_type_zone_state_or_size_is_refused():
     assert f"{CB} is expired; no instance can launch into it" in msg
 
 
+OWN_TAGS = {"Cluster": "mini", "Role": "gpu", "slurm-gpu:stack": "slurm-gpu/test"}
+
+
 def test_a_block_already_holding_the_stacks_nodes_is_not_short():
-    own = [Running(f"i-0e{n}", "p5.48xlarge", {"Cluster": "mini", "Role": "gpu", "slurm-gpu:stack": "slurm-gpu/test"},
-                   lifecycle="capacity-block") for n in range(2)]
+    own = [Running(f"i-0e{n}", "p5.48xlarge", OWN_TAGS, lifecycle="capacity-block", reservation=CB)
+           for n in range(2)]
     mocks = ClusterMocks(capacity_blocks={CB: capacity_block_result(CB, available=0)}, running=own)
     run = run_program(stack_config(**P5_BLOCK), mocks)
     assert len(run.of_type("instance")) == 3
+
+
+def test_own_nodes_that_hold_no_place_in_the_block_are_not_counted_as_free():
+    """Stopped ones freed their place (AvailableInstanceCount counts it already), and nodes outside the
+    block (another market, about to be replaced) hold none: only pending/running ones in it add."""
+    stopped = [Running(f"i-0e{n}", "p5.48xlarge", OWN_TAGS, state="stopped", lifecycle="capacity-block",
+                       reservation=CB) for n in range(2)]
+    elsewhere = [Running(f"i-0d{n}", "p5.48xlarge", OWN_TAGS) for n in range(2)]
+    for own in (stopped, elsewhere):
+        msg = refused(ClusterMocks(capacity_blocks={CB: capacity_block_result(CB, available=0)}, running=own),
+                      **P5_BLOCK)
+        assert "has 0 free instances of 2; lower it" in msg
+
+
+def test_a_block_of_another_platform_is_refused():
+    block = {**capacity_block_result(CB), "instancePlatform": "Windows"}
+    msg = refused(ClusterMocks(capacity_blocks={CB: block}), **P5_BLOCK)
+    assert f"capacityReservationId {CB} is reserved for the Windows platform" in msg
 
 
 def test_an_unreadable_block_is_reported_and_the_stack_goes_on(caplog):
@@ -218,7 +278,8 @@ def test_capacity_block_nodes_are_not_checked_against_a_vcpu_quota():
 @pytest.mark.parametrize("config", [
     {"gpuMarket": "spot"},
     {"gpuMarket": "spot", "gpuInstanceType": "p5.48xlarge", "gpuNodeCount": 2},
-    {"gpuMarket": "capacity-reservation", "capacityReservationId": CR, "idleStopMinutes": 30},
+    {"gpuMarket": "capacity-reservation", "capacityReservationId": CR, "availabilityZone": "ap-northeast-2a",
+     "idleStopMinutes": 30},
     {**P5_BLOCK, "idleStopMinutes": 30},
 ], ids=["spot", "spot-p5", "odcr", "block"])
 def test_each_market_passes_the_policy_pack_with_the_same_power_role(config, monkeypatch):

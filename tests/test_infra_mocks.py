@@ -132,6 +132,7 @@ class Running:
     tags: dict = field(default_factory=dict)
     state: str = "running"
     lifecycle: str = ""  # DescribeInstances' InstanceLifecycle: spot, capacity-block; "" for On-Demand
+    reservation: str = ""  # the capacity reservation it was launched into (filter capacity-reservation-id)
 
 
 def instance_type_result(itype: str) -> dict:
@@ -191,6 +192,14 @@ class Registered:
     ignore_changes: tuple[str, ...] = ()
     replace_on_changes: tuple[str, ...] = ()
     delete_before_replace: bool = False
+    replacement_trigger: object = None  # ResourceOptions.replacement_trigger, as the engine gets it
+
+
+def _value(value):
+    """A protobuf Value (how the SDK sends replacement_trigger) as plain Python."""
+    from google.protobuf import json_format
+
+    return json_format.MessageToDict(value)
 
 
 class RecordingMonitor(MockMonitor):
@@ -207,13 +216,16 @@ class RecordingMonitor(MockMonitor):
         if request.type != "pulumi:pulumi:Stack":
             rec = Registered(request.type, request.name, {}, response.urn, request.parent,
                              tuple(request.dependencies), tuple(request.ignoreChanges),
-                             tuple(request.replaceOnChanges), request.deleteBeforeReplace)
+                             tuple(request.replaceOnChanges), request.deleteBeforeReplace,
+                             _value(request.replacement_trigger) if request.HasField("replacement_trigger")
+                             else None)
             self.cluster_mocks.components.append(rec)
             for r in self.cluster_mocks.resources:
                 if r.typ == request.type and r.name == request.name and not r.urn:
                     r.urn, r.parent, r.dependencies = rec.urn, rec.parent, rec.dependencies
                     r.ignore_changes, r.replace_on_changes = rec.ignore_changes, rec.replace_on_changes
                     r.delete_before_replace = rec.delete_before_replace
+                    r.replacement_trigger = rec.replacement_trigger
         return response
 
     def RegisterResourceOutputs(self, request):
@@ -319,6 +331,8 @@ class ClusterMocks(pulumi.runtime.Mocks):
                 ok = any(fnmatch.fnmatchcase(inst.instance_type, p) for p in values)
             elif name == "instance-lifecycle":
                 ok = inst.lifecycle in values
+            elif name == "capacity-reservation-id":
+                ok = inst.reservation in values
             elif name.startswith("tag:"):
                 ok = inst.tags.get(name[4:]) in values
             else:

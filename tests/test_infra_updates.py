@@ -79,7 +79,8 @@ def test_the_installed_provider_docs_are_read():
 
 @pytest.mark.parametrize("cfg", [{}, {"gpuInstanceType": "p5.48xlarge"}, {"idleStopMinutes": "0"},
                                  {"gpuMarket": "spot"},
-                                 {"gpuMarket": "capacity-reservation", "capacityReservationId": "cr-0123456789abcdef0"}],
+                                 {"gpuMarket": "capacity-reservation", "capacityReservationId": "cr-0123456789abcdef0",
+                                  "availabilityZone": "ap-northeast-2a"}],
                          ids=["default", "p5-efa", "no-power-saving", "spot", "capacity-reservation"])
 def test_no_disruptive_input_is_left_to_change(cfg):
     """Each input the program sets that stops/starts or replaces an instance on update is in
