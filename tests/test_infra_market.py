@@ -265,6 +265,32 @@ def test_spot_nodes_are_checked_against_the_spot_quota():
     assert read == ["L-1216C47A", "L-3819A6DF"]  # the On-Demand G quota is not the spot nodes'
 
 
+def test_p5_spot_nodes_are_checked_against_the_p5_spot_quota():
+    """P5 has a Spot quota of its own, apart from P4, P3 and P2's (EC2 User Guide, using-spot-limits.html)."""
+    p5 = {"gpuMarket": "spot", "gpuInstanceType": "p5.48xlarge"}
+    msg = refused(ClusterMocks(quotas={"L-C4BD4855": 0.0}), **p5)
+    assert '"All P5 Spot Instance Requests" (L-C4BD4855)' in msg and "--quota-code L-C4BD4855" in msg
+    # A p4d spot instance of the account is under the other P Spot quota: it leaves the P5 one alone.
+    other = [Running("i-0f3", "p4d.24xlarge", lifecycle="spot")]
+    mocks = ClusterMocks(quotas={"L-C4BD4855": 384.0, "L-7212CCBC": 0.0}, running=other)
+    run = run_program(stack_config(**p5), mocks)
+    assert len(run.of_type("instance")) == 3
+    assert sorted(a["quotaCode"] for t, a in mocks.calls if t == QUOTA_CALL) == ["L-1216C47A", "L-C4BD4855"]
+
+
+@pytest.mark.parametrize("before,after,quota", [
+    ("", {"gpuMarket": "spot"}, "L-3819A6DF"),  # on-demand -> spot: checked as new spot vCPUs
+    ("spot", {}, "L-DB2E81BA"),  # spot -> on-demand: checked as new On-Demand vCPUs
+], ids=["to-spot", "to-on-demand"])
+def test_the_stacks_nodes_of_another_market_do_not_cover_the_new_one(before, after, quota):
+    """A market change replaces every node: the stack's old ones, under the other market's quota, do not
+    make it an update that adds no vCPUs."""
+    own = [Running(f"i-0c{n}", "g6.12xlarge", {"Cluster": "mini", "Role": "gpu", "slurm-gpu:stack": "slurm-gpu/test"},
+                   lifecycle=before) for n in range(2)]
+    msg = refused(ClusterMocks(quotas={quota: 0.0}, running=own), **after)
+    assert f"({quota})" in msg and "need 96 vCPUs" in msg
+
+
 def test_capacity_block_nodes_are_not_checked_against_a_vcpu_quota():
     mocks = ClusterMocks(quotas={"L-417A185B": 0.0, "L-7212CCBC": 0.0},
                          capacity_blocks={CB: capacity_block_result(CB)})

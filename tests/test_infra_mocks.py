@@ -98,7 +98,8 @@ QUOTA_NAMES = {
     "L-417A185B": "Running On-Demand P instances",
     "L-1216C47A": "Running On-Demand Standard (A, C, D, H, I, M, R, T, Z) instances",
     "L-3819A6DF": "All G and VT Spot Instance Requests",
-    "L-7212CCBC": "All P Spot Instance Requests",
+    "L-7212CCBC": "All P4, P3 and P2 Spot Instance Requests",
+    "L-C4BD4855": "All P5 Spot Instance Requests",
     "L-34B43A08": "All Standard (A, C, D, H, I, M, R, T, Z) Spot Instance Requests",
 }
 # What an account answers unless a test says otherwise: room for every case's stack.
