@@ -151,6 +151,25 @@ def test_capacity_block_is_the_capacity_block_market_and_its_target():
     assert {s.inputs["availabilityZone"] for s in run.of_type("subnet")} == {"ap-northeast-2c"}
 
 
+@pytest.mark.parametrize("config,mocks", [
+    ({"ebsKmsKeyId": harness.CMK}, {}),
+    ({"idleStopMinutes": 0}, {"default_ebs_key": harness.CMK}),  # the account's default is the CMK
+], ids=["named-key", "default-key"])
+def test_spot_on_a_customer_managed_key_warns_with_the_spot_roles_grant(config, mocks, caplog):
+    """EC2 restarts an interrupted spot instance through AWSServiceRoleForEC2Spot, which needs the key."""
+    with caplog.at_level(logging.WARNING):
+        run_program(stack_config(gpuMarket="spot", **config), ClusterMocks(**mocks))
+    warned = "\n".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    role = f"arn:aws:iam::{harness.ACCOUNT}:role/aws-service-role/spot.amazonaws.com/AWSServiceRoleForEC2Spot"
+    assert f"aws kms create-grant --region {harness.REGION} --key-id {harness.CMK} --grantee-principal {role}" in warned
+    assert "aws iam create-service-linked-role --aws-service-name spot.amazonaws.com" in warned
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):  # On-Demand nodes, or the AWS-managed key: no grant to make
+        run_program(stack_config(**config), ClusterMocks(**mocks))
+        run_program(stack_config(gpuMarket="spot"))
+    assert "AWSServiceRoleForEC2Spot" not in caplog.text
+
+
 # ------------------------------------------------------------------ changing market on a stack
 
 @pytest.mark.parametrize("market", [
