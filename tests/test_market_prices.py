@@ -88,12 +88,19 @@ def test_readme_spot_column_is_the_estimate():
 def test_a_spot_node_that_could_not_start_gets_the_spot_advice():
     from ops import power, slurm
 
-    for reason in ("start failed: InsufficientInstanceCapacity: There is no Spot capacity available that "
-                   "matches your request.", "start failed: capacity-not-available: no spot capacity",
-                   "start failed: IncorrectSpotRequestState: the request is not in a state to start"):
-        assert power.start_failure(slurm.NodeState("gpu-node-01", "idle~", reason)) == reason
-        advice = power.advice(reason)
-        assert "Spot market has no capacity" in advice and "slurm-gpu:gpuMarket on-demand" in advice, reason
+    reason = ("start failed: InsufficientInstanceCapacity: There is no Spot capacity available that "
+              "matches your request.")
+    assert power.start_failure(slurm.NodeState("gpu-node-01", "idle~", reason)) == reason
+    advice = power.advice(reason)
+    assert "Spot market has no capacity" in advice and "slurm-gpu:gpuMarket on-demand" in advice
+    # Each StartInstances spot error has its own advice (EC2 API Reference, "Error codes").
+    gone = power.advice("start failed: IncorrectSpotRequestState: the request is not in a state to start")
+    assert "request is closed or cancelled" in gone and "pulumi up --replace" in gone
+    assert "no capacity" not in gone
+    quota = power.advice("start failed: MaxSpotInstanceCountExceeded: Max spot instance count exceeded")
+    assert "Spot vCPU quota" in quota and "L-C4BD4855 (P5)" in quota and "--quota-code" in quota
+    # Spot request status codes are no StartInstances error: no spot advice for them.
+    assert "Spot" not in power.advice("start failed: capacity-not-available: no spot capacity")
     on_demand = power.advice("start failed: InsufficientInstanceCapacity: We currently do not have sufficient "
                              "g6.12xlarge capacity in the Availability Zone you requested")
     assert "Spot" not in on_demand and "slurm-gpu:availabilityZone" in on_demand
