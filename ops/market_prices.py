@@ -10,6 +10,10 @@ import math
 from dataclasses import dataclass
 
 DAY_H = 24
+# EC2 begins terminating a block's instances 30 minutes before its end time (EC2 User Guide, "Use
+# Capacity Blocks": https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/capacity-blocks-using.html):
+# a run must end that long before the block does.
+BLOCK_END_LEAD_H = 0.5
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,11 @@ def capacity_block_rate(prices: dict, region: str, itype: str) -> float | None:
     return None if rate is None else float(rate)
 
 
+def capacity_block_date(prices: dict) -> str:
+    """When the recorded Capacity Block rates were current (the page's own date, then when read)."""
+    return str((prices.get("capacity_block") or {}).get("date", "undated"))
+
+
 def market_lines(prices: dict, *, region: str, gpu_type: str, nodes: int, wall: float, on_demand_h: float,
                  market: str) -> list[str]:
     """What the user sees beside the On-Demand bill of a run of `wall` seconds on `nodes` GPU nodes:
@@ -58,11 +67,17 @@ def market_lines(prices: dict, *, region: str, gpu_type: str, nodes: int, wall: 
             out.append(f"  Capacity Block: no published rate for {gpu_type} in {region} in "
                        "ops/data/prices.json (see https://aws.amazon.com/ec2/capacityblocks/pricing/)")
         else:
-            days = max(1, math.ceil(wall / 3600 / DAY_H))
+            hours = wall / 3600
+            days = max(1, math.ceil((hours + BLOCK_END_LEAD_H) / DAY_H))
             block = nodes * rate * DAY_H * days
-            out.append(f"  Capacity Block: ${block:.2f} up front ({nodes} x {gpu_type} at ${rate}/h for "
+            out.append(f"  Capacity Block: ${block:.2f} up front ({nodes} x {gpu_type} at ${rate}/h, AWS's "
+                       f"published rate {capacity_block_date(prices)}, for "
                        f"{days} day{'s' if days > 1 else ''}, the shortest block that covers this run's "
                        f"{wall / 60:.0f} min), paid whether the nodes run or not; the instance lines above "
                        "are On-Demand prices, which the block replaces")
+            if hours + BLOCK_END_LEAD_H > DAY_H * math.ceil(hours / DAY_H):
+                out.append(f"  note: EC2 begins terminating a Capacity Block's instances "
+                           f"{BLOCK_END_LEAD_H * 60:.0f} minutes before it ends: this run does not fit "
+                           f"{math.ceil(hours / DAY_H)} day(s) with that margin, so {days} are counted")
     return out
 

@@ -61,6 +61,18 @@ def test_a_capacity_block_costs_whole_days_up_front():
     lines = block_lines(e)
     assert any(line in "\n".join(est.lines(e)) for line in lines)
     assert any(f"Capacity Block: ${2 * rate * 24:.2f} up front" in line and "for 1 day" in line for line in lines)
+    # The rate is dated as its source is: current only until AWS's stated update.
+    date = prices["capacity_block"]["date"]
+    assert "until" in date and any(f"published rate {date}" in line for line in lines)
+    # EC2 begins terminating 30 minutes before the block ends: a run within that margin of a whole day
+    # needs another day, and the estimate says why.
+    margin = e.total("new")
+    near = dataclasses.replace(e, phases=[*e.phases, est.PhaseEstimate("train", {"new": 24 * 3600.0 - margin
+                                                                                 - 600.0}, "x")])
+    near_lines = block_lines(near)
+    assert any(f"${2 * rate * 48:.2f} up front" in line for line in near_lines)
+    assert any("30 minutes before it ends" in line for line in near_lines)
+    assert not any("30 minutes before" in line for line in lines)
     # A run longer than a day needs a second day of the block.
     longer = dataclasses.replace(e, phases=[*e.phases, est.PhaseEstimate("train", {"new": 24 * 3600.0}, "x")])
     assert any(f"${2 * rate * 48:.2f} up front" in line for line in block_lines(longer))
