@@ -3,6 +3,7 @@ the estimate (ops/cost/estimate.py) reads the defaults of a stack file that leav
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 NAMESPACE = "slurm-gpu"
@@ -29,4 +30,14 @@ SETTINGS: dict[str, tuple[Any, str]] = {
     "idleStopMinutes": (30, "30"),
     "scratchThroughputMBps": (125, "1000"),
     "scratchIops": (None, "4000"),
+    "gpuMarket": ("on-demand", "spot"),
+    "capacityReservationId": (None, "cr-0123456789abcdef0"),
 }
+
+# How GPU nodes are bought (infra/market.py renders each on the instances; docs/CONFIG.md says
+# what each costs and gives up). The controller is always On-Demand.
+ON_DEMAND, SPOT, CAPACITY_RESERVATION, CAPACITY_BLOCK = "on-demand", "spot", "capacity-reservation", "capacity-block"
+MARKETS = (ON_DEMAND, SPOT, CAPACITY_RESERVATION, CAPACITY_BLOCK)
+RESERVED_MARKETS = (CAPACITY_RESERVATION, CAPACITY_BLOCK)
+# EC2 resource ids: "cr-" and 8 or 17 hex digits (EC2 API Reference, CapacityReservation).
+CAPACITY_RESERVATION_ID_RE = re.compile(r"^cr-([0-9a-f]{8}|[0-9a-f]{17})$")

@@ -12,6 +12,7 @@ from cluster.inventory import from_facts
 from infra.ami import Ami, ImagesComponent
 from infra.config import StackConfig
 from infra.kms import EbsKey
+from infra.market import Reservation, instance_args, market_key, uses_placement_group
 from infra.network import NetworkComponent
 from infra.nodes import NodesComponent
 from infra.power_role import PowerSaveComponent
@@ -53,7 +54,7 @@ class ClusterComponent(pulumi.ComponentResource):
     def __init__(self, name: str, *, cfg: StackConfig, facts: ClusterFacts, images: dict[str, Ami],
                  availability_zone: str, user_data: dict[str, str], efa_interfaces: int,
                  region: str | None = None, ebs_key: EbsKey | None = None,
-                 opts: pulumi.ResourceOptions | None = None):
+                 reservation: Reservation | None = None, opts: pulumi.ResourceOptions | None = None):
         super().__init__("slurm-gpu:infra:Cluster", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
 
@@ -94,6 +95,12 @@ class ClusterComponent(pulumi.ComponentResource):
             controller_instance_profile=self.power.instance_profile.name if self.power else None,
             scratch_throughput_mbps=cfg.scratch_throughput_mbps,
             scratch_iops=cfg.scratch_iops,
+            # The GPU nodes' market (infra/market.py): spot and reservations place the nodes
+            # themselves; a Capacity Block's own placement group, if it has one, is joined.
+            gpu_market_args=instance_args(cfg),
+            gpu_placement_group=(True if uses_placement_group(cfg)
+                                 else (reservation.placement_group if reservation else None)),
+            gpu_market_key=market_key(cfg),
             opts=pulumi.ResourceOptions(parent=self, depends_on=[self.network, self.security]),
         )
 

@@ -18,7 +18,18 @@ from typing import Any
 import pulumi
 
 from cluster.facts import max_gpu_nodes
-from cluster.settings import NAMESPACE, REQUIRED, SETTINGS
+from cluster.settings import (  # noqa: F401  (markets re-exported: infra and tests name them here)
+    CAPACITY_BLOCK,
+    CAPACITY_RESERVATION,
+    CAPACITY_RESERVATION_ID_RE,
+    MARKETS,
+    NAMESPACE,
+    ON_DEMAND,
+    REQUIRED,
+    RESERVED_MARKETS,
+    SETTINGS,
+    SPOT,
+)
 
 # Below this the root volume cannot hold the AMI plus the training stack and
 # the model cache; the AMI's own snapshot size is checked later (infra/ami.py).
@@ -55,6 +66,7 @@ def _set_cmd(key: str, example: str) -> str:
 
 def _fail(key: str, problem: str, example: str) -> ConfigError:
     return ConfigError(f"{NAMESPACE}:{key} {problem}; {_set_cmd(key, example)}")
+
 
 
 # idleStopMinutes: 0 turns stopping off; otherwise at least this long, so a node is not
@@ -97,6 +109,8 @@ class StackConfig:
     # The controller's root volume, which holds the shared /scratch: gp3 throughput and IOPS.
     scratch_throughput_mbps: int = GP3_THROUGHPUT[0]
     scratch_iops: int = GP3_IOPS[0]
+    gpu_market: str = ON_DEMAND  # MARKETS
+    capacity_reservation_id: str | None = None  # the reservation's id, for RESERVED_MARKETS only
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any]) -> StackConfig:
@@ -191,7 +205,21 @@ class StackConfig:
                 "mini",
             )
 
-        idle = _int("idleStopMinutes", value("idleStopMinutes"))
+        market, reservation = _market(value("gpuMarket"), value("capacityReservationId"))
+        if market == CAPACITY_RESERVATION and az is None:
+            # pulumi_aws 7.51.1 has no data source for an On-Demand Capacity Reservation (only
+            # get_capacity_block_reservation), so the plan cannot follow its zone as it does a block's.
+            raise _fail("availabilityZone", f"is required when {NAMESPACE}:gpuMarket is {CAPACITY_RESERVATION}: "
+                        f"the reservation's zone (`aws ec2 describe-capacity-reservations --capacity-reservation-ids "
+                        f"{reservation} --query 'CapacityReservations[0].AvailabilityZone'`), which the plan "
+                        "cannot read", SETTINGS["availabilityZone"][1])
+        idle_raw = value("idleStopMinutes")
+        if market in RESERVED_MARKETS and raw.get("idleStopMinutes") in (None, ""):
+            # Reserved capacity bills by the hour whether its instances run or not (EC2 User Guide,
+            # "Capacity Reservation pricing and billing"; Capacity Blocks are paid up front): stopping
+            # idle nodes saves nothing there, so they stay up unless the user asks otherwise.
+            idle_raw = 0
+        idle = _int("idleStopMinutes", idle_raw)
         if idle != 0 and not MIN_IDLE_STOP_MINUTES <= idle <= MAX_IDLE_STOP_MINUTES:
             raise _fail(
                 "idleStopMinutes",
@@ -224,6 +252,8 @@ class StackConfig:
             idle_stop_minutes=idle,
             scratch_throughput_mbps=throughput,
             scratch_iops=iops,
+            gpu_market=market,
+            capacity_reservation_id=reservation,
         )
 
 
@@ -266,6 +296,28 @@ def _scratch_volume(throughput_raw: Any, iops_raw: Any) -> tuple[int, int]:
                     f"most {GP3_MIBPS_PER_IOPS} MiB/s per IOPS, so {throughput} MiB/s needs at least {least} "
                     f"IOPS (or unset {NAMESPACE}:scratchIops to get that)", str(least))
     return throughput, iops
+
+
+def _market(market_raw: Any, reservation_raw: Any) -> tuple[str, str | None]:
+    """gpuMarket and the capacityReservationId it needs (reservations) or refuses (the others)."""
+    market = str(market_raw).strip().lower()
+    if market not in MARKETS:
+        raise _fail("gpuMarket", f"is {market_raw!r}; it must be one of {', '.join(MARKETS)}", ON_DEMAND)
+    reservation = None if reservation_raw is None else str(reservation_raw).strip()
+    if market in RESERVED_MARKETS:
+        if reservation is None:
+            raise _fail("capacityReservationId", f"is required when {NAMESPACE}:gpuMarket is {market} (the id "
+                        "of the reservation the GPU nodes launch into, from `aws ec2 "
+                        "describe-capacity-reservations`)", SETTINGS["capacityReservationId"][1])
+        if not CAPACITY_RESERVATION_ID_RE.match(reservation):
+            raise _fail("capacityReservationId", f"({reservation!r}) is not a capacity reservation id like "
+                        "cr-0123456789abcdef0", SETTINGS["capacityReservationId"][1])
+    elif reservation is not None:
+        raise ConfigError(
+            f"{NAMESPACE}:capacityReservationId is set but {NAMESPACE}:gpuMarket is {market}, which uses no "
+            f"reservation; remove it with `pulumi config rm {NAMESPACE}:capacityReservationId`, or "
+            f"{_set_cmd('gpuMarket', CAPACITY_RESERVATION)} (or {CAPACITY_BLOCK} for a Capacity Block)")
+    return market, reservation
 
 
 def _int(key: str, v: Any) -> int:

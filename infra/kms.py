@@ -11,15 +11,23 @@ principal of the account use it through EC2). So, at plan time:
   managed while GPU nodes stop when idle: refused, naming the key and the setting, because
   the role could not start the nodes again; naming the key in config keeps the grant and the
   volumes on that key even if the account's default changes later.
+
+Spot GPU nodes (slurm-gpu:gpuMarket spot) on a customer-managed key: EC2 starts an interrupted
+spot instance again through the service-linked role AWSServiceRoleForEC2Spot, which must be
+allowed the key ("Service-linked role for Spot Instance requests": "Grant access to customer
+managed keys for use with encrypted AMIs and EBS snapshots",
+https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/service-linked-roles-spot-instance-requests.html).
+The program cannot see the key's grants, so it warns with the grant to make.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pulumi
 import pulumi_aws as aws
 
-from infra.config import NAMESPACE, ConfigError, StackConfig
+from infra.config import NAMESPACE, SPOT, ConfigError, StackConfig
 
 SETTING = f"{NAMESPACE}:ebsKmsKeyId"
 # What EBS needs of a key to encrypt and decrypt volumes (AWS: "Requirements for Amazon EBS
@@ -35,7 +43,43 @@ class EbsKey:
     arn: str | None
 
 
+SPOT_ROLE = "aws-service-role/spot.amazonaws.com/AWSServiceRoleForEC2Spot"
+# What the Spot role needs of the key (the create-grant example of the page cited above).
+SPOT_ROLE_OPERATIONS = ("Decrypt", "Encrypt", "GenerateDataKey", "GenerateDataKeyWithoutPlaintext",
+                        "CreateGrant", "DescribeKey", "ReEncryptFrom", "ReEncryptTo")
+
+
 def resolve_ebs_key(cfg: StackConfig, region: str | None) -> EbsKey:
+    key = _resolve(cfg, region)
+    if cfg.gpu_market == SPOT:
+        _warn_spot_role(key.arn or _customer_default(), region)
+    return key
+
+
+def _customer_default() -> str | None:
+    """The account's default EBS key where it is customer-managed (None: AWS-managed or unreadable)."""
+    try:
+        key = aws.kms.get_key(key_id=aws.ebs.get_default_kms_key().key_arn)
+    except Exception:
+        return None
+    return key.arn if key.key_manager == "CUSTOMER" else None
+
+
+def _warn_spot_role(key_arn: str | None, region: str | None) -> None:
+    if not key_arn:
+        return
+    account = key_arn.split(":")[4]
+    where = f" --region {region}" if region else ""
+    pulumi.log.warn(
+        f"spot GPU nodes' root volumes use the customer-managed key {key_arn}: EC2 restarts an interrupted "
+        f"spot instance through the service-linked role AWSServiceRoleForEC2Spot, which needs a grant on it "
+        f"(else the restart fails). If the role is not there yet: `aws iam create-service-linked-role "
+        f"--aws-service-name spot.amazonaws.com`; then `aws kms create-grant{where} --key-id {key_arn} "
+        f"--grantee-principal arn:aws:iam::{account}:role/{SPOT_ROLE} --operations "
+        f"{' '.join(SPOT_ROLE_OPERATIONS)}` (docs/CONFIG.md)")
+
+
+def _resolve(cfg: StackConfig, region: str | None) -> EbsKey:
     if cfg.ebs_kms_key_id:
         key = _describe(cfg.ebs_kms_key_id, f"{SETTING} {cfg.ebs_kms_key_id}")
         problems = []

@@ -63,12 +63,21 @@ DELIBERATE = {
     "keyName": "the key pair made from slurm-gpu:sshPublicKey: a config change that replaces every host "
                "(key_name is ForceNew), the controller's /scratch with it: rotate keys through "
                "~/.ssh/authorized_keys instead (docs/CONFIG.md)",
-    "placementGroup": "the cluster's placement group resource: its name is fixed once made",
+    "placementGroup": "the cluster's placement group resource (fixed once made) or a Capacity Block's own, "
+                      "or none (spot, capacity-reservation): it changes only with slurm-gpu:gpuMarket / "
+                      "capacityReservationId, which replace every GPU node through replacement_trigger "
+                      "(infra/market.py market_key)",
     "subnetId": "the VPC's subnets: fixed once made",
     "privateIp": "the controller's fixed address (cluster.facts.plan_hosts of slurm-gpu:subnetCidr)",
     "associatePublicIpAddress": "the controller always has one",
     "primaryNetworkInterface": "the node's own primary interface resource: fixed once made",
     "networkInterfaces": "the node's own EFA interface resources (cards of its instance type): fixed once made",
+    "instanceMarketOptions": "slurm-gpu:gpuMarket (spot, capacity-block): a config change that replaces every "
+                             "GPU node (replacement_trigger: infra/market.py market_key): drain the nodes first "
+                             "(docs/CONFIG.md)",
+    "capacityReservationSpecification": "slurm-gpu:gpuMarket / capacityReservationId: a config change that "
+                                        "replaces every GPU node (replacement_trigger: infra/market.py "
+                                        "market_key): drain the nodes first",
     "rootBlockDevice": "size, encryption key, gp3 throughput and IOPS from slurm-gpu:rootVolumeGiB, ebsKmsKeyId, "
                        "scratchThroughputMBps, scratchIops: config changes (size, IOPS, throughput modify the "
                        "volume in place; the key would replace the host)",
@@ -98,6 +107,9 @@ class NodesComponent(pulumi.ComponentResource):
         ebs_key_arn: str | None = None,
         scratch_throughput_mbps: int | None = None,
         scratch_iops: int | None = None,
+        gpu_market_args: dict | None = None,
+        gpu_placement_group: bool | str | None = True,
+        gpu_market_key: str | None = None,
         opts: pulumi.ResourceOptions | None = None,
     ):
         super().__init__("slurm-gpu:infra:Nodes", name, None, opts)
@@ -111,10 +123,13 @@ class NodesComponent(pulumi.ComponentResource):
             f"{name}-key", public_key=ssh_public_key,
             tags={"Cluster": cluster, "Name": f"{cluster}-admin"}, opts=child,
         )
+        # True: the stack's own cluster placement group; a name: a reservation's; None: none
+        # (a stop-on-interruption spot instance cannot be in one: infra/market.py).
         self.placement_group = aws.ec2.PlacementGroup(
             f"{name}-pg", strategy="cluster",
             tags={"Cluster": cluster, "Name": f"{cluster}-gpu"}, opts=child,
-        )
+        ) if gpu_placement_group is True else None
+        gpu_group = self.placement_group.name if self.placement_group else gpu_placement_group
 
         self.controller = aws.ec2.Instance(
             f"{name}-{facts.controller.name}",
@@ -160,7 +175,7 @@ class NodesComponent(pulumi.ComponentResource):
                 ami=ami["gpu"],
                 instance_type=gpu_instance_type,
                 key_name=self.key_pair.key_name,
-                placement_group=self.placement_group.name,
+                placement_group=gpu_group,
                 metadata_options=self._imdsv2(),
                 root_block_device=self._root("gpu", host),
                 user_data_base64=user_data[host.name],
@@ -168,11 +183,15 @@ class NodesComponent(pulumi.ComponentResource):
                 # Boot only once the private subnet routes out through the NAT gateway.
                 # Its interfaces (and so its IP) pass to a replacement only once it is gone.
                 # New user-data would stop/start it (IGNORED_ON_UPDATE): `fab update-nodes` instead.
+                # A market change replaces the node (gpu_market_key, infra/market.py: the
+                # provider sees no diff when a Computed market block is left out).
                 opts=pulumi.ResourceOptions(parent=self, depends_on=list(gpu_internet),
                                             ignore_changes=[*IGNORED_ON_UPDATE,
                                                             *self._ignore_ami(follow_ami, "gpu")],
+                                            replacement_trigger=gpu_market_key,
                                             delete_before_replace=True),
                 **interfaces,
+                **(gpu_market_args or {}),
             )
             self.gpu_interfaces[host.name] = enis
             self.gpu_nodes.append(node)

@@ -7,15 +7,19 @@ creates nothing.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pulumi
 
 from cluster.facts import ClusterFacts, PowerSave, plan_hosts
 from cluster.platform import AWS
+from cluster.settings import SPOT
 from infra import config as stack_config
 from infra.ami import Ami, resolve_images
 from infra.cluster_component import ClusterComponent
 from infra.instance_types import check_controller_type, choose_availability_zone, lookup_gpu_node_facts
 from infra.kms import EbsKey, resolve_ebs_key
+from infra.market import Reservation, check_reservation, zones_offering
 from infra.quotas import check_vcpu_quotas
 
 SSH_USER = "ubuntu"  # the Ubuntu AMI's login user
@@ -37,12 +41,17 @@ def power_save(cfg: stack_config.StackConfig, region: str | None) -> PowerSave |
                      resume_timeout=RESUME_TIMEOUT_S, provider="ec2", region=region)
 
 
-def plan(cfg: stack_config.StackConfig) -> tuple[ClusterFacts, str, dict[str, Ami], int, EbsKey]:
-    """Look up instance facts, AZ, images, the EBS key and quotas; refuse bad combinations. Declares
-    nothing. Returns the cluster facts, the AZ, each role's image, the EFA interfaces per GPU
-    node and the root volumes' key."""
+def plan(cfg: stack_config.StackConfig) -> tuple[ClusterFacts, str, dict[str, Ami], int, EbsKey,
+                                                 Reservation | None]:
+    """Look up instance facts, AZ, images, the EBS key, the reservation and quotas; refuse bad
+    combinations. Declares nothing. Returns the cluster facts, the AZ, each role's image, the EFA
+    interfaces per GPU node, the root volumes' key and the GPU nodes' reservation (if any)."""
     gpu = lookup_gpu_node_facts(cfg)
     controller_vcpus = check_controller_type(cfg)
+    reservation = check_reservation(cfg)
+    if reservation and reservation.availability_zone and not cfg.availability_zone:
+        # The nodes must launch in the reservation's zone: the stack follows it.
+        cfg = dataclasses.replace(cfg, availability_zone=reservation.availability_zone)
     az = choose_availability_zone(cfg)
     images = resolve_images(cfg)
     region = pulumi.Config("aws").get("region")
@@ -63,8 +72,9 @@ def plan(cfg: stack_config.StackConfig) -> tuple[ClusterFacts, str, dict[str, Am
         nvswitch=gpu.nvswitch,
         power_save=power_save(cfg, region),
         platform=AWS,
+        spot=cfg.gpu_market == SPOT,
     )
-    return facts, az, images, gpu.efa_interfaces, ebs_key
+    return facts, az, images, gpu.efa_interfaces, ebs_key, reservation
 
 
 def render_user_data(facts: ClusterFacts) -> dict[str, str]:
@@ -86,13 +96,14 @@ def render_user_data(facts: ClusterFacts) -> dict[str, str]:
 
 def main() -> dict[str, pulumi.Output]:
     cfg = stack_config.load()
-    facts, az, images, efa_interfaces, ebs_key = plan(cfg)
+    facts, az, images, efa_interfaces, ebs_key, reservation = plan(cfg)
     user_data = render_user_data(facts)
     region = pulumi.Config("aws").get("region")
 
     cluster = ClusterComponent(
         cfg.cluster_name, cfg=cfg, facts=facts, images=images, availability_zone=az,
         user_data=user_data, efa_interfaces=efa_interfaces, region=region, ebs_key=ebs_key,
+        reservation=reservation,
     )
     outputs = {
         "controllerPublicIp": cluster.controller_public_ip,
@@ -103,6 +114,10 @@ def main() -> dict[str, pulumi.Output]:
         # The image each host runs (from its state): what to pin with slurm-gpu:amiId and
         # controllerAmiId, and what `pulumi up` keeps (docs/AWS.md: "Moving to a newer image").
         "images": cluster.images_running,
+        # Where else the GPU type is offered: the zones to try when this one has no capacity
+        # (InsufficientInstanceCapacity; docs/FAULTS.md).
+        "gpuTypeZones": {"instanceType": cfg.gpu_instance_type, "zone": az,
+                         "zones": zones_offering(cfg.gpu_instance_type)},
     }
     for key, value in outputs.items():
         pulumi.export(key, value)

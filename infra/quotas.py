@@ -16,12 +16,24 @@ existed are recognised by their Cluster tag. A later `pulumi up` is refused only
 the stack's own instances (in any state: stopped ones start again) already cover its need, a full
 quota is a warning, not a refusal (the instances exist; another team's may have filled the quota).
 
-Only On-Demand instances count: spot instances are under the Spot quotas, and instances in a
-Capacity Block for ML are paid for by the block, under its own instance limit (EC2 User Guide,
-"Capacity Blocks for ML": up to 64 instances a block, 256 across blocks), so both are left out
-(DescribeInstances filter instance-lifecycle: spot | scheduled | capacity-block; EC2 API Reference,
-DescribeInstances). Leaving out one that did count only moves a failure back to launch time; counting
-one that does not would refuse a stack that fits.
+Only On-Demand instances count against an On-Demand quota: spot instances are under the Spot
+quotas, and instances in a Capacity Block for ML are paid for by the block, under its own instance
+limit (EC2 User Guide, "Capacity Blocks for ML": up to 64 instances a block, 256 across blocks), so
+both are left out (DescribeInstances filter instance-lifecycle: spot | scheduled | capacity-block;
+EC2 API Reference, DescribeInstances). So with slurm-gpu:gpuMarket spot the GPU nodes are checked
+against their Spot quota ("All G and VT Spot Instance Requests", "All P5 Spot Instance Requests" ...:
+EC2 User Guide, "Spot Instance quotas", https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/using-spot-limits.html),
+counting the account's other running spot instances; with capacity-block they are not checked (the
+block holds them); an On-Demand Capacity Reservation's instances are On-Demand ones and count as such.
+The stack's own instances count only under their own market's quota: after a change of
+slurm-gpu:gpuMarket the old nodes are under the other one until they are replaced. Leaving out one that
+did count only moves a failure back to launch time; counting one that does not would refuse a stack
+that fits.
+
+The check counts running (and pending) instances only. A Spot quota also counts the vCPUs of open
+spot requests not yet fulfilled, and of requests whose instances were terminated until EC2 closes
+them (using-spot-limits.html): those are not listed here, so a launch may still fail with
+MaxSpotInstanceCountExceeded where the check passed.
 """
 
 from __future__ import annotations
@@ -33,7 +45,7 @@ from dataclasses import dataclass
 import pulumi
 import pulumi_aws as aws
 
-from infra.config import NAMESPACE, ConfigError, StackConfig
+from infra.config import CAPACITY_BLOCK, NAMESPACE, SPOT, ConfigError, StackConfig
 
 SERVICE_CODE = "ec2"
 STACK_TAG = "slurm-gpu:stack"  # on each instance: the Pulumi stack that owns it (stack_name())
@@ -53,11 +65,28 @@ class Quota:
 
 
 @dataclass(frozen=True)
+class SpotQuota:
+    quota: Quota
+    generations: tuple[str, ...] = ()  # type prefixes it covers ("p5"); (): all of its group's families
+
+    def covers(self, instance_type: str) -> bool:
+        return not self.generations or generation(instance_type) in self.generations
+
+    def patterns(self, group: QuotaGroup) -> list[str]:
+        """DescribeInstances instance-type wildcards of what it covers."""
+        return [f"{p}*" for p in sorted(self.generations or group.families)]
+
+
+@dataclass(frozen=True)
 class QuotaGroup:
-    """Instance families that share one On-Demand and one Spot vCPU quota."""
+    """Instance families that share one On-Demand vCPU quota, and their Spot quotas."""
     families: frozenset[str]  # an instance type's family: the letters before its generation
     on_demand: Quota
-    spot: Quota  # not checked yet: for a spot market
+    spot: tuple[SpotQuota, ...]  # what spot GPU nodes (slurm-gpu:gpuMarket spot) count against
+
+    def spot_quota(self, instance_type: str) -> SpotQuota | None:
+        """The Spot quota of the type (None: a generation no quota here names, e.g. p6)."""
+        return next((q for q in self.spot if q.covers(instance_type)), None)
 
 
 # Every group a GPU node or the controller can fall in: a GPU node's type must have NVIDIA GPUs
@@ -67,17 +96,21 @@ class QuotaGroup:
 # codes: Service Quotas for ec2 (`aws service-quotas list-service-quotas --service-code ec2`;
 # console.aws.amazon.com/servicequotas/home/services/ec2/quotas/<code>). A family in no group
 # here (DL, F, Inf, Trn, X, U, HPC) is reported and not checked.
+# The Spot quotas split P by generation ("All P4, P3 and P2 Spot Instance Requests", "All P5 Spot
+# Instance Requests"), the On-Demand one does not ("Running On-Demand P instances"); a P generation
+# neither Spot quota names (P6) is reported and not checked.
 QUOTA_GROUPS = (
     QuotaGroup(frozenset({"g", "gr", "vt"}),
                Quota("Running On-Demand G and VT instances", "L-DB2E81BA"),
-               Quota("All G and VT Spot Instance Requests", "L-3819A6DF")),
+               (SpotQuota(Quota("All G and VT Spot Instance Requests", "L-3819A6DF")),)),
     QuotaGroup(frozenset({"p"}),
                Quota("Running On-Demand P instances", "L-417A185B"),
-               Quota("All P Spot Instance Requests", "L-7212CCBC")),
+               (SpotQuota(Quota("All P4, P3 and P2 Spot Instance Requests", "L-7212CCBC"), ("p2", "p3", "p4")),
+                SpotQuota(Quota("All P5 Spot Instance Requests", "L-C4BD4855"), ("p5",)))),
     # "im", "is": im4gn, is4gen (I family, storage optimised).
     QuotaGroup(frozenset({"a", "c", "d", "h", "i", "im", "is", "m", "r", "t", "z"}),
                Quota("Running On-Demand Standard (A, C, D, H, I, M, R, T, Z) instances", "L-1216C47A"),
-               Quota("All Standard (A, C, D, H, I, M, R, T, Z) Spot Instance Requests", "L-34B43A08")),
+               (SpotQuota(Quota("All Standard (A, C, D, H, I, M, R, T, Z) Spot Instance Requests", "L-34B43A08")),)),
 )
 
 
@@ -88,6 +121,12 @@ class QuotaError(ConfigError):
 def family(instance_type: str) -> str:
     """g6e.12xlarge -> g, gr6.4xlarge -> gr, p6-b200.48xlarge -> p, hpc7a.96xlarge -> hpc."""
     match = re.match(r"[a-z]+", instance_type)
+    return match.group(0) if match else instance_type
+
+
+def generation(instance_type: str) -> str:
+    """p5en.48xlarge -> p5, p4d.24xlarge -> p4, p6-b200.48xlarge -> p6."""
+    match = re.match(r"[a-z]+\d*", instance_type)
     return match.group(0) if match else instance_type
 
 
@@ -114,6 +153,7 @@ class Need:
     count: int
     vcpus: int  # per instance
     settings: tuple[str, ...]  # what lowers it
+    spot: bool = False  # bought on the spot market: the group's Spot quota
 
     @property
     def total(self) -> int:
@@ -127,25 +167,31 @@ def check_vcpu_quotas(cfg: StackConfig, *, gpu_vcpus: int, controller_vcpus: int
                       region: str | None) -> None:
     """Refuse (QuotaError) a stack whose instances the account's On-Demand vCPU quotas cannot
     hold, counting the account's other running instances of the same quota."""
+    spot = cfg.gpu_market == SPOT
     needs = [
-        Need(f"{cfg.gpu_node_count} GPU node{'s' if cfg.gpu_node_count > 1 else ''}",
-             cfg.gpu_instance_type, cfg.gpu_node_count, gpu_vcpus, ("gpuNodeCount", "gpuInstanceType")),
+        Need(f"{cfg.gpu_node_count} {'spot ' if spot else ''}GPU node{'s' if cfg.gpu_node_count > 1 else ''}",
+             cfg.gpu_instance_type, cfg.gpu_node_count, gpu_vcpus,
+             ("gpuNodeCount", "gpuInstanceType", *(("gpuMarket",) if spot else ())), spot=spot),
         Need("the controller", cfg.controller_instance_type, 1, controller_vcpus, ("controllerInstanceType",)),
     ]
-    by_group: dict[QuotaGroup, list[Need]] = {}
+    if cfg.gpu_market == CAPACITY_BLOCK:
+        needs = needs[1:]  # under the block's own limit (module docstring)
+    by_quota: dict[tuple[QuotaGroup, SpotQuota | None], list[Need]] = {}
     for need in needs:
         group = quota_group(need.instance_type)
-        if group is None:
-            pulumi.log.warn(f"{need.what}: {need.instance_type} is in no instance family whose vCPU "
-                            f"quota this program knows; its quota is not checked")
+        spot_quota = group.spot_quota(need.instance_type) if group and need.spot else None
+        if group is None or (need.spot and spot_quota is None):
+            pulumi.log.warn(f"{need.what}: {need.instance_type} is in no instance family whose "
+                            f"{'Spot ' if need.spot else ''}vCPU quota this program knows; its quota is not checked")
             continue
-        by_group.setdefault(group, []).append(need)
-    for group, group_needs in by_group.items():
-        _check(group, group_needs, cluster_name=cfg.cluster_name, region=region)
+        by_quota.setdefault((group, spot_quota), []).append(need)
+    for (group, spot_quota), group_needs in by_quota.items():
+        _check(group, group_needs, cluster_name=cfg.cluster_name, region=region, spot=spot_quota)
 
 
-def _check(group: QuotaGroup, needs: list[Need], *, cluster_name: str, region: str | None) -> None:
-    quota = group.on_demand
+def _check(group: QuotaGroup, needs: list[Need], *, cluster_name: str, region: str | None,
+           spot: SpotQuota | None = None) -> None:
+    quota = spot.quota if spot else group.on_demand
     need = sum(n.total for n in needs)
     try:
         found = aws.servicequotas.get_service_quota(service_code=SERVICE_CODE, quota_code=quota.code)
@@ -160,7 +206,7 @@ def _check(group: QuotaGroup, needs: list[Need], *, cluster_name: str, region: s
             f"going on without it (if the quota is below the {need} vCPUs the stack needs, launching "
             f"the instances fails with VcpuLimitExceeded once the network exists)")
         return
-    usage = _usage(group, cluster_name)
+    usage = _usage(group, cluster_name, quota, spot=spot)
     others = usage.others
     if need + others <= value:
         return
@@ -200,25 +246,33 @@ def _ids(filters: list[dict], states: list[str]) -> list[str]:
     return aws.ec2.get_instances(filters=filters, instance_state_names=states).ids or []
 
 
-def _usage(group: QuotaGroup, cluster_name: str) -> Usage:
-    """What the account runs against this quota group besides the stack (On-Demand, pending and
-    running), and what the stack itself already has in it."""
-    types = {"name": "instance-type", "values": [f"{fam}*" for fam in sorted(group.families)]}  # wildcards
+def _usage(group: QuotaGroup, cluster_name: str, quota: Quota, *, spot: SpotQuota | None = None) -> Usage:
+    """What the account runs against this quota besides the stack (On-Demand, or spot, pending and
+    running), and what the stack itself already has under it: its own instances of the quota's
+    market only (a market change leaves the old nodes under another quota until they are replaced)."""
+    patterns = spot.patterns(group) if spot else [f"{f}*" for f in sorted(group.families)]
+    types = {"name": "instance-type", "values": patterns}  # wildcards
     me = stack_name()
     try:
-        running = set(_ids([types], RUNNING))
-        # Spot and Capacity Block instances are under other limits (module docstring).
-        running -= set(_ids([types, {"name": "instance-lifecycle", "values": NOT_ON_DEMAND}], RUNNING))
+        # Spot ones (the Spot quota), or those outside the On-Demand quota (module docstring).
+        marked = set(_ids([types, {"name": "instance-lifecycle", "values": ["spot"] if spot else NOT_ON_DEMAND}],
+                          EXISTING))
+
+        def of_market(ids: set[str]) -> set[str]:
+            return ids & marked if spot else ids - marked
+
+        running = of_market(set(_ids([types], RUNNING)))
         # The stack's own, in any state: by its stack tag, or (made before that tag) its cluster's.
         own = set(_ids([types, {"name": f"tag:{STACK_TAG}", "values": [me]}], EXISTING))
         own |= set(_ids([types, {"name": "tag:Cluster", "values": [cluster_name]}], EXISTING))
+        own = of_market(own)
     except Exception as exc:
-        pulumi.log.warn(f"could not list the instances for the quota \"{group.on_demand.name}\" "
+        pulumi.log.warn(f"could not list the instances for the quota \"{quota.name}\" "
                         f"({_first_line(exc)}); only this stack's own vCPUs are counted against it")
         return Usage()
     ids = sorted(own) + sorted(running - own)
     if len(ids) > MAX_LOOKUPS:
-        pulumi.log.warn(f"{len(ids)} instances run against the quota \"{group.on_demand.name}\"; "
+        pulumi.log.warn(f"{len(ids)} instances run against the quota \"{quota.name}\"; "
                         f"the check counts the first {MAX_LOOKUPS} of them")
     vcpus_of: dict[str, int] = {}
     usage = Usage()
@@ -228,7 +282,7 @@ def _usage(group: QuotaGroup, cluster_name: str) -> Usage:
         except Exception:  # gone since it was listed
             continue
         # The wildcards match too much (d* matches dl1, t* trn1): keep the group's own families.
-        if family(inst.instance_type) not in group.families:
+        if family(inst.instance_type) not in group.families or (spot and not spot.covers(inst.instance_type)):
             continue
         if inst.instance_type not in vcpus_of:
             vcpus_of[inst.instance_type] = int(aws.ec2.get_instance_type(

@@ -485,9 +485,19 @@ def check_gpu_nodes_no_public_ip(args: StackValidationArgs, report: ReportViolat
                        "map_public_ip_on_launch=False on the GPU nodes' subnet", subnet.urn)
 
 
+def _placed_elsewhere(inst: Any) -> bool:
+    """An instance the stack's cluster placement group cannot or need not hold: a spot instance that
+    stops or hibernates on interruption ("You can't launch a Spot Instance that is configured to stop
+    or hibernate on interruption in a placement group": EC2 User Guide, "Placement group rules and
+    limitations"), or one launched into a capacity reservation, which places it."""
+    _, behaviour = _known(inst.props, "instanceMarketOptions", "spotOptions", "instanceInterruptionBehavior")
+    _, target = _known(inst.props, "capacityReservationSpecification", "capacityReservationTarget")
+    return behaviour in ("stop", "hibernate") or bool(target)
+
+
 def check_efa_placement_group(args: StackValidationArgs, report: ReportViolation) -> None:
     groups = [r for r in args.resources if r.resource_type == PLACEMENT_GROUP]
-    efa = _efa_instances(args.resources)
+    efa = [(inst, enis) for inst, enis in _efa_instances(args.resources) if not _placed_elsewhere(inst)]
     used: dict[str, list[str]] = {}
     for inst, _ in efa:
         ok, value = _known(inst.props, "placementGroup")

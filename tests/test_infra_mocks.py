@@ -97,6 +97,10 @@ QUOTA_NAMES = {
     "L-DB2E81BA": "Running On-Demand G and VT instances",
     "L-417A185B": "Running On-Demand P instances",
     "L-1216C47A": "Running On-Demand Standard (A, C, D, H, I, M, R, T, Z) instances",
+    "L-3819A6DF": "All G and VT Spot Instance Requests",
+    "L-7212CCBC": "All P4, P3 and P2 Spot Instance Requests",
+    "L-C4BD4855": "All P5 Spot Instance Requests",
+    "L-34B43A08": "All Standard (A, C, D, H, I, M, R, T, Z) Spot Instance Requests",
 }
 # What an account answers unless a test says otherwise: room for every case's stack.
 ROOMY_QUOTA = 100000.0
@@ -109,6 +113,18 @@ def quota_result(code: str, value: float | None) -> dict:
             "adjustable": True, "globalQuota": False, "region": REGION, "usageMetrics": []}
 
 
+def capacity_block_result(rid: str, instance_type: str = "p5.48xlarge", zone: str = "ap-northeast-2c",
+                          count: int = 2, available: int | None = None, state: str = "active",
+                          placement_group_arn: str = "") -> dict:
+    """DescribeCapacityReservations of a Capacity Block, as getCapacityBlockReservation returns it."""
+    return {"id": rid, "arn": f"arn:aws:ec2:{REGION}:{ACCOUNT}:capacity-reservation/{rid}",
+            "availabilityZone": zone, "instanceType": instance_type, "instanceCount": count,
+            "availableInstanceCount": count if available is None else available, "state": state,
+            "reservationType": "capacity-block", "instancePlatform": "Linux/UNIX", "tenancy": "default",
+            "startDate": "2026-12-07T11:30:00Z", "endDate": "2026-12-08T11:30:00Z",
+            "placementGroupArn": placement_group_arn, "ownerId": ACCOUNT}
+
+
 @dataclass(frozen=True)
 class Running:
     """An instance already running in the account (DescribeInstances)."""
@@ -117,6 +133,7 @@ class Running:
     tags: dict = field(default_factory=dict)
     state: str = "running"
     lifecycle: str = ""  # DescribeInstances' InstanceLifecycle: spot, capacity-block; "" for On-Demand
+    reservation: str = ""  # the capacity reservation it was launched into (filter capacity-reservation-id)
 
 
 def instance_type_result(itype: str) -> dict:
@@ -176,6 +193,14 @@ class Registered:
     ignore_changes: tuple[str, ...] = ()
     replace_on_changes: tuple[str, ...] = ()
     delete_before_replace: bool = False
+    replacement_trigger: object = None  # ResourceOptions.replacement_trigger, as the engine gets it
+
+
+def _value(value):
+    """A protobuf Value (how the SDK sends replacement_trigger) as plain Python."""
+    from google.protobuf import json_format
+
+    return json_format.MessageToDict(value)
 
 
 class RecordingMonitor(MockMonitor):
@@ -192,13 +217,16 @@ class RecordingMonitor(MockMonitor):
         if request.type != "pulumi:pulumi:Stack":
             rec = Registered(request.type, request.name, {}, response.urn, request.parent,
                              tuple(request.dependencies), tuple(request.ignoreChanges),
-                             tuple(request.replaceOnChanges), request.deleteBeforeReplace)
+                             tuple(request.replaceOnChanges), request.deleteBeforeReplace,
+                             _value(request.replacement_trigger) if request.HasField("replacement_trigger")
+                             else None)
             self.cluster_mocks.components.append(rec)
             for r in self.cluster_mocks.resources:
                 if r.typ == request.type and r.name == request.name and not r.urn:
                     r.urn, r.parent, r.dependencies = rec.urn, rec.parent, rec.dependencies
                     r.ignore_changes, r.replace_on_changes = rec.ignore_changes, rec.replace_on_changes
                     r.delete_before_replace = rec.delete_before_replace
+                    r.replacement_trigger = rec.replacement_trigger
         return response
 
     def RegisterResourceOutputs(self, request):
@@ -213,7 +241,7 @@ class ClusterMocks(pulumi.runtime.Mocks):
                  newest_dlami: str = DLAMI_ID, newest_ubuntu: str = UBUNTU_ID,
                  default_ebs_key: str = AWS_EBS_ALIAS, stashed: dict | None = None,
                  arches: dict[str, str] | None = None, quotas: dict[str, float | str | None] | None = None,
-                 running: list[Running] | None = None):
+                 running: list[Running] | None = None, capacity_blocks: dict[str, dict | str] | None = None):
         self.resources: list[Registered] = []  # custom resources, with their inputs
         self.components: list[Registered] = []  # everything registered, components included
         self.calls: list[tuple[str, dict]] = []
@@ -232,6 +260,8 @@ class ClusterMocks(pulumi.runtime.Mocks):
         # (ROOMY_QUOTA where not given)
         self.quotas = dict(quotas or {})
         self.running = list(running or [])
+        # Capacity Block id -> capacity_block_result(...) fields, or the provider's error reading it
+        self.capacity_blocks = dict(capacity_blocks or {})
 
     def call(self, args: pulumi.runtime.MockCallArgs):
         self.calls.append((args.token, dict(args.args)))
@@ -285,6 +315,13 @@ class ClusterMocks(pulumi.runtime.Mocks):
                 return {}, [("instanceId", "Your query returned no results")]
             return {"id": inst.id, "instanceType": inst.instance_type, "tags": dict(inst.tags),
                     "instanceState": inst.state}
+        if args.token == "aws:ec2/getCapacityBlockReservation:getCapacityBlockReservation":
+            block = self.capacity_blocks.get(args.args["id"])
+            if block is None:
+                return {}, [("id", "no matching EC2 Capacity Block Reservation found")]
+            if isinstance(block, str):
+                return {}, [("id", block)]
+            return block
         raise Exception(f"unexpected call {args.token}")
 
     @staticmethod
@@ -295,6 +332,8 @@ class ClusterMocks(pulumi.runtime.Mocks):
                 ok = any(fnmatch.fnmatchcase(inst.instance_type, p) for p in values)
             elif name == "instance-lifecycle":
                 ok = inst.lifecycle in values
+            elif name == "capacity-reservation-id":
+                ok = inst.reservation in values
             elif name.startswith("tag:"):
                 ok = inst.tags.get(name[4:]) in values
             else:

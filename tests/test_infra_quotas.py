@@ -110,18 +110,20 @@ def test_quota_groups_as_data_with_their_spot_quotas():
     its On-Demand and Spot quota codes."""
     expect = {
         "g6.12xlarge": (G, "L-3819A6DF"), "gr6.4xlarge": (G, "L-3819A6DF"), "g4dn.xlarge": (G, "L-3819A6DF"),
-        "p5.48xlarge": (P, "L-7212CCBC"), "p6-b200.48xlarge": (P, "L-7212CCBC"),
-        "p4d.24xlarge": (P, "L-7212CCBC"), "c6i.xlarge": (STANDARD, "L-34B43A08"),
+        # The Spot quotas split P by generation: P5 has its own, P6 none yet (using-spot-limits.html).
+        "p5.48xlarge": (P, "L-C4BD4855"), "p5en.48xlarge": (P, "L-C4BD4855"), "p6-b200.48xlarge": (P, None),
+        "p4d.24xlarge": (P, "L-7212CCBC"), "p3.2xlarge": (P, "L-7212CCBC"), "c6i.xlarge": (STANDARD, "L-34B43A08"),
         "t3.large": (STANDARD, "L-34B43A08"), "m7i-flex.large": (STANDARD, "L-34B43A08"),
     }
     for itype, codes in expect.items():
         group = quota_group(itype)
-        assert group and (group.on_demand.code, group.spot.code) == codes, itype
+        spot = group and group.spot_quota(itype)
+        assert group and (group.on_demand.code, spot.quota.code if spot else None) == codes, itype
     # Families with quotas of their own are not mistaken for Standard ones (d*, h*, i*, t*).
     for itype in ("dl1.24xlarge", "hpc7a.96xlarge", "inf2.xlarge", "trn1.32xlarge", "x2idn.16xlarge"):
         assert quota_group(itype) is None, itype
     assert family("u-6tb1.metal") == "u"
-    codes = [q.code for g in QUOTA_GROUPS for q in (g.on_demand, g.spot)]
+    codes = [q.code for g in QUOTA_GROUPS for q in (g.on_demand, *(s.quota for s in g.spot))]
     assert len(set(codes)) == len(codes)
 
 

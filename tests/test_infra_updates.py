@@ -77,8 +77,11 @@ def test_the_installed_provider_docs_are_read():
     assert (FORCE_NEW | STOP_START | set(docs)) <= inputs, sorted((FORCE_NEW | STOP_START | set(docs)) - inputs)
 
 
-@pytest.mark.parametrize("cfg", [{}, {"gpuInstanceType": "p5.48xlarge"}, {"idleStopMinutes": "0"}],
-                         ids=["default", "p5-efa", "no-power-saving"])
+@pytest.mark.parametrize("cfg", [{}, {"gpuInstanceType": "p5.48xlarge"}, {"idleStopMinutes": "0"},
+                                 {"gpuMarket": "spot"},
+                                 {"gpuMarket": "capacity-reservation", "capacityReservationId": "cr-0123456789abcdef0",
+                                  "availabilityZone": "ap-northeast-2a"}],
+                         ids=["default", "p5-efa", "no-power-saving", "spot", "capacity-reservation"])
 def test_no_disruptive_input_is_left_to_change(cfg):
     """Each input the program sets that stops/starts or replaces an instance on update is in
     ignore_changes or deliberate (changes only with the stack's config), with a reason."""

@@ -44,7 +44,16 @@ def describe(name: str, power: str, power_up_time: str) -> str:
 
 # EC2's "no capacity right now" answers (EC2 API Reference, "Error codes").
 CAPACITY_CODES = ("InsufficientInstanceCapacity", "InsufficientHostCapacity",
-                  "InsufficientReservedInstanceCapacity", "InsufficientCapacity")
+                  "InsufficientReservedInstanceCapacity", "InsufficientCapacity", "UnfulfillableCapacity")
+# StartInstances errors of a persistent spot node (EC2 API Reference, "Error codes"). Not here:
+# capacity-not-available, capacity-oversubscribed, price-too-low are Spot *request status* codes
+# (EC2 User Guide, "Spot request status codes"), never an API error; SpotMaxPriceTooLow cannot happen
+# (the nodes set no maximum price: infra/market.py).
+SPOT_REQUEST_GONE = "IncorrectSpotRequestState"  # the node's persistent request is closed or cancelled
+SPOT_QUOTA = "MaxSpotInstanceCountExceeded"  # the family's Spot vCPU quota (open requests count too)
+# The Spot vCPU quotas a GPU node's family falls under (EC2 User Guide, using-spot-limits.html; the
+# codes: infra/quotas.py).
+SPOT_QUOTA_CODES = "L-3819A6DF (G and VT), L-C4BD4855 (P5), L-7212CCBC (P4, P3, P2)"
 POWER_LOG = render.POWER_LOG
 
 
@@ -59,6 +68,21 @@ def advice(reason: str) -> str:
     """What the user can do about a failed start, from the error code in its reason."""
     code = reason.removeprefix(render.START_FAILED_REASON).strip().split(":", 1)[0]
     retry = "Slurm powered it down again; the next job that needs it (or `fab train` again) starts it again"
+    if code == SPOT_REQUEST_GONE:
+        return ("this spot node's persistent Spot request is closed or cancelled (cancelled by hand, or past its "
+                "end date), so EC2 will not start the instance again: replace the node with `pulumi up --replace "
+                "URN` (its instance's URN from `pulumi stack --show-urns`), or move the stack to on-demand "
+                "(`pulumi config set slurm-gpu:gpuMarket on-demand`, which replaces every GPU node)")
+    if code == SPOT_QUOTA:
+        return ("the account's Spot vCPU quota for the instance family is used up (open Spot requests count "
+                "too): cancel unused spot requests, or ask for more: `aws service-quotas "
+                "request-service-quota-increase --service-code ec2 --quota-code CODE --desired-value N` with "
+                f"CODE {SPOT_QUOTA_CODES}. {retry}")
+    if code in CAPACITY_CODES and "spot" in reason.lower():
+        return (f"the Spot market has no capacity for this spot node now ({code}). An interrupted spot node is "
+                "started again by EC2 itself when capacity returns (its root volume kept); until then, wait "
+                f"({retry}), or move the stack to on-demand or a reservation (`pulumi config set "
+                "slurm-gpu:gpuMarket on-demand`, which replaces the GPU nodes; docs/FAULTS.md)")
     if code in CAPACITY_CODES:
         return (f"AWS has no spare capacity for the instance type in the placement group's zone now. Wait and "
                 f"retry ({retry}); or move to another Availability Zone that offers the type (`aws ec2 "

@@ -19,6 +19,7 @@ import yaml
 
 from cluster.errors import UserError
 from cluster.settings import SETTINGS
+from ops.cost import market_prices
 
 DATA = Path(__file__).resolve().parents[1] / "data"  # ops/data/
 # The one benchmark result the estimate is calibrated on, chosen on purpose (not the newest file):
@@ -81,6 +82,7 @@ class PricedCluster:
     stack_nodes: int = 0  # GPU nodes the stack runs (and bills), of which the job uses `nodes`
     # No real GPUs (the local cluster): phase times calibrated on the CI machine, nothing billed.
     calibrated: bool = False
+    market: str = "on-demand"  # slurm-gpu:gpuMarket: ops/cost/market_prices.py prices spot and Capacity Blocks
 
     @property
     def billed_nodes(self) -> int:
@@ -395,6 +397,19 @@ def cost(est: Estimate, scenario: str) -> list[CostLine]:
     return lines
 
 
+def spot_bill(est: Estimate, scenario: str) -> tuple[float, float] | None:
+    """The run's bill with the GPU nodes on spot (low, high over the recorded range of
+    ops/data/prices.json): cost()'s GPU line priced at the spot range instead."""
+    cl = est.cluster
+    spot = None if cl.calibrated else market_prices.spot_range(_json("prices.json"), cl.region, cl.gpu_type)
+    if spot is None:
+        return None
+    rest = sum(c.usd for c in cost(est, scenario)[1:])  # its first line is the GPU nodes
+    wall = est.total(scenario)
+    low, high = (rest + cl.billed_nodes * p * wall / 3600 for p in (spot.low, spot.high))
+    return low, high
+
+
 def idle_tail(est: Estimate) -> CostLine | None:
     """What the GPU nodes cost while they wait idle for power saving to stop them after the job."""
     cl = est.cluster
@@ -434,6 +449,9 @@ def lines(est: Estimate, scenarios: tuple[str, ...] = SCENARIOS) -> list[str]:
         if bill:
             out.append(f"  cost, {SCENARIO_TITLES[s]}: ${sum(c.usd for c in bill):.2f}")
             out.extend(f"    ${c.usd:>7.3f}  {c.what}" for c in bill)
+            out.extend(market_prices.market_lines(
+                _json("prices.json"), region=cl.region, gpu_type=cl.gpu_type, nodes=cl.billed_nodes,
+                wall=est.total(s), on_demand_h=price_per_h(cl.region, cl.gpu_type), market=cl.market))
     tail = idle_tail(est)
     if tail:
         out.append(f"  ${tail.usd:.2f} {tail.what}: `fab` does not stop them sooner")
@@ -520,7 +538,8 @@ def cluster_for(target: str, stack: str | None, inv=None, nodes: int | None = No
     cl = PricedCluster(target, reg, itype, settings["controllerInstanceType"], n, g,
                  root_volume_gib=int(settings["rootVolumeGiB"]), idle_stop_min=idle, scratch_mbps=scratch,
                  scratch_iops=iops, scratch_from=scratch_from,
-                 source=source + (" + inventory" if inv else ""), stack_nodes=stack_nodes)
+                 source=source + (" + inventory" if inv else ""), stack_nodes=stack_nodes,
+                 market=str(settings.get("gpuMarket") or "on-demand"))
     prices(reg)  # an unknown region or type fails here, naming the price table
     price_per_h(reg, cl.gpu_type)
     price_per_h(reg, cl.controller_type)
