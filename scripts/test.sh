@@ -7,4 +7,5 @@ bash scripts/setup.sh
 trap '.venv/bin/fab local.down >/dev/null 2>&1 || true; .venv/bin/python -m boottest.teardown >/dev/null 2>&1 || true' EXIT
 # Lint first: it takes a second and names the file and line (pyproject.toml holds the rules).
 .venv/bin/ruff check .
-.venv/bin/pytest -q "$@"
+# --durations: where the run spends its time, printed at the end (CI has a 35-minute budget).
+.venv/bin/pytest -q --durations=25 "$@"
