@@ -33,8 +33,8 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from training import cost_cap, tensorboard_events
 from training import samples as sample_answers
-from training import tensorboard_events
 from training.args import DataArguments, ModelArguments, TrainConfig, gpu_available, parse_args, switch
 from training.callbacks import FAULT_RANK_ENV, FAULT_STEP_ENV, LOG_PREFIX, PhaseTimingCallback, make_callbacks
 from training.checkpoints import with_background_checkpoints
@@ -194,11 +194,13 @@ def main(argv: list[str] | None = None) -> dict | None:
         timing["model_loaded"] = time.time()
     clock = PhaseTimingCallback(phases)
     every = EvalEveryCallback(train_args.eval_every_steps if eval_rows is not None else 0)
+    cap = cost_cap.make(train_args)  # None without --max-cost
     if tensorboard_events.enabled(train_args):
         tensorboard_events.use_log_dir(train_args)
     with phases.phase("trainer"):
         trainer = build_trainer(model, tokenizer, dataset, model_args, train_args, flex_packing,
-                                [*make_callbacks(train_args.final_checkpoint), clock, every], eval_rows)
+                                [*make_callbacks(train_args.final_checkpoint), clock, every, *([cap] if cap else [])],
+                                eval_rows)
     every.trainer = trainer
     timing["trainer_built"] = time.time()
     if trainer.is_world_process_zero():
@@ -253,6 +255,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     metrics["compile_reason"] = getattr(trainer, "compile_reason", None)
     metrics["choices"] = trainer.choices
     metrics["train_rows"] = len(dataset)
+    if cap:
+        metrics.update(cap.report())
     if evaluation:
         source = data_args.eval_dataset_name or f"{len(eval_rows)} rows held out of the training rows"
         metrics["eval"] = {**evaluation, "rows": len(eval_rows), "source": source,
