@@ -3,7 +3,9 @@
 After each optimizer step rank 0 projects what the run will have cost once one more step and a
 checkpoint are done: the hourly rate of the job's instances (`cost_per_hour_usd`) times the wall time
 since the run began costing (`cost_started_at`, fab's start on the cluster's clock: the steps before
-training count), plus the measured step time and checkpoint time. When that would pass `max_cost_usd`
+training count), plus the measured step time, checkpoint time and the run's tail after training (the
+held-out evaluation, samples and adapters: as long as the evaluation and samples before training took,
+`tail_s`). When that would pass `max_cost_usd`
 it asks the Trainer to save a checkpoint now and stop; every rank gets the decision from rank 0 (a
 broadcast), so all stop at the same step. The run then ends as a finished one (adapters, metrics,
 COMPLETED marker: a requeue does not train again), and metrics.json says `stopped_by: max_cost` with
@@ -36,9 +38,9 @@ def step_seconds(train_begin: float, step_ends: tuple[float, float], steps_done:
     return max(0.0, first_end - train_begin)
 
 
-def would_pass(now: float, step_s: float, save_s: float, started_at: float, per_hour: float, cap: float) -> bool:
-    """Whether one more step and a checkpoint after it would end above the cap."""
-    return cost_at(now + step_s + save_s, started_at, per_hour) > cap
+def would_pass(now: float, step_s: float, margin_s: float, started_at: float, per_hour: float, cap: float) -> bool:
+    """Whether one more step and then `margin_s` (a checkpoint, the run's end) would end above the cap."""
+    return cost_at(now + step_s + margin_s, started_at, per_hour) > cap
 
 
 def full_run_cost(spent: float, steps_left: int, step_s: float, per_hour: float) -> float:
@@ -71,6 +73,7 @@ class CostCapCallback(TrainerCallback):
         self.last_end: float | None = None
         self.steps = 0  # optimizer steps taken by this process (a resumed run starts again at 0)
         self.save_s: float | None = None  # the last checkpoint's time in the loop
+        self.tail_s = 0.0  # what the run does after training (training/train.py sets it)
         self.step_s = 0.0
         self.stopped_at: int | None = None
         self.max_steps = 0
@@ -94,8 +97,8 @@ class CostCapCallback(TrainerCallback):
         stop = False
         if state.is_world_process_zero:
             self.step_s = step_seconds(self.train_begin or now, (self.first_end, now), self.steps)
-            save_s = self.save_s if self.save_s is not None else self.step_s
-            stop = would_pass(now, self.step_s, save_s, self.started_at, self.per_hour, self.cap)
+            save_s = self.save_s if self.save_s is not None else self.step_s  # no checkpoint yet: a step's time
+            stop = would_pass(now, self.step_s, save_s + self.tail_s, self.started_at, self.per_hour, self.cap)
         if _rank0_decides(stop, self.group):
             self.stopped_at = state.global_step
             control.should_save = True

@@ -223,6 +223,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         if trainer.is_world_process_zero():
             print(RESUME_PREFIX + json.dumps({"checkpoint": resume, "step": start_step}), flush=True)
 
+    if cap:  # the evaluation and samples after training take about as long as those before it
+        cap.tail_s = time.time() - timing["trainer_built"]
     train_output = trainer.train(resume_from_checkpoint=resume)
     timing["trained"] = time.time()
     if eval_rows is not None:
