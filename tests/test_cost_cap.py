@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import time
 
 import pytest
 from fabric import Config
@@ -211,3 +212,58 @@ def test_estimate_with_a_cap_says_whether_it_fits(capsys):
         fabfile.train(Context(config=Config()), target="local", estimate=True, max_cost="0.001")
     fabfile.train(Context(config=Config()), target="local", estimate=True, max_cost="100")
     assert re.search(r"fits --max-cost \$100\.00: estimated at \$\d+\.\d\d", capsys.readouterr().out)
+
+
+# ---------------------------------------------------------------- the Trainer stops (CPU, the tiny model)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from tests.test_training_run import N_EXAMPLES
+    from training.make_tiny import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("tiny"), examples=N_EXAMPLES, seed=0)
+
+
+def _capped(tiny, out, cap: float, *extra) -> list[str]:
+    """A run that began costing an hour ago at $1/h: $1 spent before its first step."""
+    from tests.test_training_run import argv_for
+
+    return argv_for(tiny, out, "--max_cost_usd", str(cap), "--cost_per_hour_usd", "1",
+                    "--cost_started_at", str(time.time() - 3600), *extra)
+
+
+def test_a_run_over_its_cap_stops_after_the_first_step_with_a_checkpoint(tiny, tmp_path):
+    from training import train
+
+    out = tmp_path / "out"
+    metrics = train.main(_capped(tiny, out, 0.5))
+    assert metrics["stopped_by"] == "max_cost" and metrics["train_steps"] == 1
+    cost = metrics["cost"]
+    assert cost["stopped_at_step"] == 1 < cost["max_steps"] and cost["full_run_usd"] > cost["spent_usd"] > 1.0
+    state = json.loads((out / "checkpoint-1" / "trainer_state.json").read_text())
+    assert state["global_step"] == 1 and (out / "checkpoint-1" / "adapter_model.safetensors").is_file()
+    assert (out / "adapter_model.safetensors").is_file() and (out / "COMPLETED").is_file()
+    assert json.loads((out / "COMPLETED").read_text())["stopped_by"] == "max_cost"
+
+
+def test_a_run_under_its_cap_trains_to_the_end(tiny, tmp_path):
+    from training import train
+
+    metrics = train.main(_capped(tiny, tmp_path / "out", 1000, "--max_steps", "3"))
+    assert "stopped_by" not in metrics and metrics["train_steps"] == 3
+    assert 1.0 < metrics["cost"]["spent_usd"] < 1000
+
+
+@pytest.mark.slow
+def test_two_ranks_stop_together_on_rank_0s_word(tiny, tmp_path):
+    from tests.test_training_run import ABORT, torchrun
+
+    out = tmp_path / "out"
+    proc = torchrun(tiny, out, "--max_cost_usd", "0.5", "--cost_per_hour_usd", "1",
+                    "--cost_started_at", str(time.time() - 3600))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["world_size"] == 2 and metrics["stopped_by"] == "max_cost" and metrics["train_steps"] == 1
+    assert (out / "checkpoint-1" / "trainer_state.json").is_file()
+    assert ABORT not in proc.stderr, proc.stderr[-3000:]
