@@ -40,6 +40,7 @@ def train(c, where, config=None, nodes=None, gpus_per_node=None, examples=None, 
     streams its progress, prints the summary (loss, token accuracy, tokens/s, network check, NCCL
     transports) and downloads adapters, trainer state and a loss curve.
     Ctrl-C stops following; the job keeps running (`fab logs --job JOB` reattaches).
+    --max-cost USD: refused when the estimate is over it; the job stops with a checkpoint before it passes it.
     """
     opts = options.parse_train(where, config=config, nodes=nodes, gpus_per_node=gpus_per_node,
                                examples=examples, model=model, data=data, skip_check=skip_check,
