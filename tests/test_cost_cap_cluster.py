@@ -1,10 +1,10 @@
 """`fab train --max-cost` on the real local cluster: a cap the estimate fits, a run slower than the
 estimate, and the job stops with a checkpoint before the cap instead of training to the end.
 
-The local cluster is priced at its stand-in rate per node (ops/data/local.json). The estimate prices
-make_tiny's short rows; this run trains on rows about ten times longer, so its steps take longer than
-estimated, as a run on data longer than the estimate assumed would on AWS. The cap is the estimate's
-cost: `fab train` accepts it, and the run reaches it during training.
+The local cluster is priced at its stand-in rate per node (ops/data/local.json). Its estimate knows
+make_tiny's 2-layer model; this run trains a wider, deeper one on the same rows (as a run on AWS with
+a model bigger than the estimate assumed), so its steps take many times longer than estimated. The cap
+is the estimate's cost: `fab train` accepts it, and the run reaches it during training.
 """
 
 from __future__ import annotations
@@ -12,9 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
 import re
-import string
 import subprocess
 from pathlib import Path
 
@@ -26,17 +24,26 @@ from tests.localcluster_fixture import fresh_cluster
 
 REPO = Path(__file__).resolve().parent.parent
 FAB = str(REPO / ".venv" / "bin" / "fab")
-ROWS = 200
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 
-def long_rows(n: int) -> list[dict]:
-    """Rows whose answers are a few hundred characters the tiny tokenizer splits finely (max_length cuts them)."""
-    rng = random.Random(0)
-    return [{"instruction": "Copy these letters.", "input": "",
-             "output": " ".join("".join(rng.choices(string.ascii_lowercase, k=7)) for _ in range(40))}
-            for _ in range(n)]
+def wider_model(out: Path) -> tuple[Path, Path]:
+    """make_tiny's rows and tokenizer with a 6-layer, 768-wide Qwen3 (some 500x the tiny model's compute)."""
+    import torch
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    from training.make_tiny import make_tiny
+
+    model_dir, data = make_tiny(out)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    config = Qwen3Config(vocab_size=len(tok), hidden_size=768, intermediate_size=3072, num_hidden_layers=6,
+                         num_attention_heads=12, num_key_value_heads=4, head_dim=64, max_position_embeddings=1024,
+                         tie_word_embeddings=True, eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).save_pretrained(model_dir)
+    return model_dir, data
 
 
 def test_cap_stops_the_run_with_a_checkpoint_and_brings_its_adapters_home(tmp_path):
@@ -45,17 +52,16 @@ def test_cap_stops_the_run_with_a_checkpoint_and_brings_its_adapters_home(tmp_pa
     from localcluster import layout
 
     with fresh_cluster(nodes=2, gpus=2) as (inv, job_dirs):
-        data = layout.SCRATCH / "captest" / "long.jsonl"
-        data.parent.mkdir(parents=True, exist_ok=True)
-        data.write_text("".join(json.dumps(r) + "\n" for r in long_rows(ROWS)))
+        wider_model(layout.SCRATCH / "captest")
         job_dirs.append("/scratch/captest")
-        opts = options.parse(target="local", examples=str(ROWS), data="/scratch/captest/long.jsonl")
+        model, data = "/scratch/captest/model", "/scratch/captest/data/train.jsonl"
+        opts = options.parse(target="local", model=model, data=data)
         plan = est.for_run(opts, inv)
         cap = math.ceil(cost_cap.run_cost(plan, "first") * 1000) / 1000  # the estimate, to a tenth of a cent
 
         env = {**os.environ, "SLURM_GPU_RUNS": str(tmp_path)}
-        res = subprocess.run([FAB, "train", "--target", "local", "--data", "/scratch/captest/long.jsonl",
-                              "--examples", str(ROWS), "--max-cost", str(cap)], cwd=REPO, env=env,
+        res = subprocess.run([FAB, "train", "--target", "local", "--model", model, "--data", data,
+                              "--max-cost", str(cap)], cwd=REPO, env=env,
                              capture_output=True, text=True, timeout=420)
         out = res.stdout + res.stderr
         m = re.search(r"submitted job (\d+): .* in (\S+);", out)
