@@ -88,6 +88,8 @@ class CostCapCallback(TrainerCallback):
             self.group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
 
     def on_step_end(self, args, state, control, **kwargs):
+        # transformers/trainer.py, _inner_training_loop: on_step_end runs before _maybe_log_save_evaluate
+        # (which saves when control.should_save) and the loop breaks after it on should_training_stop.
         now = self.clock()
         self.steps += 1
         self.first_end = self.first_end or now
