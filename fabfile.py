@@ -33,9 +33,10 @@ from ops.ssh.remote import open_cluster
     "estimate": "print each phase's predicted time and the run's cost, then stop (no host is touched)",
     "skip-check": "do not run the network check (all-reduce of every node) before the job",
     "healthy-only": "when the network check fails nodes, drain them and train on the others instead of stopping",
+    "max-cost": "US dollars the run may cost: refused if the estimate is over; stops with a checkpoint before it",
 })
 def train(c, where, config=None, nodes=None, gpus_per_node=None, examples=None, model=None, data=None, raw=False,
-          estimate=False, skip_check=False, healthy_only=False):
+          estimate=False, skip_check=False, healthy_only=False, max_cost=None):
     """Fine-tune with LoRA across the cluster and bring the adapters home to runs/<job-id>/.
 
     Waits for cloud-init, shares the controller's munge key, returns nodes to service, runs a
@@ -43,10 +44,11 @@ def train(c, where, config=None, nodes=None, gpus_per_node=None, examples=None, 
     streams its progress, prints the summary (loss, token accuracy, tokens/s, network check, NCCL
     transports) and downloads adapters, trainer state and a loss curve.
     Ctrl-C stops following; the job keeps running (`fab logs --job JOB` reattaches).
+    --max-cost USD: refused when the estimate is over it; the job stops with a checkpoint before it passes it.
     """
     opts = options.parse_train(where, config=config, nodes=nodes, gpus_per_node=gpus_per_node,
                                examples=examples, model=model, data=data, skip_check=skip_check,
-                               healthy_only=healthy_only)
+                               healthy_only=healthy_only, max_cost=max_cost)
     finetune.train(opts, raw=raw, estimate=estimate)
 
 

@@ -67,6 +67,10 @@ FLAGS += [
     ("train", {"target": "local", "examples": "x"}, ["--examples must be a whole number, not 'x'"]),
     ("train", {"target": "local", "nodes": "x"}, ["--nodes must be a whole number, not 'x'"]),
     ("train", {"target": "local", "gpus_per_node": "0"}, ["--gpus-per-node must be at least 1, not 0"]),
+    ("train", {"target": "local", "max_cost": "-5"}, ["--max-cost must be a positive number of US dollars", "'-5'"]),
+    ("train", {"target": "local", "max_cost": "0"}, ["--max-cost must be a positive number of US dollars", "'0'"]),
+    ("train", {"target": "local", "max_cost": "nan"}, ["--max-cost must be a positive number of US dollars"]),
+    ("train", {"target": "local", "max_cost": "ten"}, ["--max-cost must be a number of US dollars", "'ten'"]),
     ("ssh", {"host": "", "target": "local"}, ["name the host", "`fab ssh controller`"]),
     ("ssh", {"host": "   ", "target": "nowhere"}, ["name the host", "`fab ssh gpu-node-01`"]),
 ]

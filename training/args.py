@@ -224,6 +224,14 @@ class TrainConfig(SFTConfig):
         metadata={"help": "Packed path: most tokens per packed micro-batch. Unset = from the GPU's free memory "
                           "(a step with more tokens runs as several micro-batches)."},
     )
+    # The cost cap (`fab train --max-cost` sets all three; training/cost_cap.py).
+    max_cost_usd: float = field(
+        default=0.0, metadata={"help": "Stop with a checkpoint before the run's cost would pass this many US "
+                                       "dollars (0 = no cap)."})
+    cost_per_hour_usd: float = field(default=0.0, metadata={"help": "What the run's instances cost per hour."})
+    cost_started_at: float = field(
+        default=0.0, metadata={"help": "When the run began costing (Unix seconds): the time before training "
+                                       "counts as spent."})
 
     def __post_init__(self):
         for name in ("step_layout", "attention", "compile_layers", "cuda_graphs"):
@@ -245,6 +253,9 @@ class TrainConfig(SFTConfig):
             self.use_cpu = True
         elif self.bf16 is None:
             self.bf16 = True
+        if self.max_cost_usd < 0 or (self.max_cost_usd and self.cost_per_hour_usd <= 0):
+            raise ValueError(f"max_cost_usd must be 0 (no cap) or positive with cost_per_hour_usd > 0: got "
+                             f"{self.max_cost_usd}, {self.cost_per_hour_usd}")
         super().__post_init__()
 
 

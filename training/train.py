@@ -33,8 +33,8 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from training import cost_cap, tensorboard_events
 from training import samples as sample_answers
-from training import tensorboard_events
 from training.args import DataArguments, ModelArguments, TrainConfig, gpu_available, parse_args, switch
 from training.callbacks import FAULT_RANK_ENV, FAULT_STEP_ENV, LOG_PREFIX, PhaseTimingCallback, make_callbacks
 from training.checkpoints import with_background_checkpoints
@@ -196,11 +196,13 @@ def main(argv: list[str] | None = None) -> dict | None:
     clock = PhaseTimingCallback(phases)
     on_signal = CheckpointOnSignal()  # the spot watcher's "checkpoint now" (training/interrupts.py)
     every = EvalEveryCallback(train_args.eval_every_steps if eval_rows is not None else 0)
+    cap = cost_cap.make(train_args)  # None without --max-cost
     if tensorboard_events.enabled(train_args):
         tensorboard_events.use_log_dir(train_args)
     with phases.phase("trainer"):
         trainer = build_trainer(model, tokenizer, dataset, model_args, train_args, flex_packing,
-                                [*make_callbacks(train_args.final_checkpoint), clock, every, on_signal], eval_rows)
+                                [*make_callbacks(train_args.final_checkpoint), clock, every, on_signal,
+                                 *([cap] if cap else [])], eval_rows)
     every.trainer = trainer
     timing["trainer_built"] = time.time()
     if trainer.is_world_process_zero():
@@ -223,6 +225,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         if trainer.is_world_process_zero():
             print(RESUME_PREFIX + json.dumps({"checkpoint": resume, "step": start_step}), flush=True)
 
+    if cap:  # the evaluation and samples after training take about as long as those before it
+        cap.tail_s = time.time() - timing["trainer_built"]
     train_output = trainer.train(resume_from_checkpoint=resume)
     timing["trained"] = time.time()
     if on_signal.stopped_at is not None:  # every rank agreed: the checkpoint is complete, the job requeues
@@ -259,6 +263,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     metrics["compile_reason"] = getattr(trainer, "compile_reason", None)
     metrics["choices"] = trainer.choices
     metrics["train_rows"] = len(dataset)
+    if cap:
+        metrics.update(cap.report())
     if evaluation:
         source = data_args.eval_dataset_name or f"{len(eval_rows)} rows held out of the training rows"
         metrics["eval"] = {**evaluation, "rows": len(eval_rows), "source": source,

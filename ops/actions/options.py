@@ -55,6 +55,8 @@ class TrainOptions:
     # Where the job will read its model and data: the flag, else the config's setting (or its default).
     config_model: str | None = None
     config_data: str | None = None
+    # --max-cost: US dollars the run may cost (ops/cost/cap.py); None: no cap.
+    max_cost: float | None = None
 
     @property
     def model_path(self) -> str | None:
@@ -164,11 +166,12 @@ def parse_host(host) -> str:
 
 
 def parse(target=None, stack=None, config=None, nodes=None, gpus_per_node=None, examples=None,
-          model=None, data=None, identity=None, skip_check=False, healthy_only=False) -> TrainOptions:
+          model=None, data=None, identity=None, skip_check=False, healthy_only=False,
+          max_cost=None) -> TrainOptions:
     """Check `fab train`'s flags on their own (no inventory needed)."""
     return parse_train(parse_cluster(target=target, stack=stack, identity=identity), config=config,
                        nodes=nodes, gpus_per_node=gpus_per_node, examples=examples, model=model, data=data,
-                       skip_check=skip_check, healthy_only=healthy_only)
+                       skip_check=skip_check, healthy_only=healthy_only, max_cost=max_cost)
 
 
 def parse_check_flags(skip_check, healthy_only) -> tuple[bool, bool]:
@@ -180,9 +183,15 @@ def parse_check_flags(skip_check, healthy_only) -> tuple[bool, bool]:
 
 
 def parse_train(where: ClusterOptions, config=None, nodes=None, gpus_per_node=None, examples=None,
-                model=None, data=None, skip_check=False, healthy_only=False) -> TrainOptions:
+                model=None, data=None, skip_check=False, healthy_only=False, max_cost=None) -> TrainOptions:
     """`fab train`'s own flags, for the cluster `where` names (already checked by `parse_cluster`)."""
     skip_check, healthy_only = parse_check_flags(skip_check, healthy_only)  # before the config: no TRL import
+    from ops.cost import cap as cost_cap
+
+    try:
+        cap = cost_cap.parse(max_cost)
+    except cost_cap.CostCapError as exc:
+        raise OptionError(str(exc)) from None
     tgt, identity = targets.get(where.target), where.identity
     path, settings = _config(config, tgt)
     model, data = _model_or_data("model", model, tgt), _model_or_data("data", data, tgt)
@@ -197,7 +206,7 @@ def parse_train(where: ClusterOptions, config=None, nodes=None, gpus_per_node=No
         target=where.target, stack=where.stack, config=path,
         nodes=_int("nodes", nodes), gpus_per_node=_int("gpus-per-node", gpus_per_node),
         examples=_int("examples", examples), model=model, data=data, identity=identity,
-        skip_check=skip_check, healthy_only=healthy_only,
+        skip_check=skip_check, healthy_only=healthy_only, max_cost=cap,
         config_model=None if model else from_config("model_name_or_path", "model"),
         config_data=None if data else from_config("dataset_name", "data"),
     )

@@ -26,6 +26,7 @@ from cluster.inventory import Inventory
 from ops.actions import cloudinit, munge, netcheck, node_update, prefetch, reconfigure, slurm
 from ops.actions import node_power as power
 from ops.actions.options import REPO, TrainOptions, check_against
+from ops.cost import cap as cost_cap
 from ops.cost import estimate as est
 from ops.finetune import gpu_events, stream, summary, timeline
 from ops.finetune import sbatch as jobs
@@ -294,8 +295,9 @@ def check_inputs(cl: Cluster, opts: TrainOptions, say: Say) -> None:
 
 
 def launch(cl: Cluster, opts: TrainOptions, nodes: int, gpus: int, say: Say,
-           submitted: list[str] | None = None) -> tuple[str, str, str]:
-    """Upload code, config and script; submit. Returns (job id, job dir, log path).
+           submitted: list[str] | None = None, extra: dict[str, object] | None = None) -> tuple[str, str, str]:
+    """Upload code, config and script; submit. Returns (job id, job dir, log path). `extra`: more
+    training settings for the job's command line (the cost cap's).
 
     The job id is also appended to `submitted` as soon as Slurm gives it, so a Ctrl-C that
     lands before this returns can still say which job keeps running.
@@ -312,7 +314,7 @@ def launch(cl: Cluster, opts: TrainOptions, nodes: int, gpus: int, say: Say,
     # The job reads exactly what the flags or the config name; only the tiny model and data
     # (local-tiny.yaml's paths) are made here when missing, and that is said.
     flags: dict[str, object] = {"model_name_or_path": opts.model, "dataset_name": opts.data,
-                                "n_examples": opts.examples}
+                                "n_examples": opts.examples, **(extra or {})}
     if {opts.model_path, opts.data_path} & set(tiny_paths(inv)):
         ensure_tiny(cl, job_dir, say)
     say(f"      model {_where(opts, 'model')}; data {_where(opts, 'data')}")
@@ -473,7 +475,7 @@ def controller_lost(exc: slurm.ControllerUnreachable, job_id: str, target: str) 
 
 def run(cl: Cluster, opts: TrainOptions, nodes: int, gpus: int, say: Say = print,
         raw: bool = False, tl: timeline.Timeline | None = None,
-        predicted: dict[str, float] | None = None) -> summary.RunSummary:
+        predicted: dict[str, float] | None = None, cost_per_h: float | None = None) -> summary.RunSummary:
     tl = tl or timeline.Timeline()  # every step below is one phase of the run's timeline
     with tl.phase("wake"):
         power.wake(cl, say)  # every later step reaches the nodes over SSH
@@ -496,7 +498,10 @@ def run(cl: Cluster, opts: TrainOptions, nodes: int, gpus: int, say: Say = print
     try:
         with tl.phase("staging"):
             tl.clock_offset_s = timeline.clock_offset(cl.controller)
-            job_id, job_dir, log_path = launch(cl, opts, nodes, gpus, say, submitted)
+            # The cap counts from fab's start (on the cluster's clock): the steps before training cost too.
+            cap = cost_cap.train_flags(opts.max_cost, cost_per_h, tl.started + tl.clock_offset_s) \
+                if opts.max_cost and cost_per_h else None
+            job_id, job_dir, log_path = launch(cl, opts, nodes, gpus, say, submitted, cap)
         with tl.phase("queue") as follow:  # split into the job's own phases once it has ended
             followed = stream.follow(cl.controller, job_id, log_path, say=lambda s: say("      " + s), raw=raw)
     except KeyboardInterrupt:
@@ -520,7 +525,11 @@ def train(opts: TrainOptions, say: Say = print, raw: bool = False,
     tl = timeline.Timeline(started=timeline.process_started())  # the run's wall time: from fab's start
     with tl.phase("setup", start=tl.started):
         if estimate:
-            est.print_for_run(opts, est.load_inventory(opts.target, opts.stack))
+            inv = est.load_inventory(opts.target, opts.stack)
+            plan = est.print_for_run(opts, inv)
+            if opts.max_cost:
+                cost = _check_cap(opts, plan, est.scenario_for(RUNS, inv.cluster_name) if inv else "first")
+                say(f"  fits --max-cost ${opts.max_cost:.2f}: estimated at ${cost:.2f}")
             return None
         inv = targets.load(opts.target, opts.stack)
         nodes, gpus = check_against(opts, inv)
@@ -533,16 +542,32 @@ def train(opts: TrainOptions, say: Say = print, raw: bool = False,
             plan = est.for_run(opts, inv)
             predicted = plan.predicted(est.scenario_for(RUNS, inv.cluster_name))
         except est.EstimateError as exc:
+            if opts.max_cost:  # no estimate, no price: the cap cannot be held
+                raise TrainError(f"--max-cost needs the run's estimate and prices, which failed: {exc}") from None
             say(f"note: no estimate for this run ({exc})")
+        cost_per_h = None
+        if opts.max_cost and plan is not None:  # refused here, before any host is touched
+            cost = _check_cap(opts, plan, est.scenario_for(RUNS, inv.cluster_name))
+            cost_per_h = cost_cap.rate_per_h(plan.cluster)
+            say(f"      --max-cost ${opts.max_cost:.2f}: estimated at ${cost:.2f}; the job stops with a checkpoint "
+                f"before it would pass the cap (${cost_per_h:.2f}/h while it runs)")
     with tl.phase("setup"):
         cl = connect(inv, opts.identity)
     try:
-        result = run(cl, opts, nodes, gpus, say=say, raw=raw, tl=tl, predicted=predicted)
+        result = run(cl, opts, nodes, gpus, say=say, raw=raw, tl=tl, predicted=predicted, cost_per_h=cost_per_h)
     finally:
         cl.close()
     if result.dest is not None:
         write_run_record(result.dest, opts, inv, nodes, gpus, tl.wall_s, plan)
     return result
+
+
+def _check_cap(opts: TrainOptions, plan: est.Estimate, scenario: str) -> float:
+    """The run's estimated cost, or a TrainError when it is over --max-cost (ops/cost/cap.py)."""
+    try:
+        return cost_cap.check_before_launch(plan, scenario, opts.max_cost)
+    except cost_cap.CostCapError as exc:
+        raise TrainError(str(exc)) from None
 
 
 def write_run_record(dest: Path, opts: TrainOptions, inv: Inventory, nodes: int, gpus: int, wall_s: float,

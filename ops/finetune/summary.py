@@ -49,6 +49,7 @@ class RunSummary:
                    (f", {self.slurm_runtime} in Slurm" if self.slurm_runtime else ""))
         out.append(f"  steps         {m.get('train_steps', len(self.losses))}"
                    + (f" (world size {m['world_size']})" if m.get("world_size") else ""))
+        out.extend(self.cost_lines())
         out.append(f"  loss          {_num(self.first_loss, '.4f')} first -> {_num(self.last_loss, '.4f')} last"
                    + (f" (train_loss {_num(m.get('train_loss'), '.4f')})" if m.get("train_loss") is not None else ""))
         out.append(f"  token acc     {_num(m.get('mean_token_accuracy'), '.3f')}")
@@ -63,6 +64,18 @@ class RunSummary:
         out.extend(f"  warning       {w}" for w in self.nccl.warnings(expect_efa))
         return out
 
+
+    def cost_lines(self) -> list[str]:
+        """The cost cap's line (`fab train --max-cost`; training/cost_cap.py's keys), when the run had one."""
+        cost = self.metrics.get("cost") or {}
+        if not cost:
+            return []
+        cap, spent = f"${_num(cost.get('max_usd'), '.2f')}", f"${_num(cost.get('spent_usd'), '.2f')}"
+        if self.metrics.get("stopped_by") != "max_cost":
+            return [f"  cost cap      {spent} spent of --max-cost {cap}: the run finished under the cap"]
+        return [f"  cost cap      stopped by --max-cost {cap} at step {cost.get('stopped_at_step')} of "
+                f"{cost.get('max_steps')} (checkpoint saved, its adapters brought home): {spent} spent; the full "
+                f"run would have cost ~${_num(cost.get('full_run_usd'), '.2f')}"]
 
     def eval_lines(self) -> list[str]:
         ev = self.metrics.get("eval") or {}
