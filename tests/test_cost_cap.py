@@ -152,7 +152,10 @@ def test_aws_refusal_says_by_how_much_and_the_rows_that_fit():
     msg = str(info.value)
     assert f"--max-cost ${cap:.2f}: the run is estimated at ${cost:.2f}" in msg
     assert f"${cost - cap:.2f} over the cap" in msg
-    assert "GPU nodes on spot instead of on demand" in msg and "Nothing was started" in msg
+    low, high = est.spot_bill(e, "first")
+    assert f"GPU nodes on spot (slurm-gpu:gpuMarket spot): ${low:.2f}-${high:.2f}" in msg, msg
+    assert ("fits" if high <= cap else "may fit" if low <= cap else "does not fit either") in msg
+    assert "Nothing was started" in msg
     rows = int(re.search(r"fewer rows: --examples (\d+) \(of 52,000\)", msg)[1])
 
     def at(n: int) -> float:
@@ -168,6 +171,22 @@ def test_aws_refusal_names_fewer_nodes_when_a_smaller_stack_fits():
     assert one < two
     with pytest.raises(cost_cap.CostCapError, match=r"fewer nodes: --nodes 1 on a stack of 1 \(slurm-gpu:gpuNodeCount\)"):
         cost_cap.check_before_launch(e, "first", (one + two) / 2)
+
+
+def test_a_spot_stack_is_capped_at_the_high_end_of_its_spot_range():
+    """On a spot stack the cap prices the GPU nodes at the recorded range's high end, before launch
+    and during the run, and does not suggest spot again."""
+    od = _aws_run(52000)
+    spot = est.estimate(dataclasses.replace(od.cluster, market="spot"), od.job)
+    low, high = est.spot_bill(spot, "first")
+    assert cost_cap.run_cost(spot, "first") == pytest.approx(high) and high < cost_cap.run_cost(od, "first")
+    rng = cost_cap._spot(spot.cluster)
+    assert cost_cap.gpu_rate_per_h(spot.cluster) == rng.high
+    assert cost_cap.rate_per_h(od.cluster) - cost_cap.rate_per_h(spot.cluster) == pytest.approx(
+        od.cluster.billed_nodes * (est.price_per_h(od.cluster.region, od.cluster.gpu_type) - rng.high))
+    with pytest.raises(cost_cap.CostCapError) as info:
+        cost_cap.check_before_launch(spot, "first", round(high / 2, 2))
+    assert "on spot" not in str(info.value) and f"estimated at ${high:.2f}" in str(info.value)
 
 
 def test_rate_per_hour_is_the_estimates_bill_per_hour():

@@ -15,6 +15,7 @@ import dataclasses
 import math
 
 from ops.cost import estimate as est
+from ops.cost import market_prices
 
 FLAG = "--max-cost"
 
@@ -37,6 +38,18 @@ def parse(value) -> float | None:
     return usd
 
 
+def _spot(cl: est.PricedCluster):
+    return market_prices.spot_range(est._json("prices.json"), cl.region, cl.gpu_type)
+
+
+def gpu_rate_per_h(cl: est.PricedCluster) -> float:
+    """One GPU node's hourly price as the cap counts it: on a spot stack the high end of the recorded
+    spot range (a cap must not be passed because spot rose within its range); else On-Demand, also
+    for reserved capacity (an upper bound: a reservation bills its GPUs whether they run or not)."""
+    spot = _spot(cl) if cl.market == "spot" else None
+    return spot.high if spot else est.price_per_h(cl.region, cl.gpu_type)
+
+
 def rate_per_h(cl: est.PricedCluster) -> float:
     """What the run costs per hour while it runs: every billed GPU node, the controller, the NAT gateway
     and the EBS volumes (as the estimate's bill has them); locally the stand-in price per node."""
@@ -47,7 +60,7 @@ def rate_per_h(cl: est.PricedCluster) -> float:
     month_h = est.MONTH_S / 3600
     extras = (max(0.0, cl.scratch_mbps - est.GP3_BASE_MBPS) * p["gp3_per_mbps_month"]
               + max(0, cl.scratch_iops - est.GP3_BASE_IOPS) * p["gp3_per_iops_month"])
-    return (cl.billed_nodes * est.price_per_h(cl.region, cl.gpu_type)
+    return (cl.billed_nodes * gpu_rate_per_h(cl)
             + est.price_per_h(cl.region, cl.controller_type) + p["nat_per_h"]
             + (vol_gb * p["gp3_per_gb_month"] + extras) / month_h)
 
@@ -56,6 +69,8 @@ def run_cost(e: est.Estimate, scenario: str) -> float:
     """The estimated cost of the whole run (fab's start to adapters home) in one scenario."""
     if e.cluster.calibrated:
         return rate_per_h(e.cluster) * e.total(scenario) / 3600
+    if e.cluster.market == "spot" and (bill := est.spot_bill(e, scenario)):
+        return bill[1]  # the high end of the recorded spot range, as gpu_rate_per_h
     return sum(line.usd for line in est.cost(e, scenario))
 
 
@@ -100,8 +115,16 @@ def check_before_launch(e: est.Estimate, scenario: str, cap: float) -> float:
     if nodes:
         ways.append(f"fewer nodes: --nodes {nodes}" + ("" if cl.calibrated else
                                                        f" on a stack of {nodes} (slurm-gpu:gpuNodeCount)"))
-    if not cl.calibrated:
-        ways.append("GPU nodes on spot instead of on demand (docs/CONFIG.md)")
+    if not cl.calibrated and cl.market != "spot":
+        bill = est.spot_bill(e, scenario)
+        if bill is None:
+            ways.append("GPU nodes on spot instead of on demand (no recorded spot range for "
+                        f"{cl.gpu_type} in {cl.region}; docs/CONFIG.md)")
+        else:
+            low, high = bill
+            verdict = "fits" if high <= cap else "may fit" if low <= cap else "does not fit either"
+            ways.append(f"GPU nodes on spot (slurm-gpu:gpuMarket spot): ${low:.2f}-${high:.2f} over the "
+                        f"recorded range, {verdict} (docs/CONFIG.md)")
     fix = ("; what would fit: " + "; ".join(ways)) if ways else "; nothing smaller fits: raise the cap"
     raise CostCapError(f"{FLAG} ${cap:.2f}: the run is estimated at ${cost:.2f} ({price}), ${cost - cap:.2f} "
                        f"over the cap{fix}. Nothing was started (`fab train --estimate` shows the estimate)")
