@@ -98,7 +98,7 @@ def test_common_directives_and_launch(nodes):
     # flags are shell-quoted and None values dropped
     assert "--model_name_or_path '/scratch/my model'" in s and "--n_examples 64" in s and "--x " not in s
     # bounded requeue
-    assert '[ "$restart" -gt 3 ]' in s and "SLURM_RESTART_COUNT" in s
+    assert '[ "$failures" -gt 3 ]' in s and "SLURM_RESTART_COUNT" in s
 
 
 def test_a_torch_without_libuv_keeps_the_rendezvous_in_a_file():
@@ -158,3 +158,28 @@ def test_bash_and_shellcheck(name, tmp_path):
         pytest.fail("shellcheck is not installed (scripts/setup.sh installs it)")
     res = subprocess.run(["shellcheck", "-s", "bash", str(path)], capture_output=True, text=True)
     assert res.returncode == 0, res.stdout
+
+
+def _head_runs(tmp_path, restart: int, spot_lines: int) -> subprocess.CompletedProcess:
+    """The rendered fine-tune script's head (up to its restart limit) run by bash, as on a requeue."""
+    out = tmp_path / "output"
+    out.mkdir(parents=True)
+    if spot_lines:
+        (out / "SPOT_REQUEUES").write_text("".join(f"17000000{i} stop at T\n" for i in range(spot_lines)))
+    spec = jobs.base_spec(inventory(), jobs.FINETUNE_NAME, 2, 4, str(tmp_path), config=str(tmp_path / "c.yaml"),
+                          output_dir=str(out), script_path=str(tmp_path / "finetune.sbatch"))
+    text = jobs.render_finetune(spec)
+    head = text[:text.index("# The rendezvous host")] + "echo REACHED\n"
+    env = {"PATH": "/usr/bin:/bin", "SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": str(restart),
+           "SLURM_JOB_NODELIST": "gpu-node-[01-02]"}
+    return subprocess.run(["bash", "-c", head], env=env, capture_output=True, text=True)
+
+
+def test_spot_requeues_do_not_count_toward_the_restart_limit(tmp_path):
+    """Five requeues, four of them spot interruptions: one failure, under the limit of 3, so the job
+    trains on; the same five requeues with no spot interruption are over it."""
+    spot = _head_runs(tmp_path / "a", restart=5, spot_lines=4)
+    assert spot.returncode == 0 and "REACHED" in spot.stdout, spot.stderr
+    failures = _head_runs(tmp_path / "b", restart=5, spot_lines=0)
+    assert failures.returncode == 1 and "REACHED" not in failures.stdout
+    assert "requeued 5 times, 5 after failures (limit 3); giving up" in failures.stderr

@@ -24,6 +24,8 @@ NETCHECK_NAME = "slurm-gpu-netcheck"
 NETCHECK_PROGRAM = JOBS_DIR / "allreduce_check.py"  # uploaded beside the rendered script
 RDZV_PORT = 29500
 MAX_RESTARTS = 3
+# Spot requeues lose at most a step each; this bound only stops a loop that would never end.
+MAX_SPOT_REQUEUES = 20
 
 _env = jinja2.Environment(
     loader=jinja2.FileSystemLoader(str(JOBS_DIR)),
@@ -59,6 +61,7 @@ class JobSpec:
     device_prefix: str = AWS.gpu_device_prefix
     rdzv_port: int = RDZV_PORT
     max_restarts: int = MAX_RESTARTS
+    max_spot_requeues: int = MAX_SPOT_REQUEUES
     gpu_sample_s: int = 5  # GPU telemetry: seconds between nvidia-smi samples on each node
     time_limit: str = ""
     # The GPU nodes' torch has a libuv TCPStore (torchrun's c10d rendezvous needs one); else the
