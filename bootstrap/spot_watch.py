@@ -3,11 +3,19 @@
 metadata service and, on a notice, has the running job checkpoint between optimizer steps.
 
 - Interruption notice (spot/instance-action: terminate, stop or hibernate at a time): drain this node
-  with the reason "spot interruption: ACTION at TIME", then `scancel --signal=USR1` each job running
-  here. The training saves a checkpoint on every rank at the end of the step in progress and exits;
-  the job script requeues the job, which resumes from that checkpoint once enough nodes are back.
-- Rebalance recommendation (events/recommendations/rebalance): `scancel --signal=USR2` only: a
-  checkpoint at once, training goes on, the node is not drained.
+  with the reason "spot interruption: ACTION at TIME", then send SIGUSR1 to this node's training
+  ranks of each job running here. The training saves a checkpoint on every rank at the end of the
+  step in progress and exits; the job script requeues the job, which resumes from that checkpoint
+  once enough nodes are back.
+- Rebalance recommendation (events/recommendations/rebalance): SIGUSR2 only: a checkpoint at once,
+  training goes on, the node is not drained.
+- The ranks are signalled directly (training_pids), not by `scancel --signal`: with
+  ProctrackType=proctrack/cgroup (AWS) slurmstepd sends a signal other than SIGKILL only to the
+  step's own tasks unless cgroup.conf has SignalChildrenProcesses=yes (Slurm's proctrack_cgroup.c,
+  cgroup.conf(5)); the task is torchrun's agent, which ignores these signals (the job script's
+  wrapper) and forwards none (torch/distributed/elastic/multiprocessing/api.py handles only
+  TORCHELASTIC_SIGNALS_TO_HANDLE, by stopping the workers). A rank that starts while a notice stands
+  (after a requeue, or still loading) gets it on the next poll.
 - At start (the node is back after a stop), once the service answers with no notice: a node this
   watcher drained ("spot interruption: ..." reason) is resumed.
 
@@ -29,6 +37,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -46,6 +55,8 @@ ACTIONS = ("terminate", "stop", "hibernate")
 REASON_PREFIX = "spot interruption:"
 # The signals the training handles between steps (training/interrupts.py).
 SIGNAL = {"interruption": "USR1", "rebalance": "USR2"}
+TRAINING_MODULE = b"training.train"  # the ranks run `python -u -m training.train` (torchrun's workers)
+AGENT_MODULE = b"torch.distributed.run"  # torchrun's agent names both: never it
 # A configless slurmd keeps the cluster's config here; client commands run by a service need it.
 CONFIGLESS_CONF = "/run/slurm/conf/slurm.conf"
 
@@ -141,13 +152,37 @@ def slurm(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run(list(argv), capture_output=True, text=True, timeout=30, env=env, check=False)
 
 
+def training_pids(job: str, node: str, proc: str = "/proc") -> list[int]:
+    """The training ranks of `job` on `node`: processes running `-m training.train` (not torchrun's
+    agent) whose environment (from srun's task, inherited through torchrun) names the job and node."""
+    want = {f"SLURM_JOB_ID={job}".encode(), f"SLURMD_NODENAME={node}".encode()}
+    pids = []
+    for entry in os.listdir(proc):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"{proc}/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            if TRAINING_MODULE not in argv or AGENT_MODULE in argv:
+                continue
+            with open(f"{proc}/{entry}/environ", "rb") as f:
+                env = set(f.read().split(b"\0"))
+        except OSError:  # gone, or not ours to read
+            continue
+        if want <= env:
+            pids.append(int(entry))
+    return sorted(pids)
+
+
 class Watcher:
     """What to do about the notices; each notice is acted on once."""
 
-    def __init__(self, imds: Imds, node: str, run=slurm, say=None):
+    def __init__(self, imds: Imds, node: str, run=slurm, say=None, find_pids=None):
         self.imds, self.node, self.run = imds, node, run
         self.say = say or (lambda msg: print(msg, flush=True))
+        self.find_pids = find_pids or training_pids
         self.seen: set[Notice] = set()
+        self.signalled: dict[Notice, set[int]] = {}  # the rank pids each notice has reached
         self.started = False
 
     def jobs_here(self) -> list[str]:
@@ -162,29 +197,48 @@ class Watcher:
                      else f"spot-watch: drain of {self.node} failed: {res.stderr.strip()}")
         else:
             self.say(f"spot-watch: rebalance recommendation at {notice.time}: checkpoint only, no drain")
-        for job in self.jobs_here():
-            res = self.run("scancel", f"--signal={SIGNAL[notice.kind]}", job)
-            self.say(f"spot-watch: job {job}: SIG{SIGNAL[notice.kind]} "
-                     + ("sent" if res.returncode == 0 else f"failed: {res.stderr.strip()}"))
 
-    def resume_if_ours(self) -> None:
-        """Back after an interruption with no notice standing: undo this watcher's drain."""
+    def signal_ranks(self, notice: Notice) -> None:
+        """This node's training ranks of the jobs running here that this notice has not reached yet."""
+        sig = getattr(signal, "SIG" + SIGNAL[notice.kind])
+        done = self.signalled.setdefault(notice, set())
+        for job in self.jobs_here():
+            for pid in set(self.find_pids(job, self.node)) - done:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:  # it ended meanwhile
+                    continue
+                done.add(pid)
+                self.say(f"spot-watch: job {job}: SIG{SIGNAL[notice.kind]} to rank pid {pid}")
+
+    def resume_if_ours(self) -> bool:
+        """Back after an interruption with no notice standing: undo this watcher's drain. False while
+        Slurm does not answer yet (slurmd, munge and /scratch come up after this service): try again."""
         res = self.run("sinfo", "-h", "-n", self.node, "-o", "%E")
-        if res.returncode == 0 and res.stdout.strip().startswith(REASON_PREFIX):
+        if res.returncode != 0:
+            return False
+        if res.stdout.strip().startswith(REASON_PREFIX):
             res = self.run("scontrol", "update", f"nodename={self.node}", "state=RESUME")
             self.say(f"spot-watch: {self.node} is back; resumed it" if res.returncode == 0
                      else f"spot-watch: resume of {self.node} failed: {res.stderr.strip()}")
+        return True
 
     def poll(self) -> list[Notice]:
         notices = self.imds.notices()
         if not notices and not self.started:
-            self.resume_if_ours()
-        self.started = True
+            self.started = self.resume_if_ours()
+        elif notices:
+            self.started = True  # a notice stands: not back from an interruption of ours
         new = [n for n in notices if n not in self.seen]
-        if any(n.kind == "interruption" for n in new):  # one signal: the interruption's checkpoint covers both
+        if any(n.kind == "interruption" for n in notices):  # one signal: the interruption's checkpoint covers both
             new = [n for n in new if n.kind == "interruption"]
+            standing = [n for n in notices if n.kind == "interruption"]
+        else:
+            standing = notices
         for notice in new:
             self.act(notice)
+        for notice in standing:  # the ranks of each standing notice, new ones included
+            self.signal_ranks(notice)
         self.seen.update(notices)
         return new
 

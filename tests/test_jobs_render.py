@@ -164,6 +164,7 @@ def _head_runs(tmp_path, restart: int, spot_lines: int) -> subprocess.CompletedP
     """The rendered fine-tune script's head (up to its restart limit) run by bash, as on a requeue."""
     out = tmp_path / "output"
     out.mkdir(parents=True)
+    (out / "INTERRUPTED").write_text('{"step": 3}\n')  # an earlier attempt's, requeued before its script saw it
     if spot_lines:
         (out / "SPOT_REQUEUES").write_text("".join(f"17000000{i} stop at T\n" for i in range(spot_lines)))
     spec = jobs.base_spec(inventory(), jobs.FINETUNE_NAME, 2, 4, str(tmp_path), config=str(tmp_path / "c.yaml"),
@@ -180,6 +181,7 @@ def test_spot_requeues_do_not_count_toward_the_restart_limit(tmp_path):
     trains on; the same five requeues with no spot interruption are over it."""
     spot = _head_runs(tmp_path / "a", restart=5, spot_lines=4)
     assert spot.returncode == 0 and "REACHED" in spot.stdout, spot.stderr
+    assert not (tmp_path / "a" / "output" / "INTERRUPTED").exists()  # stale: no spot requeue for a later failure
     failures = _head_runs(tmp_path / "b", restart=5, spot_lines=0)
     assert failures.returncode == 1 and "REACHED" not in failures.stdout
     assert "requeued 5 times, 5 after failures (limit 3); giving up" in failures.stderr

@@ -143,6 +143,9 @@ def test_spot_notice_checkpoints_drains_requeues_and_resumes(local_cluster, tmp_
     watch_log = hosts["gpu-node-02"].log.read_text()
     assert rc == 0, text + "\n--- watcher\n" + watch_log
     assert "gpu-node-02 is back; resumed it" in watch_log, watch_log
+    # The watcher signalled the node's ranks itself (on AWS, proctrack/cgroup would not pass a
+    # `scancel --signal` on from torchrun's agent): both of gpu-node-02's ranks, once each.
+    assert len(set(re.findall(r"SIGUSR1 to rank pid (\d+)", watch_log))) == 2, watch_log
     assert "job restarted after a requeue (restart 1)" in text, text
 
     # Nothing trained after the checkpoint in the first attempt: at most the step in progress is redone.

@@ -7,6 +7,8 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
+import time
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -117,10 +119,61 @@ class FakeSlurm:
         return subprocess.CompletedProcess(argv, 0, out, "")
 
 
-def test_interruption_drains_and_signals_once(imds):
+RANK = """
+import os, signal, sys, time
+got = sys.argv[-1]
+for s in (signal.SIGUSR1, signal.SIGUSR2):
+    signal.signal(s, lambda n, f: open(got, "a").write(signal.Signals(n).name + "\\n"))
+open(got + ".ready", "w").close()
+while True:
+    time.sleep(0.05)
+"""
+
+
+class Ranks:
+    """Real processes standing in for this node's ranks: each records the signals it gets."""
+
+    def __init__(self, tmp_path):
+        self.tmp, self.procs = tmp_path, []
+
+    def start(self, name, argv_tail=(), env=None) -> subprocess.Popen:
+        got = self.tmp / name
+        p = subprocess.Popen([sys.executable, "-c", RANK, *argv_tail, str(got)],
+                             env={**os.environ, **(env or {})}, start_new_session=True)
+        self.procs.append(p)
+        for _ in range(200):
+            if (self.tmp / f"{name}.ready").exists():
+                break
+            time.sleep(0.02)
+        return p
+
+    def got(self, name) -> list[str]:
+        for _ in range(50):  # a signal is delivered asynchronously: give the handler a moment
+            if (self.tmp / name).exists():
+                break
+            time.sleep(0.02)
+        return (self.tmp / name).read_text().split() if (self.tmp / name).exists() else []
+
+    def close(self):
+        for p in self.procs:
+            p.kill()
+            p.wait()
+
+
+@pytest.fixture
+def ranks(tmp_path):
+    r = Ranks(tmp_path)
+    yield r
+    r.close()
+
+
+def test_interruption_drains_and_signals_each_rank_once(imds, ranks):
     state, _, client = imds
     slurm, said = FakeSlurm(), []
-    w = spot_watch.Watcher(client, "gpu-node-02", run=slurm, say=said.append)
+    rank = ranks.start("rank0")
+    pids = [rank.pid]
+    w = spot_watch.Watcher(client, "gpu-node-02", run=slurm, say=said.append,
+                           find_pids=lambda job, node: list(pids) if (job, node) == ("42", "gpu-node-02") else [])
     assert w.poll() == []
     slurm.calls.clear()
     state.write_text(json.dumps({"instance-action": {"action": "stop", "time": "2026-12-06T17:00:00Z"},
@@ -130,22 +183,61 @@ def test_interruption_drains_and_signals_once(imds):
         ["scontrol", "update", "nodename=gpu-node-02", "state=DRAIN",
          "reason=spot interruption: stop at 2026-12-06T17:00:00Z"],
         ["squeue", "-h", "-w", "gpu-node-02", "-t", "RUNNING", "-o", "%A"],
-        ["scancel", "--signal=USR1", "42"],
     ]
-    slurm.calls.clear()
-    assert w.poll() == [] and slurm.calls == []  # the same notice again: nothing more
+    assert ranks.got("rank0") == ["SIGUSR1"]
+    # The notice still stands: a rank that started meanwhile (still loading) gets it; the first not again.
+    late = ranks.start("rank1")
+    pids.append(late.pid)
+    assert w.poll() == []
+    assert ranks.got("rank1") == ["SIGUSR1"] and ranks.got("rank0") == ["SIGUSR1"]
+    assert not any(c[:2] == ["scontrol", "update"] for c in slurm.calls[2:])  # drained once
 
 
-def test_rebalance_checkpoints_without_drain(imds):
+def test_rebalance_checkpoints_without_drain(imds, ranks):
     state, _, client = imds
     slurm, said = FakeSlurm(), []
-    w = spot_watch.Watcher(client, "gpu-node-01", run=slurm, say=said.append)
+    rank = ranks.start("rank0")
+    w = spot_watch.Watcher(client, "gpu-node-01", run=slurm, say=said.append, find_pids=lambda job, node: [rank.pid])
     w.started = True
     state.write_text(json.dumps({"rebalance": {"noticeTime": "T0"}}))
     w.poll()
-    assert slurm.calls == [["squeue", "-h", "-w", "gpu-node-01", "-t", "RUNNING", "-o", "%A"],
-                           ["scancel", "--signal=USR2", "42"]]
+    w.poll()  # standing: no second checkpoint
+    assert slurm.calls == [["squeue", "-h", "-w", "gpu-node-01", "-t", "RUNNING", "-o", "%A"]] * 2
+    assert ranks.got("rank0") == ["SIGUSR2"]
     assert "checkpoint only, no drain" in said[0]
+
+
+def test_the_ranks_are_found_by_their_module_job_and_node_never_the_agent(ranks):
+    """What runs on a node under Slurm: torchrun's agent (`-m torch.distributed.run ... -m training.train`)
+    and its workers (`-m training.train`, their own session); only this job's workers on this node."""
+    mine = {"SLURM_JOB_ID": "42", "SLURMD_NODENAME": "gpu-node-01"}
+    worker = ranks.start("w", ("-m", "training.train"), mine)
+    agent = ranks.start("a", ("-m", "torch.distributed.run", "-m", "training.train"), mine)
+    other_job = ranks.start("j", ("-m", "training.train"), {**mine, "SLURM_JOB_ID": "43"})
+    other_node = ranks.start("n", ("-m", "training.train"), {**mine, "SLURMD_NODENAME": "gpu-node-02"})
+    not_training = ranks.start("x", ("-m", "training.other"), mine)
+    found = spot_watch.training_pids("42", "gpu-node-01")
+    assert worker.pid in found
+    assert not {agent.pid, other_job.pid, other_node.pid, not_training.pid} & set(found)
+
+
+def test_back_after_a_stop_resumes_once_slurm_answers(imds):
+    """The watcher starts before slurmd, munge and /scratch: an unanswered sinfo is tried again."""
+    _, _, client = imds
+
+    class Late(FakeSlurm):
+        def __call__(self, *argv):
+            res = super().__call__(*argv)
+            if argv[0] == "sinfo" and sum(c[0] == "sinfo" for c in self.calls) == 1:
+                return subprocess.CompletedProcess(argv, 1, "", "Unable to contact slurm controller")
+            return res
+
+    slurm = Late("spot interruption: stop at T")
+    w = spot_watch.Watcher(client, "gpu-node-01", run=slurm, say=lambda m: None)
+    w.poll()
+    assert not w.started and ["scontrol", "update", "nodename=gpu-node-01", "state=RESUME"] not in slurm.calls
+    w.poll()
+    assert w.started and ["scontrol", "update", "nodename=gpu-node-01", "state=RESUME"] in slurm.calls
 
 
 @pytest.mark.parametrize("reason, resumed", [("spot interruption: stop at T", True), ("Not responding", False),
@@ -219,6 +311,25 @@ def test_training_checkpoints_on_the_signals(capsys):
         assert 'SLURM_GPU_SPOT {"kind": "rebalance", "step": 4' in out
         assert '"kind": "interruption", "step": 6, "checkpoint": "/out/checkpoint-6", "stop": true' in out
     finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def test_a_signal_before_the_trainer_exists_is_kept_for_the_first_step():
+    """install() at the process's start: a notice while data and model load is not lost."""
+    from training import interrupts
+
+    old = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGUSR2)}
+    try:
+        for s in old:
+            signal.signal(s, signal.SIG_IGN)  # as the job script's wrapper leaves it
+        interrupts.install()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        cb = interrupts.CheckpointOnSignal()
+        c = step(cb, 1)
+        assert c.should_save and c.should_training_stop and cb.stopped_at == 1
+    finally:
+        interrupts._pending[0] = interrupts.NONE
         for s, h in old.items():
             signal.signal(s, h)
 

@@ -1,6 +1,6 @@
 """Checkpoint now: the spot watcher's signals, handled between optimizer steps on every rank.
 
-The GPU node's watcher (bootstrap/spot_watch.py) sends the job's steps SIGUSR1 on an interruption
+The GPU node's watcher (bootstrap/spot_watch.py) sends this node's training ranks SIGUSR1 on an interruption
 notice (checkpoint, then stop: the job script requeues the job) and SIGUSR2 on a rebalance
 recommendation (checkpoint, go on). The handler only sets a flag. At the end of each optimizer step
 every rank all-reduces the flags (MAX: one small CPU tensor over gloo, so no GPU sync is added), so
@@ -27,19 +27,39 @@ PREFIX = "SLURM_GPU_SPOT "  # rank 0's line for `fab train` (ops/finetune/joblog
 MARKER = "INTERRUPTED"  # in output_dir: the job script requeues the job when it finds it
 
 
+# What the signals asked since the last step. Module state, so handlers installed at the process's
+# start (install(), before data and model loading) keep a notice that comes before the Trainer does:
+# the job script's wrapper ignores these signals (torchrun's agent must not die of them), and a
+# worker inherits that until it installs its own handlers.
+_pending = [NONE]
+
+
+def _handle(signum, _frame) -> None:
+    _pending[0] = max(_pending[0], SIGNALS[signum])
+
+
+def install() -> None:
+    """Handle the watcher's signals from now on (main thread only: Python refuses elsewhere)."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in SIGNALS:
+            signal.signal(sig, _handle)
+
+
 class CheckpointOnSignal(TrainerCallback):
     """Install it in the main thread (signal handlers live there); one per run."""
 
     def __init__(self):
-        self.pending = NONE
         self.stopped_at: int | None = None  # the step whose checkpoint ends the run (a STOP)
         self._group = None
-        if threading.current_thread() is threading.main_thread():  # else Python refuses handlers
-            for sig in SIGNALS:
-                signal.signal(sig, self._handle)
+        install()
 
-    def _handle(self, signum, _frame) -> None:
-        self.pending = max(self.pending, SIGNALS[signum])
+    @property
+    def pending(self) -> int:
+        return _pending[0]
+
+    @pending.setter
+    def pending(self, value: int) -> None:
+        _pending[0] = value
 
     def on_train_begin(self, args, state, control, **kwargs):
         import torch.distributed as dist

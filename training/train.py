@@ -33,7 +33,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from training import cost_cap, tensorboard_events
+from training import cost_cap, interrupts, tensorboard_events
 from training import samples as sample_answers
 from training.args import DataArguments, ModelArguments, TrainConfig, gpu_available, parse_args, switch
 from training.callbacks import FAULT_RANK_ENV, FAULT_STEP_ENV, LOG_PREFIX, PhaseTimingCallback, make_callbacks
@@ -315,6 +315,7 @@ def cli(argv: list[str] | None = None) -> None:
     import signal
 
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    interrupts.install()  # a spot notice during data and model loading is kept for the first step
     success = False
     try:
         main(argv)
