@@ -4,7 +4,7 @@ Both recipes are built by `training.train.build_trainer` (TRL SFTTrainer + PEFT 
 dropout 0.05 on q/k/v/o, AdamW, lr 2e-4 linear decay, 16 examples per optimizer step, bf16):
 
 - seed:    batch 2 x accumulation 8, gradient checkpointing, padded batches, SDPA attention
-           (measured over `--seed-steps` optimizer steps, not the whole epoch, to save GPU time);
+           (measured over `--baseline-steps` optimizer steps, not the whole epoch, to save GPU time);
 - project: training/fastpath/ (the default of train.py on a GPU): one packed row per optimizer step,
            flex attention with a per-example BlockMask, no checkpointing, compiled decoder layers,
            fused LM head; one whole epoch.
@@ -47,11 +47,13 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 PEAK_FLOPS = 989e12  # dense bf16, H100/H200 SXM datasheet
-RECIPES = ("seed", "project", "project-compiled", "project-eager", "project-compiled-nographs",
+RECIPES = ("baseline", "project", "project-compiled", "project-eager", "project-compiled-nographs",
            "project-eager-graphs")
 RECIPES += tuple(f"{r}-flex" for r in RECIPES if r.startswith("project"))  # flex attention instead of varlen
+# Results recorded until 2026-12-06 call the baseline recipe "seed" (and its speed `seed_recipe_tokens_per_s`).
+OLD_NAMES = {"seed": "baseline"}
 EFFECTIVE_BATCH = (2, 8)  # the baseline's per-device batch x accumulation = 16 examples per step
-SEED_LOGGING_STEPS = 10  # the baseline's SFTConfig(logging_steps=10)
+BASELINE_LOGGING_STEPS = 10  # the baseline's SFTConfig(logging_steps=10)
 PROJECT_CONFIG = REPO / "training" / "configs" / "qwen3-4b-lora.yaml"
 
 
@@ -60,8 +62,8 @@ def recipe_logging_steps(name: str, override: int | None = None) -> int:
     (what fab train launches) every step; `--logging-steps` overrides both."""
     if override is not None:
         return override
-    if name == "seed":
-        return SEED_LOGGING_STEPS
+    if name == "baseline":
+        return BASELINE_LOGGING_STEPS
     import yaml
 
     return int(yaml.safe_load(PROJECT_CONFIG.read_text())["logging_steps"])
@@ -344,7 +346,7 @@ def ProfileSteps(first: int, last: int, tag: str = "project"):
     return _Profile()
 
 
-def seed_layout(examples_per_step: int) -> tuple[int, int]:
+def baseline_layout(examples_per_step: int) -> tuple[int, int]:
     """The baseline's micro-batch x accumulation for a given number of examples per optimizer step."""
     micro = min(EFFECTIVE_BATCH[0], examples_per_step)
     if examples_per_step % micro:
@@ -377,8 +379,8 @@ def run_recipe(name: str, rows: list[dict], cfg: dict, device: str, steps: int, 
     model = make_model(cfg, device, attn)
     tokenizer = make_tokenizer()
     train_args = TrainConfig(
-        output_dir=os.path.join(out_dir, name), per_device_train_batch_size=seed_layout(examples_per_step)[0],
-        gradient_accumulation_steps=seed_layout(examples_per_step)[1], learning_rate=2e-4, num_train_epochs=1,
+        output_dir=os.path.join(out_dir, name), per_device_train_batch_size=baseline_layout(examples_per_step)[0],
+        gradient_accumulation_steps=baseline_layout(examples_per_step)[1], learning_rate=2e-4, num_train_epochs=1,
         max_steps=steps if steps > 0 else -1, logging_steps=logging_steps, save_strategy="no",
         report_to="none", max_length=1024, seed=42, completion_only_loss=True,
         use_cpu=device == "cpu", disable_tqdm=True, dataloader_num_workers=0,
@@ -607,12 +609,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--workloads", default="long-258", help=f"comma-separated: {', '.join(WORKLOADS)}")
     parser.add_argument("--examples", type=int, default=None, help="workload size (default 2000; tiny: 64)")
     parser.add_argument("--examples-per-step", default="16", help="comma-separated examples per optimizer step")
-    parser.add_argument("--recipes", default="seed,project",
-                        help="comma-separated: seed, project (compiles and graphs steps or not as train.py "
+    parser.add_argument("--recipes", default="baseline,project",
+                        help="comma-separated: baseline (the blog post's recipe; its old name `seed` works too), "
+                             "project (compiles and graphs steps or not as train.py "
                              "decides), project-compiled, project-eager (step graphs as decided), "
                              "project-compiled-nographs, project-eager-graphs (step graphs forced off / on); "
                              "each project recipe with -flex: flex attention instead of varlen")
-    parser.add_argument("--seed-steps", type=int, default=12, help="optimizer steps of the baseline recipe (0 = epoch)")
+    parser.add_argument("--baseline-steps", "--seed-steps", dest="baseline_steps", type=int, default=12,
+                        help="optimizer steps of the baseline recipe (0 = epoch)")
     parser.add_argument("--project-steps", type=int, default=0, help="optimizer steps of the project (0 = epoch)")
     parser.add_argument("--warmup-steps", type=int, default=None, help="steps left out of the steady rates")
     parser.add_argument("--logging-steps", type=int, default=None,
@@ -725,11 +729,11 @@ def main(argv: list[str] | None = None) -> dict:
             results["workloads"][workload] = workload_stats(rows)
             print(f"workload {workload}: {json.dumps(results['workloads'][workload])}", flush=True)
             for per_step in [int(x) for x in args.examples_per_step.split(",") if x.strip()]:
-                for name in [r.strip() for r in args.recipes.split(",") if r.strip()]:
+                for name in [OLD_NAMES.get(r.strip(), r.strip()) for r in args.recipes.split(",") if r.strip()]:
                     if name not in RECIPES:
                         parser.error(f"--recipes: unknown recipe {name!r}; use {', '.join(RECIPES)}")
-                    steps = args.seed_steps if name == "seed" else args.project_steps
-                    warmup = args.warmup_steps if args.warmup_steps is not None else (2 if name == "seed" else 5)
+                    steps = args.baseline_steps if name == "baseline" else args.project_steps
+                    warmup = args.warmup_steps if args.warmup_steps is not None else (2 if name == "baseline" else 5)
                     started = time.time()
                     try:
                         row = run_recipe(name, rows, cfg, args.device, steps, warmup, tmp, None,
@@ -751,16 +755,16 @@ def main(argv: list[str] | None = None) -> dict:
                         row["memory_cap_gib"] = args.memory_gib
                     results["rows"].append(row)
                     print(f"BENCH {json.dumps(row)}", flush=True)
-                seed = next((r for r in results["rows"] if r["recipe"] == "seed" and r["workload"] == workload
+                base = next((r for r in results["rows"] if r["recipe"] == "baseline" and r["workload"] == workload
                              and r["examples_per_step"] == per_step and "tokens_per_s" in r), None)
                 project = next((r for r in results["rows"] if r["recipe"].startswith("project")
                                 and r["workload"] == workload
                                 and r["examples_per_step"] == per_step and "tokens_per_s" in r), None)
-                if seed and project:
-                    project["seed_recipe_tokens_per_s"] = seed["tokens_per_s"]
-                    project["speedup"] = project["tokens_per_s"] / seed["tokens_per_s"]
+                if base and project:
+                    project["baseline_recipe_tokens_per_s"] = base["tokens_per_s"]
+                    project["speedup"] = project["tokens_per_s"] / base["tokens_per_s"]
                     project["speedup_incl_warmup"] = (project["tokens_per_s_incl_warmup"]
-                                                      / seed["tokens_per_s_incl_warmup"])
+                                                      / base["tokens_per_s_incl_warmup"])
     print(f"{'workload':11} {'ex/st':>5} {'recipe':8} {'tok/s':>9} {'MFU':>6} {'tok/s(all)':>10} {'peak GiB':>8} "
           f"{'runtime s':>9} {'loss':>7}")
     for r in results["rows"]:

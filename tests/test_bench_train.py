@@ -49,11 +49,11 @@ def test_tiny_benchmark_runs_each_recipe_at_its_own_logging(capsys, monkeypatch)
     monkeypatch.setenv("TORCHINDUCTOR_COORDINATE_DESCENT_TUNING", "1")
     monkeypatch.delenv("TORCH_BLAS_PREFER_CUBLASLT", raising=False)
 
-    results = bench_train.main(["--device", "cpu", "--tiny", "--workloads", "alpaca-102", "--recipes", "seed,project",
-                                "--examples", "32", "--seed-steps", "3", "--project-steps", "3", "--warmup-steps", "1",
+    results = bench_train.main(["--device", "cpu", "--tiny", "--workloads", "alpaca-102", "--recipes", "baseline,project",
+                                "--examples", "32", "--baseline-steps", "3", "--project-steps", "3", "--warmup-steps", "1",
                                 "--no-write"])
     rows = {r["recipe"]: r for r in results["rows"]}
-    assert rows["seed"]["logging_steps"] == 10 and rows["project"]["logging_steps"] == 1
+    assert rows["baseline"]["logging_steps"] == 10 and rows["project"]["logging_steps"] == 1
     assert all(r["steps"] == 3 and r["tokens_per_s"] > 0 and "error" not in r for r in rows.values())
     assert rows["project"]["mean_token_accuracy"] is not None  # logged every step
     env = results["environment"]
@@ -61,7 +61,7 @@ def test_tiny_benchmark_runs_each_recipe_at_its_own_logging(capsys, monkeypatch)
     # The trainer's switches are settings now: each row records the run's choices and who made them.
     assert rows["project"]["choices"]["path"]["value"] == "packed"
     assert rows["project"]["choices"]["activation_checkpointing"]["value"] is False
-    assert rows["seed"]["choices"]["activation_checkpointing"] == {"value": True, "by": "config"}
+    assert rows["baseline"]["choices"]["activation_checkpointing"] == {"value": True, "by": "config"}
     assert "TORCH_BLAS_PREFER_CUBLASLT" not in env and "HOME" not in env
     with pytest.raises(SystemExit):
         bench_train.main(["--device", "cpu", "--tiny", "--logging-steps", "0", "--no-write"])

@@ -61,7 +61,7 @@ class Case:
 
 
 CASES = [
-    Case("seed-2x-g6.12xlarge", {}, "g6.12xlarge", "c6i.xlarge", "10.0.1.0/24", "10.0.0.0/16",
+    Case("default-2x-g6.12xlarge", {}, "g6.12xlarge", "c6i.xlarge", "10.0.1.0/24", "10.0.0.0/16",
          "ap-northeast-2a", ("10.0.0.10", "10.0.1.11", "10.0.1.12"), 48, 4, "l4", 196608, False, True,
          200, "mini", 1),
     Case("3x-g6.48xlarge", {"gpuNodeCount": 3, "gpuInstanceType": "g6.48xlarge",

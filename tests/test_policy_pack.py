@@ -187,7 +187,7 @@ def as_preview(stack: list[Res]) -> list[Res]:
     {"gpuNodeCount": 3, "gpuInstanceType": "g6.48xlarge"},
     {"efa": False, "gpuNodeCount": 1, "gpuInstanceType": "g4dn.xlarge"},
     {"ebsKmsKeyId": harness.CMK},
-], ids=["seed", "4xp5", "3xg6.48", "no-efa", "cmk"])
+], ids=["default", "4xp5", "3xg6.48", "no-efa", "cmk"])
 def test_the_programs_resources_pass_every_policy(config):
     stack = declare(**config)
     types = {r.typ for r in stack}

@@ -155,7 +155,7 @@ def test_bad_data_cli_exit_code_and_message(tmp_path, capsys):
 
 # ---------------------------------------------------------------- settings
 
-def test_defaults_are_the_seed_recipe():
+def test_defaults_are_the_baseline_recipe():
     data, model, cfg = parse_args([])
     assert (data.dataset_name, data.n_examples) == ("tatsu-lab/alpaca", 2000)
     assert model.model_name_or_path == "Qwen/Qwen3-4B" and model.use_peft
