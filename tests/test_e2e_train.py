@@ -125,7 +125,7 @@ def test_train_end_to_end(local_cluster, runs_dir):
 def test_second_run_skips_key_and_survives_ctrl_c(local_cluster, runs_dir):
     inv, job_dirs = local_cluster
     env = {**os.environ, "SLURM_GPU_RUNS": str(runs_dir)}
-    proc = subprocess.Popen([FAB, "train", "--target", "local", "--examples", "96"], cwd=REPO, env=env,
+    proc = subprocess.Popen([FAB, "train", "--target", "local", "--skip-check", "--examples", "96"], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out = ""
     deadline = time.monotonic() + 240

@@ -334,7 +334,7 @@ def test_busy_nodes_are_named_and_cancel_says_what_it_did(lc, runs):
 
 def test_a_requeued_finished_run_is_kept_not_retrained(lc, runs):
     inv, cl, job_dirs = lc
-    rc, out = fab("train", "--target", "local", "--examples", "16", runs_dir=runs)
+    rc, out = fab("train", "--target", "local", "--skip-check", "--examples", "16", runs_dir=runs)
     job_id, job_dir = submitted(out)
     job_dirs.append(job_dir)
     assert rc == 0, out
@@ -373,7 +373,7 @@ def test_a_requeued_finished_run_is_kept_not_retrained(lc, runs):
 def test_a_job_failing_in_training_shows_its_own_error(lc, runs, tmp_path):
     inv, cl, job_dirs = lc
     path = config(tmp_path, lora_target_modules=["nope_proj"])
-    rc, out = fab("train", "--target", "local", "--examples", "16", "--config", str(path), runs_dir=runs)
+    rc, out = fab("train", "--target", "local", "--skip-check", "--examples", "16", "--config", str(path), runs_dir=runs)
     job_id, job_dir = submitted(out)
     job_dirs.append(job_dir)
     assert rc == 1, out

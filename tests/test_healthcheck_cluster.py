@@ -137,7 +137,7 @@ def test_fab_train_with_bad_data_writes_nothing(lc, name, text, expected):
 def test_ctrl_c_leaves_the_job_running_and_says_how_to_reattach(lc, tmp_path):
     inv, cl = lc
     before = job_dirs()
-    proc = subprocess.Popen([FAB, "train", "--target", "local"], cwd=REPO,
+    proc = subprocess.Popen([FAB, "train", "--target", "local", "--skip-check"], cwd=REPO,
                             env={**os.environ, "SLURM_GPU_RUNS": str(tmp_path)},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out, job_id = "", None

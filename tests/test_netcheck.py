@@ -151,3 +151,15 @@ def test_healthy_only_with_skip_check_is_refused_before_any_host():
     res = subprocess.run([str(REPO / ".venv/bin/fab"), "train", "--target", "local", "--skip-check",
                           "--healthy-only"], capture_output=True, text=True, cwd=REPO)
     assert res.returncode == 1 and "--healthy-only goes on" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_a_failed_checks_message_shows_where_the_failure_began_and_how_it_ended():
+    from ops.actions.netcheck import log_excerpt
+
+    log = ["0: starting", "1: RuntimeError: Connection refused by 10.0.0.2", *[f"1: noise {i}" for i in range(40)],
+           *[f"0: Traceback line {i}" for i in range(15)]]
+    text = log_excerpt("\n".join(log), "/scratch/logs/x.out")
+    assert text.index("first error lines of /scratch/logs/x.out") < text.index("RuntimeError: Connection refused")
+    assert "last lines of /scratch/logs/x.out" in text and "0: Traceback line 14" in text
+    assert "noise 3" not in text
+    assert "first error" not in log_excerpt("a\nb", "p")  # nothing that looks like an error: the tail only

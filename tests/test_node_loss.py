@@ -194,7 +194,7 @@ def test_node_loss_requeues_and_resumes_from_checkpoint(local_cluster, tmp_path)
 
     runs = tmp_path / "runs"
     env = {**os.environ, "SLURM_GPU_RUNS": str(runs), "PYTHONUNBUFFERED": "1"}  # lines as they come
-    proc = subprocess.Popen([FAB, "train", "--target", "local", "--config", str(config),
+    proc = subprocess.Popen([FAB, "train", "--target", "local", "--skip-check", "--config", str(config),
                              "--examples", str(examples)], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out = Streamed(proc)

@@ -336,14 +336,24 @@ def run(cl: Cluster, stack: str | None, say, nodes: int | None = None) -> Checke
     text = _read(ctl, log_path)
     result = parse_result(_read(ctl, f"{cdir}/result.json"))
     if result is None or not job.ok:
-        tail = "\n".join(f"  {line}" for line in text.splitlines()[-15:])
         raise NetCheckError(f"network check job {job_id} {job.state} (exit {job.exit_code}) without a result; "
-                            f"last lines of {log_path}:\n{tail}")
+                            f"{log_excerpt(text, log_path)}")
     exp = expected(inv, stack)
     v = judge(result, exp, transports_of(result, text, backend_nccl=result.get("backend") == "nccl"))
     checked = Checked(v, result, job_id, text, cdir)
     checked.drained = drain(ctl, v.failed)
     return checked
+
+
+def log_excerpt(text: str, log_path: str, first: int = 12, last: int = 15) -> str:
+    """What a failed check's log says: its first error lines (where a hang or crash began: a timeout
+    kills every rank, and their tracebacks fill the end) and its last lines."""
+    lines = text.splitlines()
+    errors = [ln for ln in lines[:-last] if re.search(r"[Ee]rror|[Tt]imed? ?out|Traceback|refused|[Ff]ailed", ln)]
+    out = ""
+    if errors:
+        out += f"first error lines of {log_path}:\n" + "\n".join(f"  {ln}" for ln in errors[:first]) + "\n"
+    return out + f"last lines of {log_path}:\n" + "\n".join(f"  {ln}" for ln in lines[-last:])
 
 
 def _size(n: int) -> str:
