@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -233,6 +234,32 @@ def test_two_processes_over_gloo(tiny, tmp_path):
     assert ABORT not in proc.stderr, proc.stderr[-3000:]
 
 
+_RANK_PROBE = """
+import os, sys
+sys.path.insert(0, sys.argv.pop(1))
+from training import train
+train.cli(sys.argv[1:])
+names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+print("rank", os.environ["RANK"], "gloo threads", sum(n.startswith(("pt_gloo", "gloo_")) for n in names), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_no_rank_keeps_gloo_threads_after_the_run(tiny, tmp_path):
+    """Two gloo ranks (DDP): once the training's entry point returns, no gloo thread is left on either
+    rank. destroy_process_group() only unregisters a group: one the Trainer's reference cycles still
+    hold keeps its threads, which can abort a rank at interpreter exit with ABORT."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(_RANK_PROBE)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(probe),
+           str(REPO), *argv_for(tiny, tmp_path / "out", "--max_steps", "2")]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **OFFLINE, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    counts = sorted(re.findall(r"^rank (\d) gloo threads (\d+)$", proc.stdout, re.M))
+    assert counts == [("0", "0"), ("1", "0")], proc.stdout[-3000:]
+
+
 @pytest.mark.slow
 def test_two_processes_deferred_logs_are_the_trainers(tiny, tmp_path):
     """2 gloo ranks, a log every step and a checkpoint at step 5: the deferred logs (one all-reduce of the
@@ -280,6 +307,9 @@ try:
 except SystemExit as e:
     print("exit", e.code)
 print("alive", dist.is_initialized())
+import os
+threads = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+print("gloo threads", sum(n.startswith(("pt_gloo", "gloo_")) for n in threads))
 """
 
 
@@ -299,6 +329,9 @@ def test_cli_destroys_the_process_group(tiny, tmp_path, case):
                           text=True, timeout=300, env={**os.environ, **OFFLINE, "OMP_NUM_THREADS": "1"})
     assert "alive False" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert ("exit 2" in proc.stdout) == (case == "bad data"), proc.stdout[-2000:]
+    # Unregistered is not gone: a group still referenced (the Trainer's cycles) keeps gloo's threads,
+    # which can abort a rank at interpreter exit ("terminate called without an active exception").
+    assert "gloo threads 0" in proc.stdout, proc.stdout[-2000:]
 
 
 # What a rank prints when it dies with its gloo threads still running (the process group left alive).

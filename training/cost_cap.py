@@ -87,6 +87,9 @@ class CostCapCallback(TrainerCallback):
             # Every rank makes the group here (a collective); gloo keeps the flag off the GPU's stream.
             self.group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
 
+    def on_train_end(self, args, state, control, **kwargs):
+        self.group = None  # no reference left to keep the group's threads alive (train.teardown_process_group)
+
     def on_step_end(self, args, state, control, **kwargs):
         # transformers/trainer.py, _inner_training_loop: on_step_end runs before _maybe_log_save_evaluate
         # (which saves when control.should_save) and the loop breaks after it on should_training_stop.

@@ -68,6 +68,9 @@ class CheckpointOnSignal(TrainerCallback):
             # A CPU group: on NCCL the flag would otherwise cost a device sync every step.
             self._group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
 
+    def on_train_end(self, args, state, control, **kwargs):
+        self._group = None  # no reference left to keep the group's threads alive (train.teardown_process_group)
+
     def _agreed(self) -> int:
         if self._group is None:
             return self.pending

@@ -24,6 +24,7 @@ machines without a GPU.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -307,6 +308,11 @@ def teardown_process_group(success: bool) -> None:
             dist.barrier()
     finally:
         dist.destroy_process_group()
+        # Destroying only unregisters the groups: gloo's threads (pt_gloo_runloop) end when the last
+        # reference goes, and the Trainer (its DDP reducer, the callbacks' group) sits in reference
+        # cycles. Collected here, on the main thread, not during interpreter exit, where a gloo thread
+        # that needs the GIL aborts the rank (pytorch/pytorch#179291).
+        gc.collect()
 
 
 def cli(argv: list[str] | None = None) -> None:
