@@ -60,5 +60,12 @@ def test_a_failed_bootstrap_step_is_named_by_fab_status_and_fab_train():
         finally:
             gpu.touch()
         assert bootstrap(HOST).returncode == 0
+        # Slurm's health check may have run while the GPU was missing: its drain stays until the user
+        # resumes the node, as `fab status` says (docs/FAULTS.md). Not this test's subject: resume it.
+        reason = on("controller", "sinfo", "-h", "-n", HOST, "-o", "%E").stdout.strip()
+        if reason.startswith("slurm-gpu-healthcheck"):
+            rc, out = fab("status", "--target", "local")
+            assert f"scontrol update nodename={HOST} state=resume" in out, out
+            assert on("controller", "scontrol", "update", f"nodename={HOST}", "state=resume").returncode == 0
         rc, out = fab("status", "--target", "local")
         assert rc == 0, out
