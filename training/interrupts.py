@@ -53,14 +53,6 @@ class CheckpointOnSignal(TrainerCallback):
         self._group = None
         install()
 
-    @property
-    def pending(self) -> int:
-        return _pending[0]
-
-    @pending.setter
-    def pending(self, value: int) -> None:
-        _pending[0] = value
-
     def on_train_begin(self, args, state, control, **kwargs):
         import torch.distributed as dist
 
@@ -73,16 +65,17 @@ class CheckpointOnSignal(TrainerCallback):
 
     def _agreed(self) -> int:
         if self._group is None:
-            return self.pending
+            return _pending[0]
         import torch
         import torch.distributed as dist
 
-        flag = torch.tensor([self.pending], dtype=torch.int32)
+        flag = torch.tensor([_pending[0]], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
         return int(flag.item())
 
     def on_step_end(self, args, state, control, **kwargs):
-        wanted, self.pending = self._agreed(), NONE
+        wanted = self._agreed()
+        _pending[0] = NONE
         if wanted == NONE or (state.max_steps and state.global_step >= state.max_steps):
             return control  # nothing asked, or the run ends here anyway
         control.should_save = True
