@@ -111,16 +111,19 @@ class CommProbe:
         trainer.training_step = probed_step
 
     def _step(self) -> int:
-        return self.trainer.state.global_step  # the optimizer step under way (0-based)
+        # the optimizer step under way (0-based); after training (restore), the teardown's collectives
+        return self.trainer.state.global_step if self.trainer is not None else -1
 
     def _patch_collectives(self):
         import torch.distributed as dist
 
         probe = self
+        self._originals = {}
         for name in COLLECTIVES:
             fn = getattr(dist, name, None)
             if fn is None:
                 continue
+            self._originals[name] = fn
 
             def counted(*args, _fn=fn, _name=name, **kwargs):
                 if probe.training:
@@ -128,6 +131,16 @@ class CommProbe:
                 return _fn(*args, **kwargs)
 
             setattr(dist, name, counted)
+
+    def restore(self):
+        """Once training is over: put torch.distributed's own functions back and let go of the trainer.
+        Both held the trainer, whose DDP holds the process group, where the garbage collector cannot free
+        it (a module global; the comm hook, referenced from C++), keeping gloo's threads alive into exit."""
+        import torch.distributed as dist
+
+        for name, fn in self._originals.items():
+            setattr(dist, name, fn)
+        self.trainer = None
 
     def _install(self, model):
         import torch
@@ -263,7 +276,10 @@ def worker(args) -> None:
         trainer.add_callback(bench_train.ProfileSteps(*(int(x) for x in args.profile.split(":"))))
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    output = trainer.train()
+    try:
+        output = trainer.train()
+    finally:
+        probe.restore()
     end_t, end_tok, _, end_step, _ = clock.end
     row = {
         "rank": rank, "world_size": world, "examples_per_rank_step": trainer.args.per_device_train_batch_size,
@@ -477,7 +493,14 @@ def main(argv: list[str] | None = None) -> dict | None:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no GPU visible (use --device cpu --tiny)")
     if args.worker:
-        worker(args)
+        from training.train import teardown_process_group
+
+        success = False
+        try:
+            worker(args)  # returns first: its trainer is unreferenced (cycles only) when teardown collects
+            success = True
+        finally:
+            teardown_process_group(success)  # else gloo's threads can abort the rank at exit (as in train.cli)
         return None
 
     if args.global_batch < 1:

@@ -132,3 +132,31 @@ def test_fold_sums_ranks_over_the_slowest_rank():
     assert row["examples_per_step"] == 16 and row["allreduce_buckets"] == 2
     assert row["allreduce_ms_per_step"] == 4.0 and row["step_ms"] == pytest.approx(500.0)
     assert row["nccl_links"] == {"P2P/CUMEM": 2} and "2 links inside a node" in row["nccl_transport"]
+
+
+_WORKER_PROBE = """
+import os, sys
+sys.path.insert(0, os.getcwd())
+from benchmarks import bench_scaling
+bench_scaling.main(sys.argv[1:])
+names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+print("rank", os.environ["RANK"], "gloo threads", sum(n.startswith(("pt_gloo", "gloo_")) for n in names), flush=True)
+"""
+
+
+def test_worker_ranks_keep_no_gloo_thread_after_the_run(tmp_path):
+    """A worker rank's entry point tears its process group down: no gloo thread is left to abort the rank
+    at interpreter exit ("terminate called without an active exception", SIGABRT), as CI once saw."""
+    import os
+    import subprocess
+
+    probe = tmp_path / "probe.py"
+    probe.write_text(_WORKER_PROBE)
+    cmd = bench_scaling.torchrun_command(2, bench_scaling.free_port(), [])[:-3] + [
+        str(probe), "--worker", "--device", "cpu", "--tiny", "--global-batch", "4", "--examples", "8",
+        "--steps", "1", "--warmup-steps", "0", "--logging-steps", "1", "--out-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=bench_scaling.REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    counts = sorted(re.findall(r"^rank (\d) gloo threads (\d+)$", proc.stdout, re.M))
+    assert counts == [("0", "0"), ("1", "0")], proc.stdout[-3000:]
