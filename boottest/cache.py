@@ -1,9 +1,13 @@
 """Where the boot test keeps what it builds once per machine: images, the apt repository
 and the wheelhouse, each in a directory named by what it is made from (a key), written
-aside and renamed into place when complete, so an interrupted build is never reused."""
+aside and renamed into place when complete, so an interrupted build is never reused. One
+builder at a time per entry (a lock file beside it): the boot tests' background prebuild
+(boottest/prebuild.py) and a test that needs the same entry meet there, and the later one
+finds it complete."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -23,17 +27,22 @@ def key(*parts) -> str:
 
 def cached(kind: str, name: str, build: Callable[[Path], None]) -> tuple[Path, bool]:
     """CACHE/kind/name, built by `build(tmpdir)` unless already complete. Returns
-    (path, built_now)."""
+    (path, built_now). Waits while another process builds the same entry."""
     final = CACHE / kind / name
     if (final / COMPLETE).exists():
         return final, False
-    tmp = CACHE / kind / f".{name}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    build(tmp)
-    (tmp / COMPLETE).write_text("")
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)
-    return final, True
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / kind / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (final / COMPLETE).exists():  # built by the holder we waited for
+            return final, False
+        tmp = CACHE / kind / f".{name}.tmp"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        build(tmp)
+        (tmp / COMPLETE).write_text("")
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        return final, True

@@ -1,5 +1,6 @@
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +19,14 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    boot = [item for item in items if item.get_closest_marker("boot")]
+    if boot:
+        # The boot tests run last, and their images, apt repositories and wheelhouses are built in
+        # the background meanwhile (boottest/prebuild.py): on a fresh machine some minutes of
+        # downloads and debootstraps overlap the other tests instead of adding to the run.
+        items[:] = [item for item in items if not item.get_closest_marker("boot")] + boot
+        if os.geteuid() == 0:
+            _start_prebuild(config, boot)
     # Cluster tests (and `root` ones) need root. In CI they must run (never a quiet skip); on a
     # developer's non-root machine they are skipped with a reason.
     if os.geteuid() == 0 or os.environ.get("CI"):
@@ -26,3 +35,34 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cluster" in item.keywords or "root" in item.keywords or "boot" in item.keywords:
             item.add_marker(skip)
+
+
+def _start_prebuild(config, boot_items) -> None:
+    """Build what the selected boot tests' platforms need, at idle CPU and I/O priority: the tests
+    running meanwhile keep the machine."""
+    from boottest import cache
+    from cluster.targets.boot import BOOT
+
+    names = [p.name for p in BOOT.platforms if any(f"[{p.name}" in item.nodeid for item in boot_items)]
+    if not names or config.option.collectonly:
+        return
+    cache.CACHE.mkdir(parents=True, exist_ok=True)
+    log_path = cache.CACHE / "prebuild.log"
+    with open(log_path, "w") as log:
+        cmd = ["nice", "-n", "19", "ionice", "-c", "3", sys.executable, "-m", "boottest.prebuild", *names]
+        config.boot_prebuild = (subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                                 stdin=subprocess.DEVNULL), log_path)
+
+
+def pytest_unconfigure(config):
+    # Never stop it halfway: a debootstrap killed mid-way can leave its mounts in the cache's work tree.
+    proc, _ = getattr(config, "boot_prebuild", (None, None))
+    if proc is not None:
+        proc.wait()
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    proc, log_path = getattr(config, "boot_prebuild", (None, None))
+    if proc is not None and proc.poll() not in (None, 0):
+        terminalreporter.write_line(f"boot test prebuild failed (exit {proc.returncode}); the boot tests built "
+                                    f"what they needed themselves. Its log: {log_path}")

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from bootstrap.render import SPOT_WATCH_UNIT, STEPS
-from cluster.platform import BOOT_DEBIAN12, BOOT_DEBIAN13
+from cluster.targets.boot import BOOT
 
 REPO = Path(__file__).resolve().parent.parent
 FAB = str(REPO / ".venv" / "bin" / "fab")
@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.boot, pytest.mark.slow]
 
 # Debian 12 trains on the pinned torch's CPU wheel; Debian 13 on Debian's python3-torch 2.6.0
 # (Platform.os_torch: this machine's index has no CPU torch of the pin for cp313).
-BOOT_PLATFORMS = (BOOT_DEBIAN12, BOOT_DEBIAN13)
+BOOT_PLATFORMS = BOOT.platforms
 # How long cloud-init's apt package manager waits for the dpkg locks before it fails the module
 # (APT_LOCK_WAIT_TIMEOUT: cloudinit/distros/debian.py in 22.4, .../package_management/apt.py in 25.1).
 CLOUD_INIT_APT_LOCK_WAIT_S = 30

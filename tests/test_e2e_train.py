@@ -2,7 +2,8 @@
 
 The cluster starts with a different munge key on every GPU host (`fresh_keys`, as a fresh AWS
 node): the first `fab train` must install the controller's key, run the sanity job and the
-fine-tune, print the summary and bring adapters home. The second run is interrupted with Ctrl-C
+fine-tune, print the summary and bring adapters home; its timeline (runs/<job>/timeline.json) has
+every phase in order adding up to the wall time, and its prediction holds. The second run is interrupted with Ctrl-C
 while it streams (the job must keep running) and finished with `fab logs --job JOB`; its key step
 must skip every node. Then everything both runs left (fab's output, runs/, the job directories,
 every host's logs, the repository) is searched for the munge key's bytes.
@@ -25,6 +26,16 @@ REPO = Path(__file__).resolve().parent.parent
 FAB = str(REPO / ".venv" / "bin" / "fab")
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+GAP_SLACK_S = 1.0
+# The estimate (ops/cost/estimate.py) holds against the measured wall time within this factor (docs/ESTIMATE.md).
+ESTIMATE_FACTOR = 2.0
+STARTUP_SLACK_S = 15.0
+# fab-side phases, then the job's own (from the log's stamps and metrics.json), then the download.
+EXPECTED = ["setup", "estimate", "setup", "wake", "inputs", "prefetch", "keys", "reconfigure", "service", "sanity", "network",
+            "staging",
+            "queue",
+            "startup", "data", "model", "build", "first_step", "steps", "save", "exit", "seen", "download"]
 
 FAB_OUTPUT: list[str] = []  # every fab output of this module, searched for the munge key at the end
 
@@ -54,11 +65,20 @@ def submitted(out: str) -> tuple[str, str]:
     return m[1], m[2]
 
 
-def test_train_end_to_end(local_cluster, runs_dir):
+@pytest.fixture(scope="module")
+def first_run(local_cluster, runs_dir):
+    """The first `fab train --target local` on the fresh cluster: (exit code, output, job id, fab's wall time)."""
     inv, job_dirs = local_cluster
+    t0 = time.time()
     rc, out = fab(runs_dir, "train", "--target", "local")
+    wall = time.time() - t0
     job_id, job_dir = submitted(out)
     job_dirs.append(job_dir)
+    return rc, out, job_id, wall
+
+
+def test_train_end_to_end(first_run, runs_dir):
+    rc, out, job_id, _ = first_run
     assert rc == 0, out
 
     # each step reported; the key was installed on both fresh nodes
@@ -120,6 +140,56 @@ def test_train_end_to_end(local_cluster, runs_dir):
     rc, listed = fab(runs_dir, "runs")
     assert rc == 0 and listed.splitlines()[1].split()[0] == job_id, listed
     assert "2 x 2" in listed and "->" in listed, listed
+
+
+def test_timeline_has_every_phase_in_order_adding_up_to_the_wall_time(first_run, runs_dir):
+    """The first run's timeline (runs/<job>/timeline.json): every phase, in order, contiguous, together the
+    run's wall time: what no phase covers (gaps) stays under GAP_SLACK_S, and the timeline misses at most
+    STARTUP_SLACK_S of fab's own wall time (the interpreter and fab's imports run before the task can take
+    its first timestamp)."""
+    _, out, job_id, process_wall = first_run
+    run_dir = runs_dir / job_id
+    tl = json.loads((run_dir / "timeline.json").read_text())
+    phases = tl["phases"]
+    keys = [p["key"] for p in phases if p["key"] != "gap"]
+    assert keys == EXPECTED, keys
+    for a, b in zip(phases, phases[1:], strict=False):
+        assert a["end"] <= b["start"] + 1e-6, (a, b)  # in order, no overlap
+        assert a["seconds"] >= 0
+    total = sum(p["seconds"] for p in phases)
+    assert abs(total - tl["wall_s"]) < 0.01, (total, tl["wall_s"])
+    gaps = sum(p["seconds"] for p in phases if p["key"] == "gap")
+    assert gaps < GAP_SLACK_S, [p for p in phases if p["key"] == "gap"]
+    assert 0 <= process_wall - tl["wall_s"] < STARTUP_SLACK_S, (process_wall, tl["wall_s"])
+    by = {p["key"]: p for p in phases}
+    assert by["startup"]["source"] == "job log" or by["queue"]["source"] == "job log"
+    assert by["steps"]["source"] == "metrics.json" and by["steps"]["seconds"] > 0
+    # the summary printed the same table
+    assert re.search(r"^timeline$", out, re.M) and re.search(r"^\s+wall time\s+[\d.]+s", out, re.M), out
+    for p in phases:
+        if p["key"] != "gap":
+            assert p["label"][:38] in out, p["label"]
+
+
+def test_estimate_beside_the_timeline_holds_within_the_stated_factor(first_run, runs_dir):
+    """The run's prediction, printed beside the timeline, is within ESTIMATE_FACTOR of the measured wall time."""
+    _, out, job_id, _ = first_run
+    run_dir = runs_dir / job_id
+    tl = json.loads((run_dir / "timeline.json").read_text())
+    predicted = tl["predicted_s"]
+    measured = {}
+    for p in tl["phases"]:
+        measured[p["key"]] = measured.get(p["key"], 0.0) + p["seconds"]
+    assert set(predicted) <= set(measured), set(predicted) - set(measured)
+    total = sum(predicted.values())
+    assert tl["wall_s"] / ESTIMATE_FACTOR <= total <= tl["wall_s"] * ESTIMATE_FACTOR, (total, tl["wall_s"])
+    assert re.search(r"phase\s+took\s+share\s+predicted", out), out
+    # the same prediction as `fab estimate` prints for this cluster, before anything runs
+    res = subprocess.run([FAB, "estimate", "--target", "local"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    m = re.search(r"^\s+total\s+([\d.]+)s", res.stdout, re.M)
+    assert m and abs(float(m[1]) - total) < 0.1, (m and m[1], total)
 
 
 def test_second_run_skips_key_and_survives_ctrl_c(local_cluster, runs_dir):

@@ -1,0 +1,58 @@
+"""The boot test's cache (boottest/cache.py): one builder per entry. The background prebuild and a
+boot test that needs the same entry meet at its lock; the later one waits and reuses what the first
+built, and a build that failed halfway is never reused (fast, no root)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Two processes ask for one entry at once; each build takes a second and appends to builds.log.
+_ASK = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, sys.argv[1])
+    from pathlib import Path
+    from boottest import cache
+    log = Path(sys.argv[2])
+
+    def build(tmp):
+        with open(log, "a") as f:
+            f.write("build\\n")
+        time.sleep(1)
+        (tmp / "thing").write_text("made")
+
+    path, built = cache.cached("images", "demo", build)
+    print(built, (path / "thing").read_text())
+""")
+
+
+def test_two_builders_of_one_entry_build_it_once(tmp_path):
+    env = {"SLURM_GPU_BOOT_CACHE": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"}
+    log = tmp_path / "builds.log"
+    procs = [subprocess.Popen([sys.executable, "-c", _ASK, str(REPO), str(log)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=60) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert sorted(o.strip() for o, _ in outs) == ["False made", "True made"]
+    assert log.read_text() == "build\n"
+
+
+def test_a_failed_build_is_not_reused(tmp_path, monkeypatch):
+    from boottest import cache
+
+    monkeypatch.setattr(cache, "CACHE", tmp_path)
+
+    def broken(tmp):
+        (tmp / "half").write_text("")
+        raise RuntimeError("download failed")
+
+    with pytest.raises(RuntimeError):
+        cache.cached("apt", "demo", broken)
+    path, built = cache.cached("apt", "demo", lambda tmp: (tmp / "whole").write_text(""))
+    assert built and sorted(p.name for p in path.iterdir()) == [cache.COMPLETE, "whole"]
