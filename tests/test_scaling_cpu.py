@@ -140,7 +140,8 @@ sys.path.insert(0, os.getcwd())
 from benchmarks import bench_scaling
 bench_scaling.main(sys.argv[1:])
 names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
-print("rank", os.environ["RANK"], "gloo threads", sum(n.startswith(("pt_gloo", "gloo_")) for n in names), flush=True)
+# one line, one write: both ranks share torchrun's stdout, and print() writes each piece on its own
+os.write(1, f"rank {os.environ['RANK']} gloo threads {sum(n.startswith(('pt_gloo', 'gloo_')) for n in names)}\\n".encode())
 """
 
 
