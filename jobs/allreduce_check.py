@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import socket
+import sys
 import time
 from itertools import combinations
 from pathlib import Path
@@ -155,7 +156,22 @@ def main() -> None:
         big = max(result["all"], key=lambda r: r["bytes"])
         print(f"{TAG} {world} ranks on {len(hosts)} node(s): {big['busbw_gbps']} Gbps bus bandwidth at "
               f"{big['bytes']} bytes, {len(result['pairs'])} pair(s), {result['seconds']} s; {args.out}", flush=True)
-    dist.destroy_process_group()
+    leave()
+
+
+def leave() -> None:
+    """End the rank once every rank is past its last collective, without destroying the group.
+
+    Destroying it can deadlock: the gloo group's destructor joins its worker threads while holding the
+    GIL, and a worker still letting go of the last collective's tensor waits for the GIL. The boot test
+    saw it on Debian 13's torch 2.6 (gdb: the main thread in ~ProcessGroupGloo's thread join, a runLoop
+    thread in TensorImpl's Python-object release). The result is written; nothing is left to clean up
+    that the process's exit does not (sockets, memory; NCCL's resources on GPUs).
+    """
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

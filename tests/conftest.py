@@ -55,10 +55,15 @@ def _start_prebuild(config, boot_items) -> None:
 
 
 def pytest_unconfigure(config):
-    # Never stop it halfway: a debootstrap killed mid-way can leave its mounts in the cache's work tree.
+    # Never stop it halfway unless it is stuck: a debootstrap killed mid-way can leave its mounts in the
+    # cache's work tree (the next build removes that tree).
     proc, _ = getattr(config, "boot_prebuild", (None, None))
     if proc is not None:
-        proc.wait()
+        try:
+            proc.wait(timeout=1200)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def pytest_terminal_summary(terminalreporter, config):
