@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,6 +24,20 @@ def key(*parts) -> str:
     """A short stable hash of what a cached thing is made from."""
     text = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def remove(path: Path) -> None:
+    """Remove a build's tree, unmounting first what a build stopped halfway left mounted in it
+    (debootstrap's /proc, /sys, /dev): removing files through such a mount would reach the host's."""
+    inside = str(path.resolve()) + "/"
+    mounts = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()]
+    for point in sorted((m for m in mounts if m.startswith(inside)), key=len, reverse=True):
+        subprocess.run(["umount", "--recursive", "--lazy", point], check=False, capture_output=True)
+    left = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()
+            if line.split()[1].startswith(inside)]
+    if left:
+        raise RuntimeError(f"{path}: still mounted inside after umount: {left}; unmount them, then rerun")
+    shutil.rmtree(path)
 
 
 def cached(kind: str, name: str, build: Callable[[Path], None]) -> tuple[Path, bool]:
@@ -38,11 +53,11 @@ def cached(kind: str, name: str, build: Callable[[Path], None]) -> tuple[Path, b
             return final, False
         tmp = CACHE / kind / f".{name}.tmp"
         if tmp.exists():
-            shutil.rmtree(tmp)
+            remove(tmp)
         tmp.mkdir(parents=True)
         build(tmp)
         (tmp / COMPLETE).write_text("")
         if final.exists():
-            shutil.rmtree(final)
+            remove(final)
         tmp.rename(final)
         return final, True

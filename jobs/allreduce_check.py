@@ -156,18 +156,24 @@ def main() -> None:
         big = max(result["all"], key=lambda r: r["bytes"])
         print(f"{TAG} {world} ranks on {len(hosts)} node(s): {big['busbw_gbps']} Gbps bus bandwidth at "
               f"{big['bytes']} bytes, {len(result['pairs'])} pair(s), {result['seconds']} s; {args.out}", flush=True)
-    leave()
+    leave(args.backend, local_rank)
 
 
-def leave() -> None:
-    """End the rank once every rank is past its last collective, without destroying the group.
+def leave(backend: str, local_rank: int) -> None:
+    """End the rank once every rank is past its last collective.
 
-    Destroying it can deadlock: the gloo group's destructor joins its worker threads while holding the
-    GIL, and a worker still letting go of the last collective's tensor waits for the GIL. The boot test
-    saw it on Debian 13's torch 2.6 (gdb: the main thread in ~ProcessGroupGloo's thread join, a runLoop
-    thread in TensorImpl's Python-object release). The result is written; nothing is left to clean up
-    that the process's exit does not (sockets, memory; NCCL's resources on GPUs).
+    gloo: without destroying the group. Destroying it can deadlock: the gloo group's destructor joins
+    its worker threads while holding the GIL, and a worker still letting go of the last collective's
+    tensor waits for the GIL. The boot test saw it on Debian 13's torch 2.6 (gdb: the main thread in
+    ~ProcessGroupGloo's thread join, a runLoop thread in TensorImpl's Python-object release). The
+    result is written; the process's exit closes the sockets.
+    NCCL: destroyed as NCCL asks, so that no rank exits while its last sends to a peer are still in
+    NCCL's proxy thread (ProcessGroupNCCL's warning; NCCL's guide, "Finalizing a communicator").
     """
+    if backend == "nccl":
+        dist.barrier(device_ids=[local_rank])
+        dist.destroy_process_group()
+        return
     dist.barrier()
     sys.stdout.flush()
     sys.stderr.flush()

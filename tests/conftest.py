@@ -25,8 +25,6 @@ def pytest_collection_modifyitems(config, items):
         # the background meanwhile (boottest/prebuild.py): on a fresh machine some minutes of
         # downloads and debootstraps overlap the other tests instead of adding to the run.
         items[:] = [item for item in items if not item.get_closest_marker("boot")] + boot
-        if os.geteuid() == 0:
-            _start_prebuild(config, boot)
     # Cluster tests (and `root` ones) need root. In CI they must run (never a quiet skip); on a
     # developer's non-root machine they are skipped with a reason.
     if os.geteuid() == 0 or os.environ.get("CI"):
@@ -37,32 +35,42 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_collection_finish(session):
+    # Once -m, -k and --deselect have had their say: only the boot tests that will run, only as root
+    # (they need it), and not after a collection error (nothing runs).
+    boot = [item for item in session.items if item.get_closest_marker("boot")]
+    if boot and os.geteuid() == 0 and not session.testsfailed and not session.config.option.collectonly:
+        _start_prebuild(session.config, boot)
+
+
 def _start_prebuild(config, boot_items) -> None:
-    """Build what the selected boot tests' platforms need, at idle CPU and I/O priority: the tests
-    running meanwhile keep the machine."""
+    """Build what the selected boot tests' platforms need, at idle CPU priority: the tests running
+    meanwhile keep the machine. In its own session: a Ctrl-C at the terminal does not cut it short."""
     from boottest import cache
     from cluster.targets.boot import BOOT
 
     names = [p.name for p in BOOT.platforms if any(f"[{p.name}" in item.nodeid for item in boot_items)]
-    if not names or config.option.collectonly:
+    if not names:
         return
     cache.CACHE.mkdir(parents=True, exist_ok=True)
     log_path = cache.CACHE / "prebuild.log"
     with open(log_path, "w") as log:
-        cmd = ["nice", "-n", "19", "ionice", "-c", "3", sys.executable, "-m", "boottest.prebuild", *names]
+        cmd = ["nice", "-n", "19", sys.executable, "-m", "boottest.prebuild", *names]
         config.boot_prebuild = (subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                                 stdin=subprocess.DEVNULL), log_path)
+                                                 stdin=subprocess.DEVNULL, start_new_session=True), log_path)
 
 
 def pytest_unconfigure(config):
-    # Never stop it halfway unless it is stuck: a debootstrap killed mid-way can leave its mounts in the
-    # cache's work tree (the next build removes that tree).
-    proc, _ = getattr(config, "boot_prebuild", (None, None))
-    if proc is not None:
+    # Still running at the end: the boot tests did not run (interrupted, -x, failed early) or did not need
+    # it. Stop it (its process group: debootstrap, apt); the next build clears what it left (boottest/cache.py).
+    proc, log_path = getattr(config, "boot_prebuild", (None, None))
+    if proc is not None and proc.poll() is None:
+        print(f"\nstopping the boot test prebuild (its log: {log_path})", file=sys.stderr)
+        os.killpg(proc.pid, signal.SIGTERM)
         try:
-            proc.wait(timeout=1200)
+            proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
 
 

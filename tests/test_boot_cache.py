@@ -56,3 +56,23 @@ def test_a_failed_build_is_not_reused(tmp_path, monkeypatch):
         cache.cached("apt", "demo", broken)
     path, built = cache.cached("apt", "demo", lambda tmp: (tmp / "whole").write_text(""))
     assert built and sorted(p.name for p in path.iterdir()) == [cache.COMPLETE, "whole"]
+
+
+@pytest.mark.root
+def test_removing_a_halfway_build_leaves_what_was_mounted_in_it(tmp_path):
+    """A build stopped halfway can leave a mount in its tree (debootstrap binds /dev): removing the tree
+    unmounts first, so the files behind the mount are not deleted through it."""
+    from boottest import cache
+
+    outside = tmp_path / "host-dev"
+    outside.mkdir()
+    (outside / "null").write_text("keep me")
+    tree = tmp_path / ".images.tmp"
+    (tree / "rootfs" / "dev").mkdir(parents=True)
+    subprocess.run(["mount", "--bind", str(outside), str(tree / "rootfs" / "dev")], check=True)
+    try:
+        cache.remove(tree)
+    finally:
+        subprocess.run(["umount", "--lazy", str(tree / "rootfs" / "dev")], check=False, capture_output=True)
+    assert not tree.exists()
+    assert (outside / "null").read_text() == "keep me"

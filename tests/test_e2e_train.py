@@ -147,7 +147,8 @@ def test_timeline_has_every_phase_in_order_adding_up_to_the_wall_time(first_run,
     run's wall time: what no phase covers (gaps) stays under GAP_SLACK_S, and the timeline misses at most
     STARTUP_SLACK_S of fab's own wall time (the interpreter and fab's imports run before the task can take
     its first timestamp)."""
-    _, out, job_id, process_wall = first_run
+    rc, out, job_id, process_wall = first_run
+    assert rc == 0, out
     run_dir = runs_dir / job_id
     tl = json.loads((run_dir / "timeline.json").read_text())
     phases = tl["phases"]
@@ -173,7 +174,8 @@ def test_timeline_has_every_phase_in_order_adding_up_to_the_wall_time(first_run,
 
 def test_estimate_beside_the_timeline_holds_within_the_stated_factor(first_run, runs_dir):
     """The run's prediction, printed beside the timeline, is within ESTIMATE_FACTOR of the measured wall time."""
-    _, out, job_id, _ = first_run
+    rc, out, job_id, _ = first_run
+    assert rc == 0, out
     run_dir = runs_dir / job_id
     tl = json.loads((run_dir / "timeline.json").read_text())
     predicted = tl["predicted_s"]
