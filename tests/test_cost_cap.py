@@ -247,19 +247,21 @@ def tiny(tmp_path_factory):
     return make_tiny(tmp_path_factory.mktemp("tiny"), examples=N_EXAMPLES, seed=0)
 
 
-def _capped(tiny, out, cap: float, *extra) -> list[str]:
-    """A run that began costing an hour ago at $1/h: $1 spent before its first step."""
+def _capped(tiny, out, cap: float, *extra, per_hour: float = 1) -> list[str]:
+    """A run that began costing at `per_hour` long enough ago to have spent $1 before its first step."""
     from tests.test_training_run import argv_for
 
-    return argv_for(tiny, out, "--max_cost_usd", str(cap), "--cost_per_hour_usd", "1",
-                    "--cost_started_at", str(time.time() - 3600), *extra)
+    return argv_for(tiny, out, "--max_cost_usd", str(cap), "--cost_per_hour_usd", str(per_hour),
+                    "--cost_started_at", str(time.time() - 3600 / per_hour), *extra)
 
 
 def test_a_run_over_its_cap_stops_after_the_first_step_with_a_checkpoint(tiny, tmp_path):
     from training import train
 
     out = tmp_path / "out"
-    metrics = train.main(_capped(tiny, out, 0.5))
+    # At $3600/h a second costs $1: the steps the cap saved (milliseconds each on the tiny model) show in
+    # metrics.json's 4 decimals. At $1/h they cost under $0.0001 and round to what was spent.
+    metrics = train.main(_capped(tiny, out, 0.5, per_hour=3600))
     assert metrics["stopped_by"] == "max_cost" and metrics["train_steps"] == 1
     cost = metrics["cost"]
     assert cost["stopped_at_step"] == 1 < cost["max_steps"] and cost["full_run_usd"] > cost["spent_usd"] > 1.0
