@@ -245,6 +245,7 @@ class ClusterMocks(pulumi.runtime.Mocks):
         self.resources: list[Registered] = []  # custom resources, with their inputs
         self.components: list[Registered] = []  # everything registered, components included
         self.calls: list[tuple[str, dict]] = []
+        self.read_back: dict[str, dict] = {}  # resource name -> the state new_resource answered
         self.ami_root_gib = ami_root_gib
         self.ami_arch = ami_arch
         self.arches = dict(arches or {})  # image id -> architecture, where not ami_arch
@@ -349,6 +350,13 @@ class ClusterMocks(pulumi.runtime.Mocks):
         self.resources.append(Registered(args.typ, args.name, inputs))
         state = dict(inputs)
         if args.typ == "aws:ec2/instance:Instance":
+            market = inputs.get("instanceMarketOptions") or {}
+            if market.get("marketType") == "spot":  # RunInstances made a persistent Spot request
+                state["spotInstanceRequestId"] = f"sir-{args.name}"
+            if market.get("marketType") == "capacity-block":
+                # What the provider may read back for an instance in a Capacity Block: no market
+                # options (hashicorp/terraform-provider-aws PR #48701, "perpetual diff").
+                state["instanceMarketOptions"] = None
             if inputs.get("associatePublicIpAddress"):
                 self._public += 1
                 state["publicIp"] = f"198.51.100.{self._public}"
@@ -367,6 +375,7 @@ class ClusterMocks(pulumi.runtime.Mocks):
             self.stashed[args.name] = state["output"]
         if args.typ in ("aws:iam/instanceProfile:InstanceProfile", "aws:iam/role:Role"):
             state["name"] = f"{args.name}-5e6f7a"  # the provider's auto-name
+        self.read_back[args.name] = state
         return f"{args.name}-id", state
 
     def of_type(self, typ: str) -> list[Registered]:
