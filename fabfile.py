@@ -181,7 +181,7 @@ def spot_requests_(c, region=None, stack=None):
     Works after `pulumi destroy`. Exit 1 when any is left over.
     """
     try:
-        spot_requests.report(spot_requests.ec2_client(region), region, stack)
+        spot_requests.run(region, stack)
     except spot_requests.UserError as exc:
         raise Exit(f"fab spot-requests: {exc}", code=1) from None
 

@@ -92,8 +92,9 @@ class SpotRequestCanceller(pulumi.dynamic.ResourceProvider):
     """The guard's provider: create tags the request, delete cancels it (module docstring)."""
 
     def create(self, props: dict[str, Any]) -> pulumi.dynamic.CreateResult:
-        tag_request(ec2_client(props.get("region"), props.get("profile")), props["request_id"], props["tags"])
-        return pulumi.dynamic.CreateResult(id_=props["request_id"], outs=props)
+        if props.get("request_id"):  # none: the instance is not (or no longer) a spot one
+            tag_request(ec2_client(props.get("region"), props.get("profile")), props["request_id"], props["tags"])
+        return pulumi.dynamic.CreateResult(id_=props.get("request_id") or f"none-{props['instance_id']}", outs=props)
 
     def diff(self, _id: str, olds: dict[str, Any], news: dict[str, Any]) -> pulumi.dynamic.DiffResult:
         replaces = [k for k in IDENTITY if olds.get(k) != news.get(k)]
@@ -101,10 +102,13 @@ class SpotRequestCanceller(pulumi.dynamic.ResourceProvider):
         return pulumi.dynamic.DiffResult(changes=bool(changed), replaces=replaces, delete_before_replace=True)
 
     def update(self, _id: str, _olds: dict[str, Any], news: dict[str, Any]) -> pulumi.dynamic.UpdateResult:
-        tag_request(ec2_client(news.get("region"), news.get("profile")), news["request_id"], news["tags"])
+        if news.get("request_id"):
+            tag_request(ec2_client(news.get("region"), news.get("profile")), news["request_id"], news["tags"])
         return pulumi.dynamic.UpdateResult(outs=news)
 
     def delete(self, _id: str, props: dict[str, Any]) -> None:
+        if not props.get("request_id"):
+            return
         cancel_request(ec2_client(props.get("region"), props.get("profile")), props["request_id"],
                        props["instance_id"])
 

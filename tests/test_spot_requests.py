@@ -182,3 +182,22 @@ def test_an_unexpected_request_id_never_reaches_a_command():
     bad = spot_requests.LeftOver("sir-1; rm -rf ~", "open", None, STACK, "")
     with pytest.raises(spot_requests.UserError, match="unexpected Spot request id"):
         spot_requests.cancel_commands(bad, "ap-northeast-2")
+
+
+def test_a_node_without_a_request_id_makes_no_ec2_call(monkeypatch):
+    """The provider reads no request id for an instance that is not a spot one: nothing to tag or cancel."""
+    monkeypatch.setattr(spot_guard, "ec2_client", lambda *a: pytest.fail("no EC2 call expected"))
+    provider = spot_guard.SpotRequestCanceller()
+    props = {"instance_id": "i-0aaa", "request_id": "", "region": "ap-northeast-2", "tags": {}}
+    assert provider.create(props).id == "none-i-0aaa"
+    provider.update("none-i-0aaa", props, props)
+    provider.delete("none-i-0aaa", props)
+
+
+def test_aws_failures_are_one_line_naming_the_permissions(monkeypatch):
+    ec2 = ec2_client()
+    monkeypatch.setattr(spot_requests, "ec2_client", lambda region: ec2)
+    with Stubber(ec2) as stub:
+        stub.add_client_error("describe_spot_instance_requests", "UnauthorizedOperation", "not authorized")
+        with pytest.raises(spot_requests.UserError, match="ec2:DescribeSpotInstanceRequests"):
+            spot_requests.run("ap-northeast-2", None, say=lambda line: None)

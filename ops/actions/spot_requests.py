@@ -106,5 +106,16 @@ def ec2_client(region: str | None):
 
     session = boto3.session.Session(region_name=region or None)
     if not session.region_name:
-        raise UserError("fab spot-requests: no AWS region: pass --region REGION (the stack's aws:region)")
+        raise UserError("no AWS region: pass --region REGION (the stack's aws:region)")
     return session.client("ec2")
+
+
+def run(region: str | None, stack: str | None, say: Say = print) -> None:
+    """`fab spot-requests`: report(), with AWS's own failures (no credentials, access denied) as one line."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        report(ec2_client(region), region, stack, say)
+    except (BotoCoreError, ClientError) as exc:
+        raise UserError(f"could not list Spot requests ({exc}); it needs AWS credentials allowed "
+                        "ec2:DescribeSpotInstanceRequests and ec2:DescribeInstances") from None
