@@ -2,9 +2,11 @@
 
 Why the stack does it itself:
 - EC2: terminating an instance launched by a persistent Spot request reopens the request, and EC2
-  launches a new instance for it unless the request is cancelled first; cancelling a request does
-  not terminate its instance (EC2 User Guide, "Spot Instance requests" and "Cancel a Spot Instance
-  request": https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/spot-requests.html).
+  launches a new instance for it unless the request is cancelled first (EC2 User Guide, "Spot Instance
+  requests": https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/spot-requests.html); only open, active
+  or disabled requests can be cancelled, and cancelling one does not terminate its instance (EC2 User
+  Guide, "Cancel a Spot Instance request":
+  https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/using-spot-instances-cancel.html).
 - terraform-provider-aws's aws_instance delete (internal/service/ec2/ec2_instance.go,
   resourceInstanceDelete), which pulumi-aws bundles, cancels the request only behind a condition
   that is reported never to hold for spot instances: it first tries ModifyInstanceAttribute
