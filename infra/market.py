@@ -67,6 +67,9 @@ LINUX_PLATFORM = "Linux/UNIX"
 # each `pulumi up` (hashicorp/terraform-provider-aws PR #48701, "perpetual diff"; whether the pulumi-aws
 # 7.51.1 build carries that fix could not be read: docs/AWS.md, "What AWS answers"). A real market
 # change still replaces the nodes: it goes by replacement_trigger (market_key), not by this input.
+# Only while every GPU node of the stack is already a block one: on a replacement the engine keeps the
+# old inputs of ignored properties (pulumi/pulumi#2657; infra/nodes.py), so a node moving into the
+# block from another market must not ignore it, or it would launch with its old market options.
 BLOCK_IGNORED = ("instanceMarketOptions",)
 
 
@@ -100,8 +103,29 @@ def instance_args(cfg: StackConfig) -> dict:
 
 
 def ignored_on_update(cfg: StackConfig) -> list[str]:
-    """GPU node inputs the market makes the engine ignore on update (BLOCK_IGNORED)."""
-    return list(BLOCK_IGNORED) if cfg.gpu_market == CAPACITY_BLOCK else []
+    """GPU node inputs the market makes the engine ignore on update (BLOCK_IGNORED): for a Capacity
+    Block stack none of whose GPU instances was launched in another market."""
+    if cfg.gpu_market != CAPACITY_BLOCK or _nodes_outside_blocks():
+        return []
+    return list(BLOCK_IGNORED)
+
+
+def _nodes_outside_blocks() -> bool:
+    """Whether this stack has GPU instances (any state but terminated) outside a Capacity Block
+    (DescribeInstances filter instance-lifecycle capacity-block: EC2 API Reference, DescribeInstances)."""
+    from infra.quotas import EXISTING, STACK_TAG, stack_name
+
+    mine = [{"name": f"tag:{STACK_TAG}", "values": [stack_name()]}, {"name": "tag:Role", "values": ["gpu"]}]
+    try:
+        every = set(aws.ec2.get_instances(filters=mine, instance_state_names=EXISTING).ids or [])
+        block = set(aws.ec2.get_instances(
+            filters=[*mine, {"name": "instance-lifecycle", "values": ["capacity-block"]}],
+            instance_state_names=EXISTING).ids or [])
+    except Exception as exc:
+        pulumi.log.warn(f"could not list this stack's GPU instances ({_first_line(exc)}); Capacity Block nodes "
+                        "ignore changes to their market options (infra/market.py BLOCK_IGNORED)")
+        return False
+    return bool(every - block)
 
 
 def market_key(cfg: StackConfig) -> str:

@@ -178,6 +178,26 @@ def test_a_second_up_of_a_capacity_block_stack_plans_no_change_to_its_nodes():
         assert read_back["instanceMarketOptions"] is None  # what the provider may read back
         assert "instanceMarketOptions" not in planned_changes(inst.inputs, read_back, inst.ignore_changes)
         assert inst.replacement_trigger == f"capacity-block|{CB}"
+    # A second up: the stack's nodes now run in the block; still nothing planned.
+    own = [Running(f"i-0e{n}", "p5.48xlarge", OWN_TAGS, lifecycle="capacity-block", reservation=CB) for n in (1, 2)]
+    mocks = blocks()
+    mocks.running = own
+    run = run_program(stack_config(gpuMarket="capacity-block", capacityReservationId=CB,
+                                   gpuInstanceType="p5.48xlarge"), mocks)
+    for inst in gpu_and_controller(run)[0]:
+        assert "instanceMarketOptions" in inst.ignore_changes
+        assert "instanceMarketOptions" not in planned_changes(inst.inputs, run.mocks.read_back[inst.name],
+                                                              inst.ignore_changes)
+    # Moving on-demand nodes into the block: they are replaced (the trigger) and must launch with the
+    # block's market, so the input is not ignored while any node is outside the block (the engine keeps
+    # an ignored property's old input on a replacement).
+    mocks = blocks()
+    mocks.running = [Running(f"i-0d{n}", "p5.48xlarge", OWN_TAGS) for n in (1, 2)]
+    run = run_program(stack_config(gpuMarket="capacity-block", capacityReservationId=CB,
+                                   gpuInstanceType="p5.48xlarge"), mocks)
+    for inst in gpu_and_controller(run)[0]:
+        assert "instanceMarketOptions" not in inst.ignore_changes
+        assert inst.inputs["instanceMarketOptions"] == {"marketType": "capacity-block"}
     # Spot nodes read their market back: nothing of it is ignored there.
     run = run_program(stack_config(gpuMarket="spot"))
     for inst in gpu_and_controller(run)[0]:
