@@ -11,7 +11,7 @@ from invoke import Collection, task
 from invoke.exceptions import Exit
 
 from localcluster.tasks import ns as local_ns
-from ops.actions import node_update, options, slurm, status_view
+from ops.actions import node_update, options, slurm, spot_requests, status_view
 from ops.actions import reconfigure as reconf
 from ops.actions.cluster_task import cluster_task
 from ops.cost import estimate as est
@@ -167,6 +167,25 @@ def ssh(c, where, host=None, command=None):
         raise Exit(code=rc)  # the remote command's own exit status
 
 
+@task(name="spot-requests", help={
+    "region": "AWS region to look in (default: the AWS CLI's; the stack's aws:region)",
+    "stack": "only this stack's requests: organization/slurm-gpu/STACK as `pulumi stack ls` shows it "
+             "(default: every slurm-gpu stack's)",
+})
+def spot_requests_(c, region=None, stack=None):
+    """List Spot requests of slurm-gpu stacks that are left over (still able to launch a billed instance).
+
+    A spot node's persistent request is cancelled by the stack before the node is deleted
+    (infra/spot_guard.py); this finds any that were not (an interrupted destroy, a stack from before
+    that): one line a request, then the `aws ec2` commands that cancel it and terminate its instance.
+    Works after `pulumi destroy`. Exit 1 when any is left over.
+    """
+    try:
+        spot_requests.run(region, stack)
+    except spot_requests.UserError as exc:
+        raise Exit(f"fab spot-requests: {exc}", code=1) from None
+
+
 @task(name="runs", help={"job": "show this run's summary again (a directory name under runs/, e.g. 12)"})
 def runs_(c, job=None):
     """List the fine-tunes brought home under runs/, newest first; --job N shows one run's summary again.
@@ -182,5 +201,6 @@ def runs_(c, job=None):
     print("\n".join(lines))
 
 
-ns = Collection(train, check, estimate, status, logs, cancel, reconfigure, update_nodes, ssh, runs_)
+ns = Collection(train, check, estimate, status, logs, cancel, reconfigure, update_nodes, ssh, runs_,
+                spot_requests_)
 ns.add_collection(local_ns, "local")

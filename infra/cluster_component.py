@@ -10,13 +10,15 @@ from bootstrap.render import TRAINING_PYTHON
 from cluster.facts import ClusterFacts
 from cluster.inventory import from_facts
 from infra.ami import Ami, ImagesComponent
-from infra.config import StackConfig
+from infra.config import SPOT, StackConfig
 from infra.kms import EbsKey
-from infra.market import Reservation, instance_args, market_key, uses_placement_group
+from infra.market import Reservation, ignored_on_update, instance_args, market_key, uses_placement_group
 from infra.network import NetworkComponent
 from infra.nodes import NodesComponent
 from infra.power_role import PowerSaveComponent
+from infra.quotas import STACK_TAG, stack_name
 from infra.security import SecurityComponent
+from infra.spot_guard import SpotRequestGuard
 
 SERVICE_CMD = "sudo systemctl {action} {service}"
 
@@ -101,8 +103,17 @@ class ClusterComponent(pulumi.ComponentResource):
             gpu_placement_group=(True if uses_placement_group(cfg)
                                  else (reservation.placement_group if reservation else None)),
             gpu_market_key=market_key(cfg),
+            gpu_market_ignored=ignored_on_update(cfg),
             opts=pulumi.ResourceOptions(parent=self, depends_on=[self.network, self.security]),
         )
+        # Each spot node's persistent request is cancelled before the node goes (infra/spot_guard.py).
+        self.spot_guards = [
+            SpotRequestGuard(f"{name}-{h.name}-spot-request", node=node, region=region,
+                             tags={"Cluster": facts.cluster_name, "Role": "gpu",
+                                   "Name": f"{facts.cluster_name}-{h.name}", STACK_TAG: stack_name()},
+                             opts=child)
+            for h, node in zip(facts.gpu_nodes, self.nodes.gpu_nodes, strict=True)
+        ] if cfg.gpu_market == SPOT else []
 
         self.controller_public_ip = self.nodes.controller.public_ip
         self.node_list = [

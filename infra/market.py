@@ -13,8 +13,13 @@ and the plan-time check of a reservation.
   SpotMarketOptions.MaxPrice), and the price is then at most the On-Demand one. Such an instance
   cannot be in a placement group ("You can't launch a Spot Instance that is configured to stop or
   hibernate on interruption in a placement group": EC2 User Guide, "Placement group rules and
-  limitations"), so spot GPU nodes are launched without the cluster's. The request's end date is
-  SPOT_VALID_UNTIL (below).
+  limitations"), so spot GPU nodes are launched without the cluster's. The request has no end date:
+  RunInstances' SpotMarketOptions.ValidUntil is "supported only for persistent requests ... For a
+  persistent request, the request remains active until the ValidUntil date and time is reached.
+  Otherwise, the request remains active until you cancel it" (EC2 API Reference, SpotMarketOptions:
+  https://docs.aws.amazon.com/AWSEC2/latest/APIReference/API_SpotMarketOptions.html; the "7 days"
+  default is documented for launch templates only, LaunchTemplateSpotMarketOptionsRequest). The stack
+  cancels it before the node is deleted (infra/spot_guard.py).
 - capacity-reservation (an On-Demand Capacity Reservation): `capacity_reservation_specification`
   targeting the id, market on-demand.
 - capacity-block (Capacity Blocks for ML): market `capacity-block` and the same target (EC2 User
@@ -56,15 +61,16 @@ BLOCK_END_LEAD_MINUTES = 30
 # The platform the GPU nodes' images run (the DLAMI: Linux/UNIX); a block reserved for another
 # platform cannot take them (CapacityReservation.InstancePlatform).
 LINUX_PLATFORM = "Linux/UNIX"
-# The end date of each spot node's persistent request. Left out, AWS documents a default of
-# "7 days from the current date" for a launch template's spot options
-# (LaunchTemplateSpotMarketOptionsRequest.ValidUntil), and a cancelled or expired persistent request
-# terminates its stopped instance: a node power saving stopped a week after launch would be lost.
-# A fixed constant, never now()+N: valid_until is ForceNew in aws_instance's schema, so a moving
-# value would replace every spot node on each `pulumi up`. UNVERIFIED on AWS: no maximum is
-# documented for RunInstances' SpotMarketOptions.ValidUntil, nor that this default applies there;
-# should EC2 refuse the date, the launch fails with its message (docs/FAULTS.md).
-SPOT_VALID_UNTIL = "2099-12-31T23:59:59Z"
+# Capacity Block nodes ignore changes to instance_market_options: the provider may read back no market
+# options for an instance launched into a block, and the block is Optional+Computed+ForceNew in
+# aws_instance's schema, so the declared market_type="capacity-block" would replace every block node on
+# each `pulumi up` (hashicorp/terraform-provider-aws PR #48701, "perpetual diff"; whether the pulumi-aws
+# 7.51.1 build carries that fix could not be read: docs/AWS.md, "What AWS answers"). A real market
+# change still replaces the nodes: it goes by replacement_trigger (market_key), not by this input.
+# Only while every GPU node of the stack is already a block one: on a replacement the engine keeps the
+# old inputs of ignored properties (pulumi/pulumi#2657; infra/nodes.py), so a node moving into the
+# block from another market must not ignore it, or it would launch with its old market options.
+BLOCK_IGNORED = ("instanceMarketOptions",)
 
 
 @dataclass(frozen=True)
@@ -86,8 +92,7 @@ def instance_args(cfg: StackConfig) -> dict:
         return {"instance_market_options": aws.ec2.InstanceInstanceMarketOptionsArgs(
             market_type="spot",
             spot_options=aws.ec2.InstanceInstanceMarketOptionsSpotOptionsArgs(
-                spot_instance_type="persistent", instance_interruption_behavior="stop",
-                valid_until=SPOT_VALID_UNTIL)),
+                spot_instance_type="persistent", instance_interruption_behavior="stop")),
         }
     if cfg.gpu_market == CAPACITY_RESERVATION:
         return {"capacity_reservation_specification": target}
@@ -95,6 +100,32 @@ def instance_args(cfg: StackConfig) -> dict:
         return {"instance_market_options": aws.ec2.InstanceInstanceMarketOptionsArgs(market_type="capacity-block"),
                 "capacity_reservation_specification": target}
     return {}
+
+
+def ignored_on_update(cfg: StackConfig) -> list[str]:
+    """GPU node inputs the market makes the engine ignore on update (BLOCK_IGNORED): for a Capacity
+    Block stack none of whose GPU instances was launched in another market."""
+    if cfg.gpu_market != CAPACITY_BLOCK or _nodes_outside_blocks():
+        return []
+    return list(BLOCK_IGNORED)
+
+
+def _nodes_outside_blocks() -> bool:
+    """Whether this stack has GPU instances (any state but terminated) outside a Capacity Block
+    (DescribeInstances filter instance-lifecycle capacity-block: EC2 API Reference, DescribeInstances)."""
+    from infra.quotas import EXISTING, STACK_TAG, stack_name
+
+    mine = [{"name": f"tag:{STACK_TAG}", "values": [stack_name()]}, {"name": "tag:Role", "values": ["gpu"]}]
+    try:
+        every = set(aws.ec2.get_instances(filters=mine, instance_state_names=EXISTING).ids or [])
+        block = set(aws.ec2.get_instances(
+            filters=[*mine, {"name": "instance-lifecycle", "values": ["capacity-block"]}],
+            instance_state_names=EXISTING).ids or [])
+    except Exception as exc:
+        pulumi.log.warn(f"could not list this stack's GPU instances ({_first_line(exc)}); Capacity Block nodes "
+                        "ignore changes to their market options (infra/market.py BLOCK_IGNORED)")
+        return False
+    return bool(every - block)
 
 
 def market_key(cfg: StackConfig) -> str:

@@ -110,6 +110,7 @@ class NodesComponent(pulumi.ComponentResource):
         gpu_market_args: dict | None = None,
         gpu_placement_group: bool | str | None = True,
         gpu_market_key: str | None = None,
+        gpu_market_ignored: Sequence[str] = (),
         opts: pulumi.ResourceOptions | None = None,
     ):
         super().__init__("slurm-gpu:infra:Nodes", name, None, opts)
@@ -187,7 +188,8 @@ class NodesComponent(pulumi.ComponentResource):
                 # provider sees no diff when a Computed market block is left out).
                 opts=pulumi.ResourceOptions(parent=self, depends_on=list(gpu_internet),
                                             ignore_changes=[*IGNORED_ON_UPDATE,
-                                                            *self._ignore_ami(follow_ami, "gpu")],
+                                                            *self._ignore_ami(follow_ami, "gpu"),
+                                                            *gpu_market_ignored],  # infra/market.py
                                             replacement_trigger=gpu_market_key,
                                             delete_before_replace=True),
                 **interfaces,

@@ -28,6 +28,14 @@ SSH_USER = "ubuntu"  # the Ubuntu AMI's login user
 # before Slurm gives up on the node and requeues its job.
 SUSPEND_TIMEOUT_S = 180
 RESUME_TIMEOUT_S = 900
+# The oldest Pulumi CLI (engine) the program works with: 3.208.0 added the `replacement_trigger`
+# resource option (which replaces the GPU nodes on a market change: infra/market.py) and the builtin
+# Stash resource (infra/ami.py) (pulumi/pulumi CHANGELOG 3.208.0, PRs #20936 and #20819). The Python
+# SDK sends replacement_trigger in RegisterResourceRequest without asking the engine whether it
+# supports it (pulumi/runtime/resource.py, unlike deletedWith), so an older engine would ignore a
+# market change silently. Pulumi.yaml's requiredPulumiVersion says the same to the CLI itself
+# (tests/test_infra_project.py keeps them equal).
+MIN_PULUMI_CLI = "3.208.0"
 
 
 def power_save(cfg: stack_config.StackConfig, region: str | None) -> PowerSave | None:
@@ -95,6 +103,9 @@ def render_user_data(facts: ClusterFacts) -> dict[str, str]:
 
 
 def main() -> dict[str, pulumi.Output]:
+    # Before anything is declared: an older engine would drop replacement_trigger and Stash without a
+    # word (MIN_PULUMI_CLI).
+    pulumi.runtime.require_pulumi_version(f">={MIN_PULUMI_CLI}")
     cfg = stack_config.load()
     facts, az, images, efa_interfaces, ebs_key, reservation = plan(cfg)
     user_data = render_user_data(facts)

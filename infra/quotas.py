@@ -17,10 +17,14 @@ the stack's own instances (in any state: stopped ones start again) already cover
 quota is a warning, not a refusal (the instances exist; another team's may have filled the quota).
 
 Only On-Demand instances count against an On-Demand quota: spot instances are under the Spot
-quotas, and instances in a Capacity Block for ML are paid for by the block, under its own instance
-limit (EC2 User Guide, "Capacity Blocks for ML": up to 64 instances a block, 256 across blocks), so
-both are left out (DescribeInstances filter instance-lifecycle: spot | scheduled | capacity-block;
-EC2 API Reference, DescribeInstances). So with slurm-gpu:gpuMarket spot the GPU nodes are checked
+quotas. Instances in a Capacity Block for ML are paid for by the block, under its own instance
+limit (EC2 User Guide, "Capacity Blocks for ML": up to 64 instances a block, 256 across blocks);
+whether EC2 also counts them against the On-Demand vCPU quota is not said in the EC2 User Guide pages
+on Capacity Blocks or On-Demand Instance quotas that we could read (docs/AWS.md, "What AWS answers"),
+so they are left out: counting ones that do not count would refuse a stack that fits, while leaving
+out ones that do only moves the failure (VcpuLimitExceeded) to launch time. Both are left out
+(DescribeInstances filter instance-lifecycle: spot | scheduled | capacity-block; EC2 API Reference,
+DescribeInstances). So with slurm-gpu:gpuMarket spot the GPU nodes are checked
 against their Spot quota ("All G and VT Spot Instance Requests", "All P5 Spot Instance Requests" ...:
 EC2 User Guide, "Spot Instance quotas", https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/using-spot-limits.html),
 counting the account's other running spot instances; with capacity-block they are not checked (the

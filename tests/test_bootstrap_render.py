@@ -402,3 +402,25 @@ def test_training_stack_pinned_like_requirements(tmp_path):
     bad.write_text("transformers==1.0\n")
     with pytest.raises(ValueError, match="no '==' pin for torch"):
         render.training_pins(bad)
+
+
+def test_first_boot_upgrades_cannot_run_before_the_gpu_stack_is_held():
+    """Unattended upgrades run from apt-daily-upgrade.timer (Ubuntu 24.04's apt). The rendered user-data
+    stops it and apt-daily.timer in bootcmd, on the first boot only; bootcmd runs in cloud-init's network
+    stage, which on Ubuntu is ordered Before=sysinit.target (cloud-init systemd/cloud-init-network.service.tmpl),
+    and a timer unit starts only After=sysinit.target (systemd.timer(5), "Implicit Dependencies"): the
+    stop lands before either timer can fire, Persistent=true catch-up included. The bootstrap starts them
+    again only in its last step, after the `holds` step has held the kernel and NVIDIA packages and
+    blacklisted them for unattended-upgrades (docs/AWS.md, "What AWS answers")."""
+    facts = FACTS["l4x2"]
+    cfg = parse_user_data(render.user_data(facts, "gpu", "gpu-node-01"))
+    (stop,) = [cmd for cmd in cfg["bootcmd"] if "apt-daily-upgrade.timer" in " ".join(map(str, cmd))]
+    assert stop[:2] == ["cloud-init-per", "instance"]  # first boot only: later boots keep their timers
+    assert re.search(r"systemctl stop apt-daily\.timer apt-daily-upgrade\.timer", stop[-1])
+    script = render.bootstrap_script(facts, "gpu", "gpu-node-01")
+    steps = render.STEPS["gpu"]
+    assert steps.index("holds") < steps.index("packages") and steps[-1] == "services"
+    calls = [i for i, line in enumerate(script.splitlines()) if line.strip() == "release_apt_timers"]
+    services = script.splitlines().index("step_services() {")
+    assert len(calls) == 1 and calls[0] > services  # released once, in the last step only
+    assert "apt-mark hold" in script and "Unattended-Upgrade::Package-Blacklist" in script

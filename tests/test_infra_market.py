@@ -16,7 +16,6 @@ import pytest
 
 import tests.test_infra_mocks as harness
 from infra.config import ConfigError, StackConfig
-from infra.market import SPOT_VALID_UNTIL
 from tests.test_infra_mocks import (
     ADMIN_CIDR,
     SSH_KEY,
@@ -105,8 +104,9 @@ def test_spot_is_a_persistent_request_that_stops_and_has_no_placement_group():
     for inst in gpu:
         assert inst.inputs["instanceMarketOptions"] == {
             "marketType": "spot",
-            "spotOptions": {"spotInstanceType": "persistent", "instanceInterruptionBehavior": "stop",
-                            "validUntil": SPOT_VALID_UNTIL},
+            # No end date: RunInstances' persistent request stays active until cancelled
+            # (SpotMarketOptions.ValidUntil); the stack cancels it (infra/spot_guard.py).
+            "spotOptions": {"spotInstanceType": "persistent", "instanceInterruptionBehavior": "stop"},
         }
         assert "maxPrice" not in inst.inputs["instanceMarketOptions"]["spotOptions"]
         assert not inst.inputs.get("capacityReservationSpecification")
@@ -116,9 +116,6 @@ def test_spot_is_a_persistent_request_that_stops_and_has_no_placement_group():
     assert not any(ctl.inputs.get(k) for k in MARKET_KEYS)  # the controller stays On-Demand
     # Power saving stays on for spot: a stopped spot node pays only for its volume.
     assert run.of_type("role_policy")
-    # The request's end date is a fixed far-future constant (left out, AWS documents a 7-day default,
-    # and an expired request terminates its stopped instance); it is ForceNew, so never now()+N.
-    assert SPOT_VALID_UNTIL.endswith("Z") and SPOT_VALID_UNTIL > "2090"
 
 
 def test_only_spot_gpu_nodes_boot_the_interruption_watcher():
@@ -160,6 +157,52 @@ def test_capacity_block_is_the_capacity_block_market_and_its_target():
     assert not any(ctl.inputs.get(k) for k in MARKET_KEYS)
     # The stack follows the block's zone when it names none.
     assert {s.inputs["availabilityZone"] for s in run.of_type("subnet")} == {"ap-northeast-2c"}
+
+
+def planned_changes(declared: dict, read_back: dict, ignored: tuple[str, ...]) -> set[str]:
+    """The top-level inputs a `pulumi up` would find changed: declared here but read back otherwise by the
+    provider, less those the engine ignores (ResourceOptions.ignore_changes)."""
+    return {k for k, v in declared.items() if v and read_back.get(k) != v} - set(ignored)
+
+
+def test_a_second_up_of_a_capacity_block_stack_plans_no_change_to_its_nodes():
+    """The provider may read back no market options for a block instance (terraform-provider-aws PR
+    #48701); instance_market_options is ForceNew, so a diff on it would replace every block node on each
+    up. The mocks read back what that provider does; the block nodes ignore that input, and a market
+    change still replaces them through replacement_trigger."""
+    run = run_program(stack_config(gpuMarket="capacity-block", capacityReservationId=CB,
+                                   gpuInstanceType="p5.48xlarge"), blocks())
+    gpu, _ = gpu_and_controller(run)
+    for inst in gpu:
+        read_back = run.mocks.read_back[inst.name]
+        assert read_back["instanceMarketOptions"] is None  # what the provider may read back
+        assert "instanceMarketOptions" not in planned_changes(inst.inputs, read_back, inst.ignore_changes)
+        assert inst.replacement_trigger == f"capacity-block|{CB}"
+    # A second up: the stack's nodes now run in the block; still nothing planned.
+    own = [Running(f"i-0e{n}", "p5.48xlarge", OWN_TAGS, lifecycle="capacity-block", reservation=CB) for n in (1, 2)]
+    mocks = blocks()
+    mocks.running = own
+    run = run_program(stack_config(gpuMarket="capacity-block", capacityReservationId=CB,
+                                   gpuInstanceType="p5.48xlarge"), mocks)
+    for inst in gpu_and_controller(run)[0]:
+        assert "instanceMarketOptions" in inst.ignore_changes
+        assert "instanceMarketOptions" not in planned_changes(inst.inputs, run.mocks.read_back[inst.name],
+                                                              inst.ignore_changes)
+    # Moving on-demand nodes into the block: they are replaced (the trigger) and must launch with the
+    # block's market, so the input is not ignored while any node is outside the block (the engine keeps
+    # an ignored property's old input on a replacement).
+    mocks = blocks()
+    mocks.running = [Running(f"i-0d{n}", "p5.48xlarge", OWN_TAGS) for n in (1, 2)]
+    run = run_program(stack_config(gpuMarket="capacity-block", capacityReservationId=CB,
+                                   gpuInstanceType="p5.48xlarge"), mocks)
+    for inst in gpu_and_controller(run)[0]:
+        assert "instanceMarketOptions" not in inst.ignore_changes
+        assert inst.inputs["instanceMarketOptions"] == {"marketType": "capacity-block"}
+    # Spot nodes read their market back: nothing of it is ignored there.
+    run = run_program(stack_config(gpuMarket="spot"))
+    for inst in gpu_and_controller(run)[0]:
+        assert "instanceMarketOptions" not in inst.ignore_changes
+        assert planned_changes(inst.inputs, run.mocks.read_back[inst.name], inst.ignore_changes) == set()
 
 
 @pytest.mark.parametrize("config,mocks", [

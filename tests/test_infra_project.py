@@ -21,6 +21,28 @@ def test_project_file():
     assert project["runtime"]["options"]["virtualenv"] == ".venv"
 
 
+def test_an_engine_too_old_for_replacement_trigger_is_refused_before_anything_is_declared(monkeypatch):
+    """An engine before 3.208.0 drops replacement_trigger (a market change would keep the old nodes) and
+    Stash without a word: the CLI is told the range in Pulumi.yaml and the program asks the engine too."""
+    from infra import program
+
+    project = yaml.safe_load((REPO / "Pulumi.yaml").read_text())
+    assert project["requiredPulumiVersion"] == f">={program.MIN_PULUMI_CLI}" == ">=3.208.0"
+
+    class TooOld(Exception):
+        pass
+
+    def engine_check(rg):  # what the real engine answers when it is older than the range
+        raise TooOld(f"Pulumi CLI version 3.207.0 does not satisfy the version range {rg!r}")
+
+    monkeypatch.setattr(program.pulumi.runtime, "require_pulumi_version", engine_check)
+    declared = []
+    monkeypatch.setattr(program.stack_config, "load", lambda: declared.append("config read") or None)
+    with pytest.raises(TooOld, match=">=3.208.0"):
+        program.main()
+    assert declared == []  # refused before the config is read or anything declared
+
+
 def _dev_settings() -> dict:
     stack = yaml.safe_load((REPO / "Pulumi.dev.yaml").read_text())["config"]
     assert stack["aws:region"] == "ap-northeast-2"

@@ -108,7 +108,9 @@ def test_a_spot_node_that_could_not_start_gets_the_spot_advice():
     assert "Spot market has no capacity" in advice and "slurm-gpu:gpuMarket on-demand" in advice
     # Each StartInstances spot error has its own advice (EC2 API Reference, "Error codes").
     gone = power.advice("start failed: IncorrectSpotRequestState: the request is not in a state to start")
-    assert "request is closed or cancelled" in gone and "pulumi up --replace" in gone
+    assert "describe-spot-instance-requests" in gone and "docs/FAULTS.md" in gone
+    # Never the destructive advice: a replacement loses the node's root volume.
+    assert "--replace" not in gone and "pulumi up" not in gone
     assert "no capacity" not in gone
     quota = power.advice("start failed: MaxSpotInstanceCountExceeded: Max spot instance count exceeded")
     assert "Spot vCPU quota" in quota and "L-C4BD4855 (P5)" in quota and "--quota-code" in quota

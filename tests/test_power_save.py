@@ -530,3 +530,46 @@ def test_a_failed_start_is_read_from_the_reason_with_what_to_do():
 def test_the_line_fab_train_prints_for_a_stopped_node():
     assert power.describe("gpu-node-02", "stopped", "~2-4 minutes") == \
         "gpu-node-02 is stopped (idle power-save); Slurm is starting it, ~2-4 minutes"
+
+
+def test_a_spot_node_started_right_after_its_stop_is_retried_while_its_request_settles(
+        tmp_path, slurm_conf, start_failed):
+    """IncorrectSpotRequestState right after an idle stop (the persistent request moving to disabled:
+    terraform-provider-aws#33399) is retried with backoff within half of ResumeTimeout; the node then
+    starts and Slurm is told nothing."""
+    from botocore.stub import Stubber
+
+    prog, ec2 = load_program(tmp_path), ec2_client()
+    calls, waits = start_failed(prog), []
+    prog.SLEEP = waits.append
+    settling = "The spot instance request is in an incorrect state for this operation."
+    with Stubber(ec2) as stub:
+        stub.add_response("describe_instances", described(("i-0aaa", "mini-gpu-node-01", "stopped")),
+                          {"Filters": filters("mini-gpu-node-01")})
+        for _ in range(2):  # the batch call, then the instance alone: both while the request settles
+            stub.add_client_error("start_instances", "IncorrectSpotRequestState", settling,
+                                  expected_params={"InstanceIds": ["i-0aaa"]})
+        stub.add_response("start_instances", changes("StartingInstances", "i-0aaa"), {"InstanceIds": ["i-0aaa"]})
+        assert prog.main(["slurm-gpu-power", "resume", "gpu-node-01"], ec2=ec2) == 0
+        stub.assert_no_pending_responses()
+    assert calls() == [] and waits == [5]
+    assert sum(prog.RETRY_WAITS) <= EC2.resume_timeout // 2 and len(prog.RETRY_WAITS) > 3
+    assert "resume requested for i-0aaa" in (tmp_path / "power.log").read_text()
+
+
+def test_a_spot_request_that_never_settles_is_handed_to_slurm_after_the_retries(tmp_path, slurm_conf, start_failed):
+    from botocore.stub import Stubber
+
+    prog, ec2 = load_program(tmp_path), ec2_client()
+    calls, waits = start_failed(prog), []
+    prog.SLEEP = waits.append
+    with Stubber(ec2) as stub:
+        stub.add_response("describe_instances", described(("i-0aaa", "mini-gpu-node-01", "stopped")),
+                          {"Filters": filters("mini-gpu-node-01")})
+        for _ in range(len(prog.RETRY_WAITS) + 2):
+            stub.add_client_error("start_instances", "IncorrectSpotRequestState", "cancelled")
+        assert prog.main(["slurm-gpu-power", "resume", "gpu-node-01"], ec2=ec2) == 1
+        stub.assert_no_pending_responses()
+    assert waits == prog.RETRY_WAITS
+    assert calls() == [["update", "nodename=gpu-node-01", "state=power_down_force",
+                        "reason=start failed: IncorrectSpotRequestState: cancelled"]]

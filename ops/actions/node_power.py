@@ -69,10 +69,15 @@ def advice(reason: str) -> str:
     code = reason.removeprefix(render.START_FAILED_REASON).strip().split(":", 1)[0]
     retry = "Slurm powered it down again; the next job that needs it (or `fab train` again) starts it again"
     if code == SPOT_REQUEST_GONE:
-        return ("this spot node's persistent Spot request is closed or cancelled (cancelled by hand, or past its "
-                "end date), so EC2 will not start the instance again: replace the node with `pulumi up --replace "
-                "URN` (its instance's URN from `pulumi stack --show-urns`), or move the stack to on-demand "
-                "(`pulumi config set slurm-gpu:gpuMarket on-demand`, which replaces every GPU node)")
+        # Never `pulumi up --replace`: it deletes the node's root volume, and a stack whose spot request
+        # is gone has nothing to lose by waiting. The power program already retried while the request
+        # settled after a stop (bootstrap/scripts/power-ec2.py.j2); past that, look at the request.
+        return ("this spot node's Spot request was not in a state to start the instance, even after the retries "
+                "of the power program (right after a stop the request passes through `disabled`: "
+                f"terraform-provider-aws#33399). {retry}. If it fails again, look at the request: `aws ec2 "
+                "describe-spot-instance-requests --filters Name=instance-id,Values=INSTANCE_ID` (INSTANCE_ID "
+                "from `fab status`); `cancelled` or `closed` means EC2 will not start this instance as spot "
+                "again: docs/FAULTS.md says how to move the node without losing its data")
     if code == SPOT_QUOTA:
         return ("the account's Spot vCPU quota for the instance family is used up (open Spot requests count "
                 "too): cancel unused spot requests, or ask for more: `aws service-quotas "

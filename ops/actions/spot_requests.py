@@ -1,0 +1,121 @@
+"""`fab spot-requests`: the Spot requests of slurm-gpu stacks that are left over, with how to cancel them.
+
+Each spot GPU node's persistent Spot request is tagged with its stack (STACK_TAG) by the stack itself and
+cancelled before the node is deleted (infra/spot_guard.py). A request that is still open, active or
+disabled can launch or restart an instance that bills (EC2 User Guide, "Spot Instance requests":
+terminating the instance of a persistent request reopens it; "Cancel a Spot Instance request":
+https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/using-spot-instances-cancel.html, "canceling the request
+does not terminate the instance"). Left over: such a request whose instance is not a live instance of its
+own stack (after `pulumi destroy` every request of the stack is; a relaunched instance carries no tags).
+Works without the stack (after a destroy): it asks EC2 directly, with the caller's credentials.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass
+
+from cluster.errors import UserError
+from ops.say import Say
+
+# The instance and request tag naming the owning Pulumi stack: infra/quotas.py STACK_TAG (ops may not
+# import infra; tests/test_spot_requests.py checks that they agree).
+STACK_TAG = "slurm-gpu:stack"
+# Request states in which it can still launch or restart an instance (EC2 API Reference,
+# SpotInstanceRequest.State: open | active | closed | cancelled | failed | disabled).
+LIVE_STATES = ("open", "active", "disabled")
+INSTANCE_STATES = ("pending", "running", "stopping", "stopped")
+_REQUEST_ID = re.compile(r"sir-[0-9a-z]{1,40}")
+_INSTANCE_ID = re.compile(r"i-[0-9a-f]{1,40}")
+
+
+class SpotRequestsLeft(UserError, RuntimeError):
+    """Left-over Spot requests were found; the message says how many (each was printed above)."""
+
+
+@dataclass(frozen=True)
+class LeftOver:
+    request_id: str
+    state: str
+    instance_id: str | None
+    stack: str
+    name: str
+
+
+def _tags(item: dict) -> dict[str, str]:
+    return {t["Key"]: t["Value"] for t in item.get("Tags", [])}
+
+
+def left_over(ec2, stack: str | None = None) -> list[LeftOver]:
+    """The live Spot requests tagged for `stack` (any slurm-gpu stack when None) whose instance is not a
+    live instance of that stack."""
+    scope = ({"Name": f"tag:{STACK_TAG}", "Values": [stack]} if stack
+             else {"Name": "tag-key", "Values": [STACK_TAG]})
+    requests = [r for page in ec2.get_paginator("describe_spot_instance_requests").paginate(
+                    Filters=[scope, {"Name": "state", "Values": list(LIVE_STATES)}])
+                for r in page["SpotInstanceRequests"]]
+    if not requests:
+        return []
+    live: set[tuple[str, str]] = set()  # (stack, instance id)
+    for page in ec2.get_paginator("describe_instances").paginate(
+            Filters=[scope, {"Name": "instance-state-name", "Values": list(INSTANCE_STATES)}]):
+        for inst in (i for r in page["Reservations"] for i in r["Instances"]):
+            live.add((_tags(inst).get(STACK_TAG, ""), inst["InstanceId"]))
+    found = []
+    for req in requests:
+        tags = _tags(req)
+        owner, instance = tags.get(STACK_TAG, ""), req.get("InstanceId")
+        if instance and (owner, instance) in live:
+            continue
+        found.append(LeftOver(req["SpotInstanceRequestId"], req.get("State", "?"), instance, owner,
+                              tags.get("Name", "")))
+    return found
+
+
+def cancel_commands(item: LeftOver, region: str | None) -> list[str]:
+    """The AWS CLI commands that end it: cancel the request, then terminate the instance it holds."""
+    if not _REQUEST_ID.fullmatch(item.request_id):
+        raise UserError(f"EC2 answered an unexpected Spot request id {item.request_id!r}; cancel it in the console")
+    where = f" --region {shlex.quote(region)}" if region else ""
+    cmds = [f"aws ec2 cancel-spot-instance-requests{where} --spot-instance-request-ids {item.request_id}"]
+    if item.instance_id and _INSTANCE_ID.fullmatch(item.instance_id):
+        cmds.append(f"aws ec2 terminate-instances{where} --instance-ids {item.instance_id}")
+    return cmds
+
+
+def report(ec2, region: str | None, stack: str | None, say: Say = print) -> None:
+    """Print each left-over request and the commands that end it; SpotRequestsLeft when there is any."""
+    found = left_over(ec2, stack)
+    scope = f"stack {stack}" if stack else "any slurm-gpu stack"
+    if not found:
+        say(f"no left-over Spot requests of {scope}" + (f" in {region}" if region else ""))
+        return
+    for item in found:
+        holds = f"instance {item.instance_id}" if item.instance_id else "no instance yet"
+        say(f"left over: Spot request {item.request_id} ({item.state}, {holds}, stack {item.stack or '?'}"
+            + (f", {item.name}" if item.name else "") + "): it can launch or restart an instance that bills")
+        for cmd in cancel_commands(item, region):
+            say(f"  {cmd}")
+    raise SpotRequestsLeft(f"{len(found)} left-over Spot request{'s' if len(found) != 1 else ''} of {scope}: "
+                           "run the commands above (cancel first: terminating first relaunches a persistent one)")
+
+
+def ec2_client(region: str | None):
+    import boto3
+
+    session = boto3.session.Session(region_name=region or None)
+    if not session.region_name:
+        raise UserError("no AWS region: pass --region REGION (the stack's aws:region)")
+    return session.client("ec2")
+
+
+def run(region: str | None, stack: str | None, say: Say = print) -> None:
+    """`fab spot-requests`: report(), with AWS's own failures (no credentials, access denied) as one line."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        report(ec2_client(region), region, stack, say)
+    except (BotoCoreError, ClientError) as exc:
+        raise UserError(f"could not list Spot requests ({exc}); it needs AWS credentials allowed "
+                        "ec2:DescribeSpotInstanceRequests and ec2:DescribeInstances") from None
