@@ -22,7 +22,7 @@ from pathlib import Path
 
 import jinja2
 
-from cluster.facts import ClusterFacts
+from cluster.facts import STACK_TAG, ClusterFacts
 from cluster.hostpaths import BOOTSTRAP_PATH, HEALTHCHECK_PATH
 from cluster.platform import Platform
 from cluster.targets.local import LOCAL_SKIP_STEPS
@@ -247,6 +247,7 @@ def _context(facts: ClusterFacts) -> dict:
         "start_failed_prefix": START_FAILED_REASON,
         "start_failed_max": START_FAILED_MAX,
         "power": facts.power_save,
+        "stack_tag": STACK_TAG,
         "power_pins": power_pins(),
         "ec2_power": facts.power_save is not None and facts.power_save.provider == "ec2",
         "hosts_begin": HOSTS_BEGIN,

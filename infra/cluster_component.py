@@ -71,7 +71,7 @@ class ClusterComponent(pulumi.ComponentResource):
         # The controller's role to stop/start idle GPU nodes (none when they never stop).
         self.power = PowerSaveComponent(
             f"{name}-power", cluster_name=facts.cluster_name, region=region, ebs_key_arn=ebs_key_arn,
-            opts=child,
+            stack=facts.power_save.stack if facts.power_save else None, opts=child,
         ) if facts.power_save is not None else None
         # The image ids the instances take, kept with the stack (infra/ami.py).
         self.images = ImagesComponent(f"{name}-images", images=images, opts=child)

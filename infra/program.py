@@ -20,7 +20,7 @@ from infra.cluster_component import ClusterComponent
 from infra.instance_types import check_controller_type, choose_availability_zone, lookup_gpu_node_facts
 from infra.kms import EbsKey, resolve_ebs_key
 from infra.market import Reservation, check_reservation, zones_offering
-from infra.quotas import check_vcpu_quotas
+from infra.quotas import check_cluster_name_is_ours, check_vcpu_quotas, stack_name
 
 SSH_USER = "ubuntu"  # the Ubuntu AMI's login user
 # Power saving on EC2: a stop may take this long before the node can be started again
@@ -38,7 +38,7 @@ def power_save(cfg: stack_config.StackConfig, region: str | None) -> PowerSave |
 
     return PowerSave(suspend_time=cfg.idle_stop_minutes * 60, suspend_program=SUSPEND_PATH,
                      resume_program=RESUME_PATH, suspend_timeout=SUSPEND_TIMEOUT_S,
-                     resume_timeout=RESUME_TIMEOUT_S, provider="ec2", region=region)
+                     resume_timeout=RESUME_TIMEOUT_S, provider="ec2", region=region, stack=stack_name())
 
 
 def plan(cfg: stack_config.StackConfig) -> tuple[ClusterFacts, str, dict[str, Ami], int, EbsKey,
@@ -56,6 +56,7 @@ def plan(cfg: stack_config.StackConfig) -> tuple[ClusterFacts, str, dict[str, Am
     images = resolve_images(cfg)
     region = pulumi.Config("aws").get("region")
     ebs_key = resolve_ebs_key(cfg, region)
+    check_cluster_name_is_ours(cfg)
     # Last: a missing quota takes days to fix, so the other refusals come first.
     check_vcpu_quotas(cfg, gpu_vcpus=gpu.shape.cpus, controller_vcpus=controller_vcpus, region=region)
     controller, gpu_nodes = plan_hosts(cfg.subnet_cidr, cfg.gpu_node_count,

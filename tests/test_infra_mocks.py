@@ -334,6 +334,8 @@ class ClusterMocks(pulumi.runtime.Mocks):
                 ok = inst.lifecycle in values
             elif name == "capacity-reservation-id":
                 ok = inst.reservation in values
+            elif name == "tag-key":
+                ok = any(k in inst.tags for k in values)
             elif name.startswith("tag:"):
                 ok = inst.tags.get(name[4:]) in values
             else:
