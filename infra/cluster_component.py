@@ -61,7 +61,10 @@ class ClusterComponent(pulumi.ComponentResource):
         self.network = NetworkComponent(
             f"{name}-net", cluster_name=facts.cluster_name, vpc_cidr=cfg.vpc_cidr,
             subnet_cidr=cfg.subnet_cidr, public_subnet_cidr=cfg.public_subnet_cidr,
-            availability_zone=availability_zone, opts=child,
+            availability_zone=availability_zone,
+            # Moved only by the config (or a reservation's zone, which the nodes must launch in).
+            zone_configured=bool(cfg.availability_zone or (reservation and reservation.availability_zone)),
+            opts=child,
         )
         self.security = SecurityComponent(
             f"{name}-sec", cluster_name=facts.cluster_name, vpc_id=self.network.vpc.id,
@@ -101,6 +104,9 @@ class ClusterComponent(pulumi.ComponentResource):
             gpu_placement_group=(True if uses_placement_group(cfg)
                                  else (reservation.placement_group if reservation else None)),
             gpu_market_key=market_key(cfg),
+            # A cluster placement group lies in one zone (EC2 User Guide, "Placement groups"): a new
+            # one with the GPU subnet when a zone move replaces that subnet.
+            placement_group_replace_with=[self.network.gpu_subnet],
             opts=pulumi.ResourceOptions(parent=self, depends_on=[self.network, self.security]),
         )
 

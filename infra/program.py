@@ -106,6 +106,8 @@ def main() -> dict[str, pulumi.Output]:
         user_data=user_data, efa_interfaces=efa_interfaces, region=region, ebs_key=ebs_key,
         reservation=reservation,
     )
+    zones = zones_offering(cfg.gpu_instance_type)
+    cluster.network.availability_zone.apply(lambda kept: _tell_if_not_offered(kept, cfg.gpu_instance_type, zones))
     outputs = {
         "controllerPublicIp": cluster.controller_public_ip,
         "nodes": cluster.node_list,
@@ -117,9 +119,19 @@ def main() -> dict[str, pulumi.Output]:
         "images": cluster.images_running,
         # Where else the GPU type is offered: the zones to try when this one has no capacity
         # (InsufficientInstanceCapacity; docs/FAULTS.md).
-        "gpuTypeZones": {"instanceType": cfg.gpu_instance_type, "zone": az,
-                         "zones": zones_offering(cfg.gpu_instance_type)},
+        # "zone": where the stack's subnets are (kept from its first up: infra/network.py).
+        "gpuTypeZones": {"instanceType": cfg.gpu_instance_type, "zone": cluster.network.availability_zone,
+                         "zones": zones},
     }
     for key, value in outputs.items():
         pulumi.export(key, value)
     return outputs
+
+
+def _tell_if_not_offered(kept: str | None, gpu_type: str, zones: list[str]) -> None:
+    """The stack keeps its zone (infra/network.py); a GPU type changed since may not be offered there."""
+    if kept and zones and kept not in zones:
+        pulumi.log.warn(f"slurm-gpu:gpuInstanceType {gpu_type} is not offered in this stack's zone {kept} "
+                        f"(offered in: {', '.join(zones)}): its nodes cannot launch or change type there. "
+                        "Move the cluster with `pulumi config set slurm-gpu:availabilityZone ZONE` "
+                        "(replaces every host: docs/FAULTS.md) or keep the old type")
