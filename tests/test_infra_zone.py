@@ -8,6 +8,8 @@ RegisterResource requests."""
 
 from __future__ import annotations
 
+import logging
+
 from tests.test_infra_mocks import ClusterMocks, Run, run_program, stack_config
 
 FIRST = "ap-northeast-2b"  # the first zone offering g6.48xlarge (and c6i.xlarge) under the mocks
@@ -61,3 +63,14 @@ def test_faults_advice_moves_the_cluster_and_the_move_can_succeed():
     # The new zone is kept from then on.
     again = _later_up(moved, stack_config(availabilityZone="ap-northeast-2c"))
     assert set(_zones(again).values()) == {"ap-northeast-2c"}
+
+
+def test_a_new_gpu_type_not_offered_in_the_kept_zone_is_warned_about_with_the_fix(caplog):
+    """The zone stays put, so a GPU type its zone does not offer cannot launch there: say how to move."""
+    first = run_program(stack_config(gpuInstanceType="g6.48xlarge"))
+    with caplog.at_level(logging.WARNING):
+        later = _later_up(first, stack_config(gpuInstanceType="p5.48xlarge"))  # only ap-northeast-2c
+    assert set(_zones(later).values()) == {FIRST}
+    warned = "\n".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert f"slurm-gpu:gpuInstanceType p5.48xlarge is not offered in this stack's zone {FIRST}" in warned
+    assert "`pulumi config set slurm-gpu:availabilityZone ZONE`" in warned
