@@ -106,6 +106,14 @@ class PowerSave:
     provider: str = "ec2"
     interval: int | None = None
     region: str | None = None  # ec2: the stack's region (None: the programs ask the instance metadata)
+    # ec2: the Pulumi stack that owns the nodes (their STACK_TAG): the programs and the controller's
+    # role touch only its instances, not another stack's of the same cluster name (None: no such tag).
+    stack: str | None = None
+
+
+# On each instance: the Pulumi stack that owns it ("organization/project/stack"; infra/quotas.py
+# stack_name). Unique per stack, unlike the Cluster tag (slurm-gpu:clusterName, "mini" by default).
+STACK_TAG = "slurm-gpu:stack"
 
 
 @dataclass(frozen=True)

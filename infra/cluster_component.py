@@ -63,7 +63,10 @@ class ClusterComponent(pulumi.ComponentResource):
         self.network = NetworkComponent(
             f"{name}-net", cluster_name=facts.cluster_name, vpc_cidr=cfg.vpc_cidr,
             subnet_cidr=cfg.subnet_cidr, public_subnet_cidr=cfg.public_subnet_cidr,
-            availability_zone=availability_zone, opts=child,
+            availability_zone=availability_zone,
+            # Moved only by the config (or a reservation's zone, which the nodes must launch in).
+            zone_configured=bool(cfg.availability_zone or (reservation and reservation.availability_zone)),
+            opts=child,
         )
         self.security = SecurityComponent(
             f"{name}-sec", cluster_name=facts.cluster_name, vpc_id=self.network.vpc.id,
@@ -73,7 +76,7 @@ class ClusterComponent(pulumi.ComponentResource):
         # The controller's role to stop/start idle GPU nodes (none when they never stop).
         self.power = PowerSaveComponent(
             f"{name}-power", cluster_name=facts.cluster_name, region=region, ebs_key_arn=ebs_key_arn,
-            opts=child,
+            stack=facts.power_save.stack if facts.power_save else None, opts=child,
         ) if facts.power_save is not None else None
         # The image ids the instances take, kept with the stack (infra/ami.py).
         self.images = ImagesComponent(f"{name}-images", images=images, opts=child)
@@ -104,6 +107,9 @@ class ClusterComponent(pulumi.ComponentResource):
                                  else (reservation.placement_group if reservation else None)),
             gpu_market_key=market_key(cfg),
             gpu_market_ignored=ignored_on_update(cfg),
+            # A cluster placement group lies in one zone (EC2 User Guide, "Placement groups"): a new
+            # one with the GPU subnet when a zone move replaces that subnet.
+            placement_group_replace_with=[self.network.gpu_subnet],
             opts=pulumi.ResourceOptions(parent=self, depends_on=[self.network, self.security]),
         )
         # Each spot node's persistent request is cancelled before the node goes (infra/spot_guard.py).

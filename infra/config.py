@@ -36,6 +36,11 @@ from cluster.settings import (  # noqa: F401  (markets re-exported: infra and te
 MIN_ROOT_VOLUME_GIB = 50
 # gp3 volumes stop at 16 TiB.
 MAX_ROOT_VOLUME_GIB = 16384
+# The most GPU nodes a stack has: the controller's user-data lists them all (slurm.conf's node
+# lines, the hosts block: about 18 bytes each, gzip-compressed) and must stay within EC2's 16 KiB
+# with room to spare (tests/test_user_data_size.py: at this count every host's user-data is at
+# most 12 KiB, three quarters of the limit).
+MAX_GPU_NODES = 128
 
 # A Slurm ClusterName that is also safe in hostnames, AWS tags and key-pair
 # names: lower case (slurmdbd lower-cases it anyway), starts with a letter.
@@ -170,6 +175,10 @@ class StackConfig:
         room = max_gpu_nodes(str(subnet))
         if count < 1:
             raise _fail("gpuNodeCount", f"must be at least 1, not {count}", "2")
+        if count > MAX_GPU_NODES:
+            raise _fail("gpuNodeCount", f"is {count}; a stack has at most {MAX_GPU_NODES} GPU nodes (the "
+                        "controller's first-boot user-data lists them all, within EC2's 16 KiB)",
+                        str(MAX_GPU_NODES))
         if count > room:
             raise _fail(
                 "gpuNodeCount",

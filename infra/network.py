@@ -10,6 +10,18 @@ for the GPU nodes, both in the AZ of the placement group.
 Fixed private IPs come from cluster.facts (NAT gateway .4 and controller .10 of the public
 subnet, gpu-node-NN .10+NN of the private one), so nothing takes another's address.
 docs/NETWORK.md explains the design and its cost.
+
+The zone is kept per stack as the images are (infra/ami.py): the zone chosen at the stack's first
+`pulumi up` (the first that offers both instance types) goes into a `pulumi.Stash`, and the subnets
+ignore later changes of `availability_zone`, so a zone AWS adds for the type, or a new GPU type,
+moves nothing. Only slurm-gpu:availabilityZone moves the cluster (`zone_configured`): a new zone is
+ForceNew on a subnet (terraform-provider-aws internal/service/ec2/vpc_subnet.go, "availability_zone"
+ForceNew; pulumi_aws ec2/subnet.py), and the replacement has the same CIDR, which EC2 refuses while
+the old subnet exists (InvalidSubnet.Conflict). So each subnet is deleted before its replacement is
+made (deleteBeforeReplace), which first deletes what must be replaced with it (Pulumi docs,
+"Resource option: deleteBeforeReplace": it cascades to dependents): the route table association
+and NAT gateway (subnet_id ForceNew), the GPU nodes' interfaces and every instance (all with
+deleteBeforeReplace already: fixed addresses). The route tables, the VPC and the Elastic IP stay.
 """
 
 from __future__ import annotations
@@ -22,10 +34,15 @@ from cluster.facts import nat_gateway_ip
 
 class NetworkComponent(pulumi.ComponentResource):
     def __init__(self, name: str, *, cluster_name: str, vpc_cidr: str, subnet_cidr: str,
-                 public_subnet_cidr: str, availability_zone: str,
+                 public_subnet_cidr: str, availability_zone: str, zone_configured: bool = False,
                  opts: pulumi.ResourceOptions | None = None):
         super().__init__("slurm-gpu:infra:Network", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
+        # The zone the subnets are made in: the configured one, else the stack's first (module doc).
+        self.zone_configured = zone_configured
+        self.zone_stash = None if zone_configured else pulumi.Stash(
+            f"{name}-zone", input=availability_zone, opts=child)
+        zone = availability_zone if zone_configured else self.zone_stash.output
 
         def tags(what: str) -> dict[str, str]:
             return {"Cluster": cluster_name, "Name": f"{cluster_name}-{what}"}
@@ -45,7 +62,7 @@ class NetworkComponent(pulumi.ComponentResource):
         # Public: no map_public_ip_on_launch either; the controller asks for its own public IP.
         (self.public_subnet, self.public_route_table, self.public_default_route,
          self.public_route_table_association) = self._routed_subnet(
-            name, "public", public_subnet_cidr, availability_zone, tags("public"), child,
+            name, "public", public_subnet_cidr, zone, tags("public"), child,
             gateway_id=self.internet_gateway.id)
 
         # One NAT gateway (and its one Elastic IP) for every GPU node's outbound traffic, at its
@@ -71,14 +88,17 @@ class NetworkComponent(pulumi.ComponentResource):
 
         (self.gpu_subnet, self.gpu_route_table, self.gpu_default_route,
          self.gpu_route_table_association) = self._routed_subnet(
-            name, "gpu", subnet_cidr, availability_zone, tags("gpu-private"), child,
+            name, "gpu", subnet_cidr, zone, tags("gpu-private"), child,
             nat_gateway_id=self.nat_gateway.id)
 
         # What a host must wait for to have a route out at first boot (the bootstrap installs packages).
         self.controller_internet = [self.internet_gateway, self.public_default_route,
                                     self.public_route_table_association]
         self.gpu_internet = [self.nat_gateway, self.gpu_default_route, self.gpu_route_table_association]
+        # Where the subnets are, read from their state (what a kept zone leaves them in).
+        self.availability_zone = self.gpu_subnet.availability_zone
         self.register_outputs({
+            "availabilityZone": self.availability_zone,
             "vpcId": self.vpc.id,
             "publicSubnetId": self.public_subnet.id,
             "gpuSubnetId": self.gpu_subnet.id,
@@ -87,13 +107,17 @@ class NetworkComponent(pulumi.ComponentResource):
             "natPublicIp": self.nat_eip.public_ip,
         })
 
-    def _routed_subnet(self, name: str, kind: str, cidr: str, availability_zone: str,
+    def _routed_subnet(self, name: str, kind: str, cidr: str, availability_zone: pulumi.Input[str],
                        tags: dict[str, str], child: pulumi.ResourceOptions, **default_route):
         """A subnet (no public IPs on launch), its route table with 0.0.0.0/0 to `default_route`'s
-        target (internet or NAT gateway), and their association."""
+        target (internet or NAT gateway), and their association. The subnet keeps its zone unless
+        the config names one, and is deleted before a replacement of the same CIDR (module doc)."""
         subnet = aws.ec2.Subnet(
             f"{name}-{kind}-subnet", vpc_id=self.vpc.id, cidr_block=cidr,
-            availability_zone=availability_zone, map_public_ip_on_launch=False, tags=tags, opts=child,
+            availability_zone=availability_zone, map_public_ip_on_launch=False, tags=tags,
+            opts=pulumi.ResourceOptions(
+                parent=self, delete_before_replace=True,
+                ignore_changes=[] if self.zone_configured else ["availabilityZone"]),
         )
         table = aws.ec2.RouteTable(f"{name}-{kind}-rt", vpc_id=self.vpc.id, tags=tags, opts=child)
         route = aws.ec2.Route(

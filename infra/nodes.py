@@ -111,6 +111,7 @@ class NodesComponent(pulumi.ComponentResource):
         gpu_placement_group: bool | str | None = True,
         gpu_market_key: str | None = None,
         gpu_market_ignored: Sequence[str] = (),
+        placement_group_replace_with: Sequence[pulumi.Resource] = (),
         opts: pulumi.ResourceOptions | None = None,
     ):
         super().__init__("slurm-gpu:infra:Nodes", name, None, opts)
@@ -128,7 +129,8 @@ class NodesComponent(pulumi.ComponentResource):
         # (a stop-on-interruption spot instance cannot be in one: infra/market.py).
         self.placement_group = aws.ec2.PlacementGroup(
             f"{name}-pg", strategy="cluster",
-            tags={"Cluster": cluster, "Name": f"{cluster}-gpu"}, opts=child,
+            tags={"Cluster": cluster, "Name": f"{cluster}-gpu"},
+            opts=pulumi.ResourceOptions(parent=self, replace_with=list(placement_group_replace_with) or None),
         ) if gpu_placement_group is True else None
         gpu_group = self.placement_group.name if self.placement_group else gpu_placement_group
 

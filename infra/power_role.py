@@ -2,8 +2,11 @@
 
 slurmctld's SuspendProgram/ResumeProgram (bootstrap/scripts/power-ec2.py.j2) stop and
 start GPU instances through the EC2 API with this role. It may stop and start only
-instances carrying this cluster's tags (Cluster=<name>, Role=gpu: never the controller,
-never another cluster's nodes), and describe instances (DescribeInstances cannot be
+instances carrying this cluster's tags (Cluster=<name>, Role=gpu: never the controller)
+and this stack's tag (STACK_TAG=<organization/project/stack>: never the nodes of another stack,
+which may share the cluster name; IAM's aws:ResourceTag/<key> condition key, IAM User Guide,
+"Controlling access to AWS resources using tags":
+https://docs.aws.amazon.com/IAM/latest/UserGuide/access_tags.html), and describe instances (DescribeInstances cannot be
 scoped by tag or resource). Where the root volumes use a customer-managed KMS key
 (slurm-gpu:ebsKmsKeyId, infra/kms.py), starting an instance needs that key too: the role
 may use exactly that key, only through EC2, and create grants on it only for EC2's volumes
@@ -18,6 +21,8 @@ import json
 import pulumi
 import pulumi_aws as aws
 
+from cluster.facts import STACK_TAG
+
 GPU_ROLE_TAG = "gpu"  # the Role tag infra/nodes.py puts on GPU instances
 STOP_START = ("ec2:StartInstances", "ec2:StopInstances")
 # AWS's list for EBS encryption with a KMS key (kms:ReEncrypt* named as its two actions:
@@ -26,8 +31,10 @@ EBS_KEY_USE = ("kms:Decrypt", "kms:DescribeKey", "kms:GenerateDataKeyWithoutPlai
                "kms:ReEncryptFrom", "kms:ReEncryptTo")
 
 
-def power_policy(cluster_name: str, region: str | None, ebs_key_arn: str | None = None) -> dict:
-    """The role's only policy document; ebs_key_arn: the root volumes' customer-managed key."""
+def power_policy(cluster_name: str, region: str | None, ebs_key_arn: str | None = None,
+                 stack: str | None = None) -> dict:
+    """The role's only policy document; ebs_key_arn: the root volumes' customer-managed key;
+    stack: the owning stack's STACK_TAG value (None: the Cluster tag alone)."""
     doc = {
         "Version": "2012-10-17",
         "Statement": [
@@ -39,6 +46,7 @@ def power_policy(cluster_name: str, region: str | None, ebs_key_arn: str | None 
                 "Condition": {"StringEquals": {
                     "aws:ResourceTag/Cluster": cluster_name,
                     "aws:ResourceTag/Role": GPU_ROLE_TAG,
+                    **({f"aws:ResourceTag/{STACK_TAG}": stack} if stack else {}),
                 }},
             },
             {
@@ -89,7 +97,8 @@ class PowerSaveComponent(pulumi.ComponentResource):
     """Role + inline policy + instance profile for the controller."""
 
     def __init__(self, name: str, *, cluster_name: str, region: str | None,
-                 ebs_key_arn: str | None = None, opts: pulumi.ResourceOptions | None = None):
+                 ebs_key_arn: str | None = None, stack: str | None = None,
+                 opts: pulumi.ResourceOptions | None = None):
         super().__init__("slurm-gpu:infra:PowerSave", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
         tags = {"Cluster": cluster_name, "Name": f"{cluster_name}-power-save"}
@@ -103,7 +112,7 @@ class PowerSaveComponent(pulumi.ComponentResource):
         self.policy = aws.iam.RolePolicy(
             f"{name}-stop-start",
             role=self.role.id,
-            policy=json.dumps(power_policy(cluster_name, region, ebs_key_arn)),
+            policy=json.dumps(power_policy(cluster_name, region, ebs_key_arn, stack)),
             opts=child,
         )
         self.instance_profile = aws.iam.InstanceProfile(

@@ -20,7 +20,7 @@ from infra.cluster_component import ClusterComponent
 from infra.instance_types import check_controller_type, choose_availability_zone, lookup_gpu_node_facts
 from infra.kms import EbsKey, resolve_ebs_key
 from infra.market import Reservation, check_reservation, zones_offering
-from infra.quotas import check_vcpu_quotas
+from infra.quotas import check_cluster_name_is_ours, check_vcpu_quotas, stack_name
 
 SSH_USER = "ubuntu"  # the Ubuntu AMI's login user
 # Power saving on EC2: a stop may take this long before the node can be started again
@@ -46,7 +46,7 @@ def power_save(cfg: stack_config.StackConfig, region: str | None) -> PowerSave |
 
     return PowerSave(suspend_time=cfg.idle_stop_minutes * 60, suspend_program=SUSPEND_PATH,
                      resume_program=RESUME_PATH, suspend_timeout=SUSPEND_TIMEOUT_S,
-                     resume_timeout=RESUME_TIMEOUT_S, provider="ec2", region=region)
+                     resume_timeout=RESUME_TIMEOUT_S, provider="ec2", region=region, stack=stack_name())
 
 
 def plan(cfg: stack_config.StackConfig) -> tuple[ClusterFacts, str, dict[str, Ami], int, EbsKey,
@@ -64,6 +64,7 @@ def plan(cfg: stack_config.StackConfig) -> tuple[ClusterFacts, str, dict[str, Am
     images = resolve_images(cfg)
     region = pulumi.Config("aws").get("region")
     ebs_key = resolve_ebs_key(cfg, region)
+    check_cluster_name_is_ours(cfg)
     # Last: a missing quota takes days to fix, so the other refusals come first.
     check_vcpu_quotas(cfg, gpu_vcpus=gpu.shape.cpus, controller_vcpus=controller_vcpus, region=region)
     controller, gpu_nodes = plan_hosts(cfg.subnet_cidr, cfg.gpu_node_count,
@@ -116,6 +117,8 @@ def main() -> dict[str, pulumi.Output]:
         user_data=user_data, efa_interfaces=efa_interfaces, region=region, ebs_key=ebs_key,
         reservation=reservation,
     )
+    zones = zones_offering(cfg.gpu_instance_type)
+    cluster.network.availability_zone.apply(lambda kept: _tell_if_not_offered(kept, cfg.gpu_instance_type, zones))
     outputs = {
         "controllerPublicIp": cluster.controller_public_ip,
         "nodes": cluster.node_list,
@@ -127,9 +130,19 @@ def main() -> dict[str, pulumi.Output]:
         "images": cluster.images_running,
         # Where else the GPU type is offered: the zones to try when this one has no capacity
         # (InsufficientInstanceCapacity; docs/FAULTS.md).
-        "gpuTypeZones": {"instanceType": cfg.gpu_instance_type, "zone": az,
-                         "zones": zones_offering(cfg.gpu_instance_type)},
+        # "zone": where the stack's subnets are (kept from its first up: infra/network.py).
+        "gpuTypeZones": {"instanceType": cfg.gpu_instance_type, "zone": cluster.network.availability_zone,
+                         "zones": zones},
     }
     for key, value in outputs.items():
         pulumi.export(key, value)
     return outputs
+
+
+def _tell_if_not_offered(kept: str | None, gpu_type: str, zones: list[str]) -> None:
+    """The stack keeps its zone (infra/network.py); a GPU type changed since may not be offered there."""
+    if kept and zones and kept not in zones:
+        pulumi.log.warn(f"slurm-gpu:gpuInstanceType {gpu_type} is not offered in this stack's zone {kept} "
+                        f"(offered in: {', '.join(zones)}): its nodes cannot launch or change type there. "
+                        "Move the cluster with `pulumi config set slurm-gpu:availabilityZone ZONE` "
+                        "(replaces every host: docs/FAULTS.md) or keep the old type")

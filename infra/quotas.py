@@ -49,10 +49,11 @@ from dataclasses import dataclass
 import pulumi
 import pulumi_aws as aws
 
+from cluster.facts import STACK_TAG
 from infra.config import CAPACITY_BLOCK, NAMESPACE, SPOT, ConfigError, StackConfig
 
 SERVICE_CODE = "ec2"
-STACK_TAG = "slurm-gpu:stack"  # on each instance: the Pulumi stack that owns it (stack_name())
+# STACK_TAG (cluster/facts.py): on each instance, the Pulumi stack that owns it (stack_name()).
 RUNNING = ["pending", "running"]  # what counts against a vCPU quota (pending: about to run)
 EXISTING = [*RUNNING, "stopping", "stopped"]  # the stack's own instances: what it already has
 # Instance lifecycles outside the On-Demand quotas (above); an On-Demand instance has none.
@@ -305,6 +306,42 @@ def _ours(tags: dict[str, str], me: str, cluster_name: str) -> bool:
         return tags[STACK_TAG] == me
     # Made before instances carried STACK_TAG: this cluster's, by the tag they have had since.
     return tags.get("Cluster") == cluster_name
+
+
+def check_cluster_name_is_ours(cfg: StackConfig) -> None:
+    """Refuse (ConfigError) a cluster name that another live stack of this account and region uses.
+
+    The power programs and the controller's role find the GPU nodes by their tags; the Cluster tag
+    (slurm-gpu:clusterName, "mini" by default) is shared by every stack that keeps the default, so
+    they also check STACK_TAG (infra/power_role.py, bootstrap/scripts/power-ec2.py.j2). Refusing
+    the name as well keeps the two stacks' Name tags, host names and `fab` output apart. Another
+    stack's instances: tagged Cluster=<name> and STACK_TAG of another value, in any state but
+    terminated (DescribeInstances filters tag:<key> and tag-key, EC2 API Reference,
+    https://docs.aws.amazon.com/AWSEC2/latest/APIReference/API_DescribeInstances.html). Instances
+    made before STACK_TAG existed carry no such tag and are not counted. A list that cannot be read
+    is a warning: the check only moves a conflict forward."""
+    me = stack_name()
+    named = {"name": "tag:Cluster", "values": [cfg.cluster_name]}
+    try:
+        tagged = set(_ids([named, {"name": "tag-key", "values": [STACK_TAG]}], EXISTING))
+        others = sorted(tagged - set(_ids([named, {"name": f"tag:{STACK_TAG}", "values": [me]}], EXISTING)))
+        owner = (aws.ec2.get_instance(instance_id=others[0]).tags or {}).get(STACK_TAG, "?") if others else ""
+    except Exception as exc:
+        pulumi.log.warn(f"could not list the instances of cluster name {cfg.cluster_name!r} "
+                        f"({_first_line(exc)}); not checking that no other stack uses it")
+        return
+    if others:
+        raise ConfigError(
+            f"{NAMESPACE}:clusterName is {cfg.cluster_name!r}, which stack {owner} already uses in this "
+            f"account and region ({len(others)} instance(s), e.g. {others[0]}); two clusters of one name "
+            f"would share host names and tags. Nothing was created. Pick another: "
+            f"`pulumi config set {NAMESPACE}:clusterName {_suggest(cfg.cluster_name)}`")
+
+
+def _suggest(name: str) -> str:
+    """A cluster name of this stack's own that config.py accepts: NAME-STACK, cut to 32 characters."""
+    stack = re.sub(r"[^a-z0-9-]+", "-", (pulumi.get_stack() or "2").lower())
+    return f"{name}-{stack}"[:32].strip("-")
 
 
 def _first_line(exc: Exception) -> str:

@@ -256,7 +256,9 @@ def test_user_data_content(case, role):
         facts, role, facts.controller.name if role == "controller" else None
     )
     expected[render.APT_LOCK_CONF] = render.render_apt_lock_conf(facts)
-    # Every file arrives byte for byte (YAML block scalars keep the text).
+    # Every file arrives byte for byte (YAML block scalars keep the text), shell scripts without
+    # their comment lines (render.shipped_shell; tests/test_user_data_size.py: same commands).
+    expected = render.shipped(expected)
     assert {p: file_text(f) for p, f in written.items()} == expected
     # apt on the node waits for a dpkg lock held by first-boot unattended upgrades.
     assert re.fullmatch(r'DPkg::Lock::Timeout "(\d+)";', expected[render.APT_LOCK_CONF].splitlines()[-1])

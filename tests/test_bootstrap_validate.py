@@ -150,4 +150,4 @@ def test_cloud_init_decodes_encoded_files_back_to_the_rendered_text(tmp_path):
     expected = render.role_files(FULL, "gpu")
     expected[render.BOOTSTRAP_PATH] = render.bootstrap_script(FULL, "gpu")
     expected[render.APT_LOCK_CONF] = render.render_apt_lock_conf(FULL)
-    assert json.loads(res.stdout) == expected
+    assert json.loads(res.stdout) == render.shipped(expected)

@@ -194,6 +194,7 @@ class Registered:
     replace_on_changes: tuple[str, ...] = ()
     delete_before_replace: bool = False
     replacement_trigger: object = None  # ResourceOptions.replacement_trigger, as the engine gets it
+    replace_with: tuple[str, ...] = ()  # URNs of ResourceOptions.replace_with
 
 
 def _value(value):
@@ -229,7 +230,7 @@ class RecordingMonitor(MockMonitor):
                              tuple(request.dependencies), tuple(request.ignoreChanges),
                              tuple(request.replaceOnChanges), request.deleteBeforeReplace,
                              _value(request.replacement_trigger) if request.HasField("replacement_trigger")
-                             else None)
+                             else None, tuple(request.replace_with))
             self.cluster_mocks.components.append(rec)
             for r in self.cluster_mocks.resources:
                 if r.typ == request.type and r.name == request.name and not r.urn:
@@ -237,6 +238,7 @@ class RecordingMonitor(MockMonitor):
                     r.ignore_changes, r.replace_on_changes = rec.ignore_changes, rec.replace_on_changes
                     r.delete_before_replace = rec.delete_before_replace
                     r.replacement_trigger = rec.replacement_trigger
+                    r.replace_with = rec.replace_with
         return response
 
     def RegisterResourceOutputs(self, request):
@@ -345,6 +347,8 @@ class ClusterMocks(pulumi.runtime.Mocks):
                 ok = inst.lifecycle in values
             elif name == "capacity-reservation-id":
                 ok = inst.reservation in values
+            elif name == "tag-key":
+                ok = any(k in inst.tags for k in values)
             elif name.startswith("tag:"):
                 ok = inst.tags.get(name[4:]) in values
             else:

@@ -76,7 +76,7 @@ def test_unreadable_quota_is_reported_and_the_stack_goes_on(caplog):
 def test_other_running_instances_of_the_family_count():
     running = [
         Running("i-0a1", "g4dn.xlarge"),  # 4 vCPUs of G and VT
-        Running("i-0a2", "g4dn.xlarge", {"Cluster": "mini", "slurm-gpu:stack": "acme/slurm-gpu/prod"}),  # 4
+        Running("i-0a2", "g4dn.xlarge", {"Cluster": "prod", "slurm-gpu:stack": "acme/slurm-gpu/prod"}),  # 4
         Running("i-0a3", "g6.48xlarge", state="stopped"),  # a stopped instance counts for nothing
         Running("i-0a4", "p5.48xlarge"),  # another quota
         Running("i-0a5", "c6i.xlarge"),
@@ -99,8 +99,8 @@ def test_the_stacks_own_instances_are_not_counted_twice():
     ]
     run = run_program(stack_config(), ClusterMocks(quotas={G: 96.0, STANDARD: 4.0}, running=own))
     assert len(run.of_type("instance")) == 3
-    # Another stack of the same cluster name is not ours.
-    other = [Running("i-0b4", "g6.12xlarge", {"Cluster": "mini", "slurm-gpu:stack": "slurm-gpu/dev"})]
+    # Another stack's instances are not ours.
+    other = [Running("i-0b4", "g6.12xlarge", {"Cluster": "dev", "slurm-gpu:stack": "slurm-gpu/dev"})]
     msg = refused(ClusterMocks(quotas={G: 96.0}, running=other))
     assert "already run 48 vCPUs" in msg and request(G, 144) in msg
 
@@ -177,3 +177,20 @@ def test_im_and_is_families_are_standard():
     for itype in ("im4gn.large", "is4gen.medium", "i4i.xlarge"):
         group = quota_group(itype)
         assert group and group.on_demand.code == STANDARD, itype
+
+
+def test_a_cluster_name_another_stack_uses_is_refused():
+    """Two stacks of one account and region that keep the default clusterName "mini" would share the
+    Cluster tag and host names: the second is refused before anything is declared, naming the stack."""
+    theirs = [Running("i-0e1", "g6.12xlarge", {"Cluster": "mini", "slurm-gpu:stack": "slurm-gpu/dev"},
+                      state="stopped")]
+    msg = refused(ClusterMocks(running=theirs))
+    assert msg.startswith("slurm-gpu:clusterName is 'mini', which stack slurm-gpu/dev already uses")
+    assert "`pulumi config set slurm-gpu:clusterName mini-test`" in msg
+    # Its own instances (a later `pulumi up`), untagged ones made before the stack tag, and another
+    # name's are no conflict.
+    fine = [Running("i-0e2", "g6.12xlarge", {"Cluster": "mini", "slurm-gpu:stack": OURS}),
+            Running("i-0e3", "g6.12xlarge", {"Cluster": "mini"}),
+            Running("i-0e4", "g6.12xlarge", {"Cluster": "other", "slurm-gpu:stack": "slurm-gpu/dev"})]
+    assert len(run_program(stack_config(), ClusterMocks(running=fine)).of_type("instance")) == 3
+    assert len(run_program(stack_config(clusterName="mini-test"), ClusterMocks(running=theirs)).of_type("instance")) == 3

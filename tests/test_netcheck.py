@@ -47,7 +47,8 @@ def test_pairs_all_for_few_nodes_ring_neighbours_for_many():
 def test_expected_figures_per_instance_type():
     g6 = netcheck.expected_for_type("g6.12xlarge", efa=True)
     assert g6.busbw_gbps == 40 and g6.transport == "EFA" and "g6.12xlarge" in g6.source
-    assert netcheck.expected_for_type("p5.48xlarge", efa=True).busbw_gbps == 3200
+    # p5.48xlarge: the published nccl-tests figure at the largest size (64 MiB), not the 3200 Gbps instance figure.
+    assert netcheck.expected_for_type("p5.48xlarge", efa=True).busbw_gbps == pytest.approx(209.19 * 8, abs=0.1)
     assert netcheck.expected_for_type("g6.12xlarge", efa=False).transport == "sockets"
     unknown = netcheck.expected_for_type("g9.huge", efa=True)
     assert unknown.busbw_gbps is None and "no network figure" in unknown.source
@@ -163,3 +164,55 @@ def test_a_failed_checks_message_shows_where_the_failure_began_and_how_it_ended(
     assert "last lines of /scratch/logs/x.out" in text and "0: Traceback line 14" in text
     assert "noise 3" not in text
     assert "first error" not in log_excerpt("a\nb", "p")  # nothing that looks like an error: the tail only
+
+
+# ------------------------------------------------- per-size expectations (published nccl-tests)
+
+def pair_sweep(sizes_gbps: dict[int, float]) -> dict:
+    """Two p5.48xlarge nodes measured at the GPU sizes (bytes -> bus bandwidth in Gbps)."""
+    results = [{"bytes": size, "time_us": 100.0, "busbw_gbps": bw} for size, bw in sizes_gbps.items()]
+    return {"nodes": [A, B], "all": results, "seconds": 3.0, "pairs": [{"nodes": [A, B], "results": results}],
+            "node_info": {}}
+
+
+def test_published_nccl_tests_figures_are_data_with_their_source():
+    net = json.loads((netcheck.DATA / "instances.json").read_text())["network"]
+    for itype in ("p5.48xlarge", "p4d.24xlarge"):
+        pub = net["nccl_tests"][itype]
+        assert "awsome-distributed-training" in pub["source"]
+        # aws-samples/awsome-distributed-training micro-benchmarks/nccl-tests/README.md, 2 nodes: busbw GB/s.
+        assert len(pub["busbw_GBps"]) >= 20
+    assert net["nccl_tests"]["p5.48xlarge"]["busbw_GBps"][str(64 << 20)] == 209.19
+    assert "g6.12xlarge" in net["unpublished"]
+    p5 = netcheck.expected_for_type("p5.48xlarge", efa=True)
+    assert p5.cards == 32 and p5.at(64 << 20) == pytest.approx(209.19 * 8)
+    assert p5.at(1 << 20) == pytest.approx(15.95 * 8) and p5.at(8 << 10) == pytest.approx(0.19 * 8)
+    # Between two published sizes: on the log-log line through them.
+    assert 15.95 * 8 < p5.at(3 << 19) < 26.70 * 8
+    assert "per network card of 32" in p5.source
+    # No published figure (G types), or no EFA: a conservative share of the instance bandwidth, largest size only.
+    g6 = netcheck.expected_for_type("g6.12xlarge", efa=True)
+    assert not g6.curve and g6.busbw_gbps == 40 and g6.threshold == net["unpublished_threshold"] < net["threshold"]
+    assert "no published nccl-tests figure" in g6.source
+    assert not netcheck.expected_for_type("p5.48xlarge", efa=False).curve
+
+
+def test_a_healthy_p5_pair_passes_at_every_size():
+    """About 90% of the published figure at each size: 1500 Gbps at 64 MiB is under half of the
+    instance's 3200 Gbps, which a single figure would have called slow."""
+    exp = netcheck.expected_for_type("p5.48xlarge", efa=True)
+    healthy = pair_sweep({8 << 10: 1.4, 1 << 20: 115.0, 64 << 20: 1500.0})
+    v = netcheck.judge(healthy, exp, {A: "EFA", B: "EFA"})
+    assert v.ok, v.problems()
+    assert not v.pairs[0].slow and v.pairs[0].fraction == pytest.approx(1500 / (209.19 * 8))  # its worst size
+
+
+def test_a_truly_slow_p5_pair_fails_at_the_size_it_is_slow_at():
+    exp = netcheck.expected_for_type("p5.48xlarge", efa=True)
+    links = {A: "EFA", B: "EFA"}
+    # Everything slow (one EFA card's worth, say): fails.
+    slow = netcheck.judge(pair_sweep({8 << 10: 0.4, 1 << 20: 20.0, 64 << 20: 400.0}), exp, links)
+    assert not slow.ok and slow.pairs[0].slow
+    # Full speed at 64 MiB but a fifth of it at 1 MiB: a size the old single figure never looked at.
+    mid = netcheck.judge(pair_sweep({8 << 10: 1.4, 1 << 20: 25.0, 64 << 20: 1700.0}), exp, links)
+    assert not mid.ok and mid.pairs[0].slow and "pair gpu-node-01-gpu-node-02 slow" in mid.problems()

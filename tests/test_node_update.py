@@ -40,7 +40,7 @@ def test_the_version_is_a_deterministic_hash_of_the_nodes_own_files():
     assert v1 != render.bootstrap_version(FACTS_L4, "gpu", "gpu-node-02")  # its name and address
     # The user-data a node boots carries that version in its script, which records it at the end.
     files = _user_data_files(render.user_data(FACTS_L4, "gpu", "gpu-node-01"))
-    assert files == render.bootstrap_files(FACTS_L4, "gpu", "gpu-node-01")
+    assert files == render.shipped(render.bootstrap_files(FACTS_L4, "gpu", "gpu-node-01"))  # comments aside
     script = files[render.BOOTSTRAP_PATH]
     assert f"BOOTSTRAP_VERSION='{v1}'" in script
     assert f'echo "$BOOTSTRAP_VERSION" > \'{render.VERSION_PATH}\'' in script

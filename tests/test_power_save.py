@@ -57,7 +57,8 @@ def facts(power_save: PowerSave | None, cluster: str = "mini") -> ClusterFacts:
 
 EC2 = PowerSave(suspend_time=1800, suspend_program="/usr/local/sbin/slurm-gpu-suspend",
                 resume_program="/usr/local/sbin/slurm-gpu-resume", suspend_timeout=180,
-                resume_timeout=900, provider="ec2", region="ap-northeast-2")
+                resume_timeout=900, provider="ec2", region="ap-northeast-2", stack="acme/slurm-gpu/prod")
+STACK_TAG = "slurm-gpu:stack"  # cluster/facts.py: unique per stack, unlike the Cluster tag
 
 
 def conf_keys(text: str) -> dict[str, str]:
@@ -145,15 +146,18 @@ def ec2_client():
         "ec2", region_name="ap-northeast-2", aws_access_key_id="test", aws_secret_access_key="test")
 
 
-def described(*instances: tuple[str, str, str]) -> dict:
+def described(*instances: tuple, stack: str = EC2.stack) -> dict:
+    """(id, Name tag, state[, stack tag]) each: DescribeInstances' answer."""
     return {"Reservations": [{"Instances": [
-        {"InstanceId": iid, "State": {"Name": state, "Code": 0}, "Tags": [{"Key": "Name", "Value": name}]}
-        for iid, name, state in instances]}]}
+        {"InstanceId": i[0], "State": {"Name": i[2], "Code": 0},
+         "Tags": [{"Key": "Name", "Value": i[1]}, {"Key": "Cluster", "Value": "mini"},
+                  {"Key": STACK_TAG, "Value": i[3] if len(i) > 3 else stack}]}
+        for i in instances]}]}
 
 
 def filters(*names: str) -> list[dict]:
     return [{"Name": "tag:Cluster", "Values": ["mini"]}, {"Name": "tag:Role", "Values": ["gpu"]},
-            {"Name": "tag:Name", "Values": list(names)},
+            {"Name": "tag:Name", "Values": list(names)}, {"Name": f"tag:{STACK_TAG}", "Values": [EC2.stack]},
             {"Name": "instance-state-name", "Values": ["pending", "running", "stopping", "stopped"]}]
 
 
@@ -177,6 +181,27 @@ def test_suspend_stops_the_named_instances_of_this_cluster(tmp_path, slurm_conf)
     log = (tmp_path / "power.log").read_text()
     assert "suspend gpu-node-[01-02] (mini-gpu-node-01,mini-gpu-node-02)" in log
     assert "suspend requested for i-0aaa i-0bbb" in log
+
+
+@pytest.mark.parametrize("action,call,key", [("suspend", "stop_instances", "StoppingInstances"),
+                                             ("resume", "start_instances", "StartingInstances")])
+def test_another_stacks_same_named_node_is_never_touched(tmp_path, slurm_conf, action, call, key):
+    """Two stacks that keep the default clusterName "mini": both have an instance tagged Cluster=mini,
+    Name=mini-gpu-node-01. The look-up asks for this stack's tag, and an answer that still holds the
+    other's (listed first) leaves it alone: only ours is stopped or started."""
+    from botocore.stub import Stubber
+
+    prog, ec2 = load_program(tmp_path), ec2_client()
+    with Stubber(ec2) as stub:
+        state = "running" if action == "suspend" else "stopped"
+        stub.add_response("describe_instances",
+                          described(("i-0ours", "mini-gpu-node-01", state),
+                                    ("i-0theirs", "mini-gpu-node-01", state, "acme/slurm-gpu/dev")),
+                          {"Filters": filters("mini-gpu-node-01")})
+        stub.add_response(call, changes(key, "i-0ours"), {"InstanceIds": ["i-0ours"]})
+        assert prog.main(["slurm-gpu-power", action, "gpu-node-01"], ec2=ec2) == 0
+        stub.assert_no_pending_responses()
+    assert "i-0theirs" not in (tmp_path / "power.log").read_text()
 
 
 def test_resume_waits_for_a_stopping_instance_then_starts(tmp_path, slurm_conf):
@@ -206,7 +231,7 @@ def test_unknown_hosts_are_logged_and_fail_when_none_is_found(tmp_path, slurm_co
         assert prog.main(["slurm-gpu-power", "suspend", "gpu-node-07"], ec2=ec2) == 1  # described, nothing stopped
         stub.assert_no_pending_responses()
     log = (tmp_path / "power.log").read_text()
-    assert "no instance tagged Cluster=mini Role=gpu Name=mini-HOST for: gpu-node-07" in log
+    assert "no instance tagged Cluster=mini Role=gpu Name=mini-HOST slurm-gpu:stack=acme/slurm-gpu/prod for: gpu-node-07" in log
     assert prog.main(["slurm-gpu-power", "resume", ""], ec2=ec2) == 2
     assert "usage" in (tmp_path / "power.log").read_text()
 
@@ -478,8 +503,10 @@ def test_controller_role_may_stop_and_start_only_this_clusters_gpu_nodes():
     assert st["Effect"] == "Allow"
     assert sorted(st["Action"]) == ["ec2:StartInstances", "ec2:StopInstances"]
     assert st["Resource"] == "arn:aws:ec2:ap-northeast-2:*:instance/*"
+    # This stack's nodes only: another stack may use the same cluster name (its own stack tag).
     assert st["Condition"] == {"StringEquals": {"aws:ResourceTag/Cluster": "research",
-                                                "aws:ResourceTag/Role": "gpu"}}
+                                                "aws:ResourceTag/Role": "gpu",
+                                                "aws:ResourceTag/slurm-gpu:stack": "slurm-gpu/test"}}
     (describe,) = [s for s in doc["Statement"] if s is not st]
     assert describe == {"Sid": "FindInstances", "Effect": "Allow", "Action": "ec2:DescribeInstances",
                         "Resource": "*"}
@@ -490,6 +517,7 @@ def test_controller_role_may_stop_and_start_only_this_clusters_gpu_nodes():
     assert [i.inputs.get("iamInstanceProfile") for i in ctl] == [f"{profile.name}-5e6f7a"]  # its name
     assert all(not i.inputs.get("iamInstanceProfile") for i in gpus)
     assert all(i.inputs["tags"]["Cluster"] == "research" for i in gpus)
+    assert all(i.inputs["tags"]["slurm-gpu:stack"] == "slurm-gpu/test" for i in gpus)
     # The inventory tells fab the idle stop and how long a start takes.
     inv = run.outputs["inventory"]
     assert inv["extra"]["idle_stop_s"] == 1800 and inv["extra"]["resume_timeout_s"] == 900

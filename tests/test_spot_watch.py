@@ -1,6 +1,7 @@
 """The spot interruption watcher (bootstrap/spot_watch.py) against a stand-in metadata service on loopback,
 its files in the GPU node's render, the training's "checkpoint now" signal handling, and fab's words."""
 
+import ast
 import json
 import os
 import shutil
@@ -252,13 +253,27 @@ def test_start_resumes_only_its_own_drain(imds, reason, resumed):
 # ---------------------------------------------------------------- render
 
 
+def _code(tree: ast.Module) -> str:
+    """The module's code: its AST without docstrings (what the program does, not what it says)."""
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
+
+
 def test_watcher_files_only_on_spot_gpu_nodes():
     facts = FACTS["l4x2"]
     assert not any("spot" in p for p in render.role_files(facts, "gpu"))
     assert "spot-watch" not in render.bootstrap_script(facts, "gpu", "gpu-node-01")
     spot = replace(facts, spot=True)
     gpu = render.role_files(spot, "gpu")
-    assert gpu[render.SPOT_WATCH_PATH] == (render.Path(spot_watch.__file__)).read_text()
+    # The watcher's code exactly, without its docstrings and comments (EC2's 16 KiB of user-data).
+    source = render.Path(spot_watch.__file__).read_text()
+    shipped = gpu[render.SPOT_WATCH_PATH]
+    assert shipped.startswith("#!/usr/bin/python3\n") and '"""' not in shipped and len(shipped) < 0.7 * len(source)
+    assert _code(ast.parse(shipped)) == _code(ast.parse(source))
     assert render.FILE_MODES[render.SPOT_WATCH_PATH] == 0o755
     assert f"SLURM_GPU_IMDS={DEFAULT_IMDS}\n" in gpu[render.SPOT_WATCH_ENV]
     unit = gpu[render.SPOT_WATCH_UNIT_PATH]

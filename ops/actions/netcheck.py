@@ -8,12 +8,24 @@ EFA was expected; on the local cluster, gloo's interface missing), or when every
 runs below THRESHOLD of the expected bus bandwidth: a pair cannot say which of its two nodes is
 slow, a node slow with every peer can. Two slow-paired nodes alone (a two-node cluster) are
 named, not drained.
+
+What a pair should reach, per message size: bus bandwidth rises with the size (a 1 MiB all-reduce
+moves a tenth of what a 64 MiB one does on p5.48xlarge), so where nccl-tests all_reduce_perf figures
+are published for the type over EFA (ops/data/instances.json network.nccl_tests, with the source:
+aws-samples/awsome-distributed-training's 2-node p5.48xlarge and p4de.24xlarge runs) each measured
+size is judged against the published figure at that size. Those runs use every network card of the
+type (32 on p5.48xlarge, 4 on p4d: one EFA interface each, as the stack attaches them); the table
+shows the bandwidth per card too. Elsewhere (G types, none published; or no EFA) only the largest
+size is judged, against a conservative share of the type's published network bandwidth.
 """
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import io
 import json
+import math
 import re
 import shlex
 import time
@@ -51,6 +63,25 @@ class Expected:
     transport: str | None  # what each node's traffic should go over ("EFA", "sockets", "gloo over eth0")
     threshold: float  # a pair below threshold * busbw_gbps is slow
     source: str  # where the figure comes from, for the table and network.json
+    # Published nccl-tests bus bandwidth per message size ((bytes, Gbps), ascending): each measured
+    # size is judged against it (busbw_gbps is then the figure at GPU_SIZES' largest). (): one figure.
+    curve: tuple[tuple[int, float], ...] = ()
+    cards: int = 1  # network cards the figure spans (the nodes' EFA interfaces, one a card)
+
+    def at(self, nbytes: int) -> float | None:
+        """The expected bus bandwidth at this message size: the published curve, interpolated
+        log-log between its sizes (clamped at its ends); else the one figure."""
+        if not self.curve:
+            return self.busbw_gbps
+        sizes = [s for s, _ in self.curve]
+        if nbytes <= sizes[0]:
+            return self.curve[0][1]
+        if nbytes >= sizes[-1]:
+            return self.curve[-1][1]
+        i = bisect.bisect_right(sizes, nbytes)
+        (s0, g0), (s1, g1) = self.curve[i - 1], self.curve[i]
+        t = math.log(nbytes / s0) / math.log(s1 / s0)
+        return math.exp(math.log(g0) + t * (math.log(g1) - math.log(g0)))
 
 
 def _data(name: str) -> dict:
@@ -62,15 +93,30 @@ def threshold() -> float:
 
 
 def expected_for_type(itype: str | None, efa: bool) -> Expected:
-    """AWS: the instance type's published network bandwidth (ops/data/instances.json)."""
+    """AWS: the type's published nccl-tests curve over EFA, else a conservative share of its published
+    network bandwidth (ops/data/instances.json, module docstring)."""
     net = _data("instances.json")
     facts = net["types"].get(itype or "")
     transport = "EFA" if efa else "sockets"
     if not facts:
         return Expected(None, transport, threshold(),
                         f"{itype or 'unknown type'}: no network figure in ops/data/instances.json")
-    return Expected(float(facts["network_gbps"]), transport, threshold(),
-                    f"{itype}: {facts['network_gbps']} Gbps published ({net['network']['date']})")
+    cards = int(facts.get("network_cards", 1))
+    published = net["network"].get("nccl_tests", {}).get(itype or "")
+    if efa and published:
+        curve = tuple(sorted((int(size), float(gbytes) * 8) for size, gbytes in published["busbw_GBps"].items()))
+        exp = Expected(None, transport, threshold(), "", curve, cards)
+        at_largest = exp.at(max(GPU_SIZES))
+        per_card = f", {at_largest / cards:.3g} per network card of {cards}" if cards > 1 else ""
+        return dataclasses.replace(
+            exp, busbw_gbps=round(at_largest, 1),
+            source=f"{itype}: nccl-tests all_reduce_perf over EFA, {at_largest:.4g} Gbps at "
+                   f"{_size(max(GPU_SIZES))}{per_card}, judged per size ({published['source'].split(' ')[0]})")
+    share = float(net["network"]["unpublished_threshold"])
+    why = "no EFA" if published else "no published nccl-tests figure"
+    return Expected(float(facts["network_gbps"]), transport, share,
+                    f"{itype}: {facts['network_gbps']} Gbps published ({net['network']['date']}); {why}: "
+                    f"the largest size judged at {share:.0%} of it", (), cards)
 
 
 def expected_local(gloo_ifname: str | None) -> Expected:
@@ -189,12 +235,20 @@ def _smallest(results: list[dict]) -> dict:
     return min(results, key=lambda r: r["bytes"])
 
 
+def _fraction(results: list[dict], exp: Expected) -> float | None:
+    """The pair's worst share of what it should reach: every size against the published curve, else
+    the largest size against the one figure (None: nothing to compare with)."""
+    if exp.curve:
+        return min(r["busbw_gbps"] / exp.at(r["bytes"]) for r in results)
+    return _largest(results)["busbw_gbps"] / exp.busbw_gbps if exp.busbw_gbps else None
+
+
 def judge(result: dict, exp: Expected, transports: dict[str, str]) -> Verdict:
     nodes = list(result.get("nodes", []))
     pairs = []
     for p in result.get("pairs", []):
         big, small = _largest(p["results"]), _smallest(p["results"])
-        frac = big["busbw_gbps"] / exp.busbw_gbps if exp.busbw_gbps else None
+        frac = _fraction(p["results"], exp)
         pairs.append(PairVerdict(tuple(p["nodes"]), big["busbw_gbps"], small["time_us"], frac,
                                  frac is not None and frac < exp.threshold))
     everyone = result.get("all") or []
@@ -210,7 +264,8 @@ def judge(result: dict, exp: Expected, transports: dict[str, str]) -> Verdict:
                 v.failed[n] = f"transport {got}, expected {exp.transport}"
     slow = [p for p in pairs if p.slow]
     if slow:
-        floor = f"{exp.threshold:.0%} of {exp.busbw_gbps:g} Gbps"
+        floor = (f"{exp.threshold:.0%} of the published figure at some size" if exp.curve
+                 else f"{exp.threshold:.0%} of {exp.busbw_gbps:g} Gbps")
         mine = {n: [p for p in pairs if n in p.nodes] for n in nodes}
         culprits = [n for n in nodes if mine[n] and all(p.slow for p in mine[n])]
         if len(culprits) == len(nodes):  # every pair: the network as a whole, or the expectation, is off

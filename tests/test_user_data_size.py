@@ -1,0 +1,66 @@
+"""EC2 takes at most 16 KiB of user-data (gzip-compressed here): the largest cluster the stack accepts
+keeps a quarter of it free on every host, measured on the real rendered user-data of the mocked
+program; and what user-data leaves out to get there (comments) changes nothing bash or Python runs."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from dataclasses import replace
+
+import pytest
+import yaml
+
+from bootstrap import render
+from infra.config import MAX_GPU_NODES, ConfigError
+from tests.test_bootstrap_render import FACTS
+from tests.test_infra_mocks import run_program, stack_config, user_data_of, user_data_size
+from tests.test_infra_program import _instances
+
+HEADROOM_LIMIT = render.MAX_USER_DATA_BYTES * 3 // 4  # 12 KiB: at least 25% of EC2's 16 KiB free
+
+
+def test_the_largest_accepted_cluster_fits_with_a_quarter_to_spare():
+    """The biggest user-data: the controller's at the most GPU nodes (it lists them all), and a GPU
+    node's on the spot market (the interruption watcher) with p5.48xlarge's 32 EFA cards. A GPU
+    node's own depends on no other node (bootstrap/render.py user_data), so two nodes show it."""
+    largest = run_program(stack_config(gpuNodeCount=MAX_GPU_NODES, subnetCidr="10.0.0.0/24", gpuMarket="spot"))
+    widest = run_program(stack_config(gpuInstanceType="p5.48xlarge", gpuMarket="spot"))
+    sizes = {}
+    for run in (largest, widest):
+        controller, gpus = _instances(run)
+        files = {f["path"] for f in yaml.safe_load(user_data_of(gpus[-1]))["write_files"]}
+        assert render.SPOT_WATCH_PATH in files
+        sizes.update({f"{len(gpus)}x{i.inputs['instanceType']}:{i.name}": user_data_size(i)
+                      for i in controller + gpus})
+    assert len(_instances(largest)[1]) == MAX_GPU_NODES
+    assert max(sizes.values()) <= HEADROOM_LIMIT, sorted(sizes.items(), key=lambda kv: -kv[1])[:3]
+    # One more node is refused, naming the setting and the fix, before anything is declared.
+    with pytest.raises(ConfigError) as err:
+        run_program(stack_config(gpuNodeCount=MAX_GPU_NODES + 1, subnetCidr="10.0.0.0/24"))
+    assert str(err.value).startswith(f"slurm-gpu:gpuNodeCount is {MAX_GPU_NODES + 1}; a stack has at most")
+    assert f"`pulumi config set slurm-gpu:gpuNodeCount {MAX_GPU_NODES}`" in str(err.value)
+
+
+def _bash_parse(script: str) -> str:
+    """The commands bash reads from a script: its text as a function body, printed back by
+    `declare -f` (bash's own parser; comments are gone, here-documents kept)."""
+    res = subprocess.run(["bash", "-c", 'eval "f() {\n$1\n}" && declare -f f', "parse", script],
+                         capture_output=True, text=True, check=True)
+    return res.stdout
+
+
+@pytest.mark.skipif(not shutil.which("bash"), reason="needs bash")
+@pytest.mark.parametrize("name", ["l4x2", "h100x3", "single"])
+@pytest.mark.parametrize("spot", [False, True])
+def test_shipped_shell_scripts_parse_to_the_same_commands(name, spot):
+    facts = replace(FACTS[name], spot=spot)
+    scripts = {f"{role}:{path}": text for role in render.ROLES
+               for path, text in render.bootstrap_files(facts, role, None if role == "controller" else
+                                                        facts.gpu_nodes[0].name).items()
+               if text.startswith("#!/bin/bash\n")}
+    assert any(k.endswith(render.BOOTSTRAP_PATH) for k in scripts)
+    for where, text in scripts.items():
+        shipped = render.shipped_shell(text)
+        assert shipped.startswith("#!/bin/bash\n") and len(shipped) < len(text), where
+        assert _bash_parse(shipped) == _bash_parse(text), where
