@@ -166,6 +166,18 @@ def test_a_job_in_flight_refuses_down_naming_it(tmp_path, tools):
     assert pulumi_calls(log) == []  # nothing destroyed, nothing even asked
 
 
+def test_the_run_train_down_just_brought_home_may_still_be_completing(tmp_path, tools):
+    """Slurm shows a finished job as COMPLETING while its epilog runs: `fab train --down` leaves its own job
+    out then, and no other (nor its own while RUNNING)."""
+    squeue_out, _ = tools
+    ctl = LocalController()
+    squeue_out.write_text("12|slurm-gpu-finetune|COMPLETING\n")
+    assert stack_down.jobs_in_flight(ctl, done_job="12") == []
+    assert stack_down.jobs_in_flight(ctl, done_job="11") == ["12 (slurm-gpu-finetune, COMPLETING)"]
+    squeue_out.write_text("12|slurm-gpu-finetune|RUNNING\n")
+    assert stack_down.jobs_in_flight(ctl, done_job="12") == ["12 (slurm-gpu-finetune, RUNNING)"]
+
+
 def test_a_finished_run_not_home_refuses_naming_the_run_until_its_adapters_match(tmp_path, tools):
     _, log = tools
     scratch, runs = tmp_path / "scratch", tmp_path / "runs"
@@ -235,3 +247,37 @@ def test_train_down_is_refused_while_another_run_is_in_flight(tmp_path, tools, m
         pipeline.train(opts, say=lambda s: None)
     assert str(err.value).startswith("--down: a run is in flight: job(s) 9 (slurm-gpu-finetune, RUNNING) on the cluster")
     assert [c for c in pulumi_calls(log) if c[0] == "destroy"] == []
+
+
+def test_train_down_destroys_the_stack_once_its_run_is_home(tmp_path, tools, monkeypatch):
+    """`fab train --down` end to end around the run itself (which other tests cover): squeue empty, the run
+    brought home (as pipeline.finish leaves it), then the checks, `pulumi destroy` and what it removed."""
+    _, log = tools
+    scratch, runs = tmp_path / "scratch", tmp_path / "runs"
+    inv = inventory(scratch)
+    key = tmp_path / "id_test"
+    key.write_text("not a key: never used, no host is reached\n")
+    outputs = tmp_path / "outputs.json"
+    outputs.write_text(json.dumps({"inventory": dataclasses.asdict(inv)}))
+    monkeypatch.setenv("FAKE_PULUMI_OUTPUTS", str(outputs))
+    from ops.actions import nccl
+    from ops.finetune import pipeline, summary
+
+    def the_run(cl, opts, nodes, gpus, say, closing=None, **kwargs):
+        job_dir = finished_run(scratch)
+        said.extend(closing)
+        return summary.RunSummary("12", "", {}, [], nccl.parse([]), dest=bring_home(runs, job_dir))
+
+    said: list[str] = []
+    monkeypatch.setattr(pipeline, "RUNS", runs)
+    monkeypatch.setattr(pipeline, "connect", lambda inv, identity: Cluster(inv, LocalController(), {}))
+    monkeypatch.setattr(pipeline, "run", the_run)
+    opts = options.parse(target="aws", stack="dev", down=True, identity=str(key),
+                         model="Qwen/Qwen3-4B", data="tatsu-lab/alpaca")
+    pipeline.train(opts, say=said.append)
+    assert [c for c in pulumi_calls(log) if c[0] == "destroy"] == [
+        ["destroy", "--yes", "--skip-preview", "--non-interactive", "--stack", "dev"]]
+    text = "\n".join(said)
+    assert "  stack         --down: `pulumi destroy` once the adapters are home and verified" in text
+    assert f"--down: no job on the cluster; 1 finished run(s), all home in {runs} with their adapters verified" in text
+    assert "removed from stack dev: 2 Instance, 1 NatGateway, 1 Vpc" in text

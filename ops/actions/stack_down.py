@@ -46,8 +46,9 @@ def _lead(how: str) -> str:
     return f"{how}: " if how else ""
 
 
-def jobs_in_flight(ctl: Connection) -> list[str]:
-    """'JOB (NAME, STATE)' of every job Slurm still holds (queued, running, completing)."""
+def jobs_in_flight(ctl: Connection, done_job: str | None = None) -> list[str]:
+    """'JOB (NAME, STATE)' of every job Slurm still holds (queued, running, completing). `done_job`: the job
+    `fab train --down` has just brought home, left out while it is only COMPLETING (its epilog)."""
     res = ctl.run("squeue -h -o '%i|%j|%T'", hide=True, warn=True, in_stream=False)
     if not res.ok:
         raise DownRefused(f"squeue failed on the controller ({(res.stderr or res.stdout).strip()}): cannot tell "
@@ -55,13 +56,13 @@ def jobs_in_flight(ctl: Connection) -> list[str]:
     out = []
     for line in res.stdout.splitlines():
         parts = line.strip().split("|")
-        if len(parts) == 3 and parts[0]:
+        if len(parts) == 3 and parts[0] and not (parts[0] == done_job and parts[2] == "COMPLETING"):
             out.append(f"{parts[0]} ({parts[1]}, {parts[2]})")
     return out
 
 
-def refuse_busy(ctl: Connection, how: str, stack_flag: str = "") -> None:
-    busy = jobs_in_flight(ctl)
+def refuse_busy(ctl: Connection, how: str, stack_flag: str = "", done_job: str | None = None) -> None:
+    busy = jobs_in_flight(ctl, done_job)
     if busy:
         raise DownRefused(f"{_lead(how)}a run is in flight: job(s) {', '.join(busy)} on the cluster; let them "
                           f"finish and come home (`fab logs{stack_flag} --job N`) or cancel them "
@@ -142,19 +143,19 @@ def not_home(remote: list[RemoteRun], runs_dir: Path) -> list[str]:
     return problems
 
 
-def check_ready(cl: Cluster, runs_dir: Path, how: str, stack: str | None) -> int:
+def check_ready(cl: Cluster, runs_dir: Path, how: str, stack: str | None, done_job: str | None = None) -> int:
     """Refuse (DownRefused) while a job runs or a finished run is not home and verified; else the number of
-    finished runs checked."""
+    finished runs checked. `done_job`: see jobs_in_flight."""
     flag = f" --stack {stack}" if stack else ""
-    refuse_busy(cl.controller, how, flag)
+    refuse_busy(cl.controller, how, flag, done_job)
     remote = finished_runs(cl.controller, cl.inventory.scratch)
     missing = not_home(remote, runs_dir)
     if missing:
         first = next((r for r in remote if r.job_id and any(r.label() in m for m in missing)), None)
         fetch = (f"`fab logs{flag} --job {first.job_id}` brings it home" if first
                  else f"`fab logs{flag} --job N` brings one home")
-        raise DownRefused(f"{_lead(how)}finished run(s) not home: {'; '.join(missing)}. {fetch}; `fab runs` lists what "
-                          "is here. To drop them anyway, `pulumi destroy` (it checks nothing)")
+        raise DownRefused(f"{_lead(how)}finished run(s) not home: {'; '.join(missing)}. {fetch}; `fab runs` lists "
+                          "what is here. To drop them anyway, `pulumi destroy` (it checks nothing)")
     return len(remote)
 
 

@@ -564,7 +564,7 @@ def train(opts: TrainOptions, say: Say = print, raw: bool = False,
         result = run(cl, opts, nodes, gpus, say=say, raw=raw, tl=tl, predicted=predicted, cost_per_h=cost_per_h,
                      closing=closing)
         if opts.down:  # this run and every earlier finished one home, their adapters verified
-            checked = stack_down.check_ready(cl, RUNS, "--down", opts.stack)
+            checked = stack_down.check_ready(cl, RUNS, "--down", opts.stack, done_job=result.job_id)
     finally:
         cl.close()
     if result.dest is not None:
