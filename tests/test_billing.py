@@ -176,6 +176,7 @@ def test_spend_so_far_prices_instances_volumes_and_nat_hours_from_ec2():
         in text
     assert "NAT gateway nat-0abc: 11 h at $0.059/h (+ $0.059/GB processed: not known here)" in text
     assert "nat-0old" not in text
+    assert "volume vol-i-0c gp3 200 GB +375 MB/s +1000 IOPS for 0.42 d" in text
     for differs in ("credits", "Savings Plans", "spot price", "data transfer"):
         assert differs in text
 

@@ -171,10 +171,12 @@ def _volume(vol: dict, p: dict, now: datetime) -> Item:
     if vol.get("VolumeType") != "gp3":
         return Item(f"volume {name} ({vol.get('VolumeType')}, {vol['Size']} GB): not priced (gp3 only)", 0.0)
     months = age / est.MONTH_S
-    usd = vol["Size"] * p["gp3_per_gb_month"] * months
-    usd += max(0, (vol.get("Throughput") or est.GP3_BASE_MBPS) - est.GP3_BASE_MBPS) * p["gp3_per_mbps_month"] * months
-    usd += max(0, (vol.get("Iops") or est.GP3_BASE_IOPS) - est.GP3_BASE_IOPS) * p["gp3_per_iops_month"] * months
-    return Item(f"volume {name} gp3 {vol['Size']} GB for {age / 86400:.2f} d", usd, "CreateTime")
+    mbps = max(0, (vol.get("Throughput") or est.GP3_BASE_MBPS) - est.GP3_BASE_MBPS)
+    iops = max(0, (vol.get("Iops") or est.GP3_BASE_IOPS) - est.GP3_BASE_IOPS)
+    usd = (vol["Size"] * p["gp3_per_gb_month"] + mbps * p["gp3_per_mbps_month"] + iops * p["gp3_per_iops_month"]) \
+        * months
+    extra = (f" +{mbps:.0f} MB/s" if mbps else "") + (f" +{iops} IOPS" if iops else "")
+    return Item(f"volume {name} gp3 {vol['Size']} GB{extra} for {age / 86400:.2f} d", usd, "CreateTime")
 
 
 # Where the real bill differs from these list prices.
@@ -185,12 +187,19 @@ DIFFERS = ("credits and the free tier, Savings Plans and Reserved Instances lowe
            "the account's own EBS key, snapshots and taxes are not counted")
 
 
+BASIS = ("instances from their root volume's attach time, less the stops the power log shows (a start counts "
+         "from `pending`, tens of seconds before EC2 bills `running`); volumes and the NAT gateway from CreateTime")
+
+
 def lines(spend: Spend) -> list[str]:
     since = f" since {spend.since:%Y-%m-%d %H:%M} UTC" if spend.since else ""
-    out = [f"  spent so far{since}: ${spend.total:.2f} at list prices (ops/data/prices.json)"]
-    out += [f"    ${i.usd:>8.2f}  {i.what}" + (f" [{i.basis}]" if i.basis else "") for i in spend.items]
+    out = [f"  spent so far{since}: ${spend.total:.2f} at list prices (ops/data/prices.json)",
+           f"    basis: {BASIS}"]
+    for i in spend.items:
+        out.append(f"    {'$' + format(i.usd, '.2f'):>9}  {i.what}" + (f" [{i.basis}]" if i.basis else ""))
     out += [f"    note: {n}" for n in spend.notes]
-    out.append("    the real bill differs: " + "; ".join(DIFFERS))
+    out.append("    the real bill differs:")
+    out += [f"      - {d}" for d in DIFFERS]
     return out
 
 
