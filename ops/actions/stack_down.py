@@ -171,7 +171,8 @@ def _pulumi(*args: str) -> subprocess.CompletedProcess:
 
 
 def stack_name(stack: str | None) -> str:
-    """--stack, else the selected stack (`pulumi stack --show-name`)."""
+    """--stack, else the selected stack (`pulumi stack --show-name`: "Display only the stack name",
+    https://www.pulumi.com/docs/iac/cli/commands/pulumi_stack/)."""
     if stack:
         return stack
     res = _pulumi("stack", "--show-name")
