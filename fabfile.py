@@ -11,7 +11,7 @@ from invoke import Collection, task
 from invoke.exceptions import Exit
 
 from localcluster.tasks import ns as local_ns
-from ops.actions import node_update, options, slurm, spot_requests, status_view
+from ops.actions import billing_status, node_update, options, slurm, spot_requests, stack_down, status_view
 from ops.actions import reconfigure as reconf
 from ops.actions.cluster_task import cluster_task
 from ops.cost import estimate as est
@@ -34,9 +34,10 @@ from ops.ssh.remote import open_cluster
     "skip-check": "do not run the network check (all-reduce of every node) before the job",
     "healthy-only": "when the network check fails nodes, drain them and train on the others instead of stopping",
     "max-cost": "US dollars the run may cost: refused if the estimate is over; stops with a checkpoint before it",
+    "down": "destroy the stack (pulumi destroy) once the adapters are home and verified, as `fab down`",
 })
 def train(c, where, config=None, nodes=None, gpus_per_node=None, examples=None, model=None, data=None, raw=False,
-          estimate=False, skip_check=False, healthy_only=False, max_cost=None):
+          estimate=False, skip_check=False, healthy_only=False, max_cost=None, down=False):
     """Fine-tune with LoRA across the cluster and bring the adapters home to runs/<job-id>/.
 
     Waits for cloud-init, shares the controller's munge key, returns nodes to service, runs a
@@ -45,10 +46,12 @@ def train(c, where, config=None, nodes=None, gpus_per_node=None, examples=None, 
     transports) and downloads adapters, trainer state and a loss curve.
     Ctrl-C stops following; the job keeps running (`fab logs --job JOB` reattaches).
     --max-cost USD: refused when the estimate is over it; the job stops with a checkpoint before it passes it.
+    Without --down the summary ends with what the stack still bills and the command that stops it;
+    --down destroys the stack once this and every finished run is home (refused while another run is in flight).
     """
     opts = options.parse_train(where, config=config, nodes=nodes, gpus_per_node=gpus_per_node,
                                examples=examples, model=model, data=data, skip_check=skip_check,
-                               healthy_only=healthy_only, max_cost=max_cost)
+                               healthy_only=healthy_only, max_cost=max_cost, down=down)
     finetune.train(opts, raw=raw, estimate=estimate)
 
 
@@ -98,10 +101,29 @@ def status(c, where):
     """Show the cluster's hosts (reachable or not, power state), Slurm's nodes (sinfo) and the queue (squeue).
 
     Power state per GPU node from sinfo's state flags: on, stopped (`~`, idle power-save),
-    starting (`#`), stopping (`%`).
+    starting (`#`), stopping (`%`). Then the money: what the stack still bills per hour and per day, the
+    command that stops it, and what it has cost since it was created at list prices (EC2's records and the
+    controller's power log; needs the AWS credentials `pulumi` uses).
     """
     with open_cluster(where) as cl:
-        status_view.show(cl)
+        try:
+            status_view.show(cl)
+        finally:  # a stack with a sick node bills too
+            billing_status.show(cl, where)
+
+
+@cluster_task()
+def down(c, where):
+    """Destroy the stack (`pulumi destroy`) so nothing bills, once nothing on it is left to lose.
+
+    Refused, naming why, while a job is queued or running, or while a finished run is not home in runs/
+    with adapters equal (sha256) to the controller's (`fab logs --job N` brings one home). Then runs
+    `pulumi destroy --yes --skip-preview` on the stack and lists what it removed. `pulumi destroy` alone
+    checks none of this. The local cluster has `fab local.down`. `fab train --down` does the same after its run.
+    """
+    options.check_down(where.target)
+    with open_cluster(where) as cl:
+        stack_down.down(cl, finetune.RUNS, where.stack)
 
 
 @cluster_task(help={"job": "job id (default: our latest fine-tune job)",
@@ -202,5 +224,5 @@ def runs_(c, job=None):
 
 
 ns = Collection(train, check, estimate, status, logs, cancel, reconfigure, update_nodes, ssh, runs_,
-                spot_requests_)
+                spot_requests_, down)
 ns.add_collection(local_ns, "local")

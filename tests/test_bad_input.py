@@ -69,6 +69,8 @@ FAB_CLI = [
     (["train", "--target", "local", "--config", "/nonexistent/train.yaml"],
      ["--config /nonexistent/train.yaml: no such file", "pass a YAML file such as"]),
     (["logs", "--target", "local", "--job", "abc"], ["--job must be a Slurm job id", "see `fab status`"]),
+    (["train", "--target", "local", "--down"], ["--down: the local cluster is not a Pulumi stack", "`fab local.down`"]),
+    (["down", "--target", "local"], ["fab down: the local cluster is not a Pulumi stack", "`fab local.down`"]),
     (["local.up", "--nodes", "0"], ["--nodes must be a whole number from 1 to 20", "`fab local.up --nodes 2`"]),
     (["local.up", "--nodes", "-1"], ["--nodes must be a whole number from 1 to 20", "`fab local.up --nodes 2`"]),
     (["local.up", "--nodes", "abc"], ["--nodes must be a whole number from 1 to 20 (got 'abc')"]),

@@ -219,12 +219,12 @@ def test_fab_tasks_share_the_cluster_flags_and_keep_their_menu():
     import fabfile
     from ops.actions.options import CLUSTER_FLAGS_HELP
 
-    assert sorted(fabfile.ns.task_names) == ["cancel", "check", "estimate", "local.down", "local.status", "local.up",
-                                             "logs", "reconfigure", "runs", "ssh", "status", "train",
+    assert sorted(fabfile.ns.task_names) == ["cancel", "check", "down", "estimate", "local.down", "local.status",
+                                             "local.up", "logs", "reconfigure", "runs", "ssh", "status", "train",
                                              "update-nodes"]
     assert fabfile.ns["runs"].__doc__.strip()  # local files only: no cluster flags
     own = {"train": {"config", "nodes", "gpus_per_node", "examples", "model", "data", "raw", "estimate", "skip_check",
-                     "healthy_only", "max_cost"}, "check": set(),
+                     "healthy_only", "max_cost", "down"}, "check": set(), "down": set(),
            "estimate": {"config", "nodes", "gpus_per_node", "examples", "model", "data", "gpu_instance_type",
                         "region", "model_gb", "tokens_per_row", "scratch_mbps"},
            "status": set(), "logs": {"job", "progress"}, "cancel": {"job"}, "reconfigure": {"force"},

@@ -57,6 +57,8 @@ class TrainOptions:
     config_data: str | None = None
     # --max-cost: US dollars the run may cost (ops/cost/cap.py); None: no cap.
     max_cost: float | None = None
+    # --down: `pulumi destroy` once the run is home and verified (ops/actions/stack_down.py).
+    down: bool = False
 
     @property
     def model_path(self) -> str | None:
@@ -146,6 +148,20 @@ def parse_cluster(target=None, stack=None, identity=None) -> ClusterOptions:
     return ClusterOptions(target=tgt.name, stack=stack or None, identity=identity)
 
 
+# How each target without a Pulumi stack is taken down instead of `fab down` / `fab train --down`.
+OTHER_WAY = {"local": "`fab local.down` takes the local cluster down",
+             "boot": "`python -m boottest.teardown` removes the boot test's cluster"}
+
+
+def check_down(target: str, how: str = "") -> None:
+    """`fab down` and --down destroy a Pulumi stack (ops/actions/stack_down.py): a target that is none is refused,
+    naming its own way down. `how`: the flag, for the message (`fab down` names itself)."""
+    tgt = targets.get(target)
+    if not tgt.takes_stack:
+        raise OptionError(f"{how + ': ' if how else ''}the {tgt.name} cluster is not a Pulumi stack, there is "
+                          f"nothing to destroy; {OTHER_WAY.get(tgt.name, 'take it down its own way')}")
+
+
 def parse_job(job) -> str | None:
     """--job: a Slurm job id, or None for "our latest one"."""
     if job is None:
@@ -167,11 +183,11 @@ def parse_host(host) -> str:
 
 def parse(target=None, stack=None, config=None, nodes=None, gpus_per_node=None, examples=None,
           model=None, data=None, identity=None, skip_check=False, healthy_only=False,
-          max_cost=None) -> TrainOptions:
+          max_cost=None, down=False) -> TrainOptions:
     """Check `fab train`'s flags on their own (no inventory needed)."""
     return parse_train(parse_cluster(target=target, stack=stack, identity=identity), config=config,
                        nodes=nodes, gpus_per_node=gpus_per_node, examples=examples, model=model, data=data,
-                       skip_check=skip_check, healthy_only=healthy_only, max_cost=max_cost)
+                       skip_check=skip_check, healthy_only=healthy_only, max_cost=max_cost, down=down)
 
 
 def parse_check_flags(skip_check, healthy_only) -> tuple[bool, bool]:
@@ -183,8 +199,11 @@ def parse_check_flags(skip_check, healthy_only) -> tuple[bool, bool]:
 
 
 def parse_train(where: ClusterOptions, config=None, nodes=None, gpus_per_node=None, examples=None,
-                model=None, data=None, skip_check=False, healthy_only=False, max_cost=None) -> TrainOptions:
+                model=None, data=None, skip_check=False, healthy_only=False, max_cost=None,
+                down=False) -> TrainOptions:
     """`fab train`'s own flags, for the cluster `where` names (already checked by `parse_cluster`)."""
+    if down:  # before the config: the fix does not depend on it
+        check_down(where.target, "--down")
     skip_check, healthy_only = parse_check_flags(skip_check, healthy_only)  # before the config: no TRL import
     from ops.cost import cap as cost_cap
 
@@ -206,7 +225,7 @@ def parse_train(where: ClusterOptions, config=None, nodes=None, gpus_per_node=No
         target=where.target, stack=where.stack, config=path,
         nodes=_int("nodes", nodes), gpus_per_node=_int("gpus-per-node", gpus_per_node),
         examples=_int("examples", examples), model=model, data=data, identity=identity,
-        skip_check=skip_check, healthy_only=healthy_only, max_cost=cap,
+        skip_check=skip_check, healthy_only=healthy_only, max_cost=cap, down=bool(down),
         config_model=None if model else from_config("model_name_or_path", "model"),
         config_data=None if data else from_config("dataset_name", "data"),
     )

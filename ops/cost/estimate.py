@@ -367,6 +367,26 @@ class CostLine:
     usd: float
 
 
+def storage_per_h(cl: PricedCluster, volumes: int | None = None) -> list[CostLine]:
+    """The EBS bill per hour: `volumes` gp3 root volumes of cl.root_volume_gib (default: every node's and
+    the controller's) and the shared volume's throughput and IOPS above gp3's baseline (the controller's).
+    AWS bills gp3 per GB-month, prorated by the second (https://aws.amazon.com/ebs/pricing/)."""
+    p = prices(cl.region)
+    count = cl.billed_nodes + 1 if volumes is None else volumes
+    vol_gb = count * cl.root_volume_gib
+    lines = [CostLine(f"EBS gp3 {vol_gb} GB at ${p['gp3_per_gb_month']}/GB-month",
+                      vol_gb * p["gp3_per_gb_month"] * 3600 / MONTH_S)] if count else []
+    if cl.scratch_mbps > GP3_BASE_MBPS:
+        extra = cl.scratch_mbps - GP3_BASE_MBPS
+        lines.append(CostLine(f"gp3 throughput +{extra:.0f} MB/s at ${p['gp3_per_mbps_month']}/MB/s-month",
+                              extra * p["gp3_per_mbps_month"] * 3600 / MONTH_S))
+    if cl.scratch_iops > GP3_BASE_IOPS:
+        extra_iops = cl.scratch_iops - GP3_BASE_IOPS
+        lines.append(CostLine(f"gp3 IOPS +{extra_iops} at ${p['gp3_per_iops_month']}/IOPS-month",
+                              extra_iops * p["gp3_per_iops_month"] * 3600 / MONTH_S))
+    return lines
+
+
 def cost(est: Estimate, scenario: str) -> list[CostLine]:
     """The run's bill: instances by the second, NAT gateway hours and GB, EBS GB-months (aws only)."""
     cl = est.cluster
@@ -376,25 +396,14 @@ def cost(est: Estimate, scenario: str) -> list[CostLine]:
     wall = est.total(scenario)
     gpu_h, ctl_h = price_per_h(cl.region, cl.gpu_type), price_per_h(cl.region, cl.controller_type)
     gb = est.nat_bytes.get(scenario, 0.0) / 1e9
-    vol_gb = (cl.billed_nodes + 1) * cl.root_volume_gib
-    lines = [
+    return [
         CostLine(f"{cl.billed_nodes} x {cl.gpu_type} at ${gpu_h}/h for {wall:.0f} s",
                  cl.billed_nodes * gpu_h * wall / 3600),
         CostLine(f"controller {cl.controller_type} at ${ctl_h}/h", ctl_h * wall / 3600),
         CostLine(f"NAT gateway ${p['nat_per_h']}/h + {gb:.1f} GB at ${p['nat_per_gb']}/GB",
                  p["nat_per_h"] * wall / 3600 + gb * p["nat_per_gb"]),
-        CostLine(f"EBS gp3 {vol_gb} GB at ${p['gp3_per_gb_month']}/GB-month",
-                 vol_gb * p["gp3_per_gb_month"] * wall / MONTH_S),
+        *(CostLine(c.what, c.usd * wall / 3600) for c in storage_per_h(cl)),
     ]
-    if cl.scratch_mbps > GP3_BASE_MBPS:
-        extra = cl.scratch_mbps - GP3_BASE_MBPS
-        lines.append(CostLine(f"gp3 throughput +{extra:.0f} MB/s at ${p['gp3_per_mbps_month']}/MB/s-month",
-                              extra * p["gp3_per_mbps_month"] * wall / MONTH_S))
-    if cl.scratch_iops > GP3_BASE_IOPS:
-        extra_iops = cl.scratch_iops - GP3_BASE_IOPS
-        lines.append(CostLine(f"gp3 IOPS +{extra_iops} at ${p['gp3_per_iops_month']}/IOPS-month",
-                              extra_iops * p["gp3_per_iops_month"] * wall / MONTH_S))
-    return lines
 
 
 def spot_bill(est: Estimate, scenario: str) -> tuple[float, float] | None:

@@ -23,11 +23,12 @@ from fabric import Connection
 from cluster import targets
 from cluster.errors import UserError
 from cluster.inventory import Inventory
-from ops.actions import cloudinit, munge, netcheck, node_update, prefetch, reconfigure, slurm
+from ops.actions import cloudinit, munge, netcheck, node_update, prefetch, reconfigure, slurm, stack_down
 from ops.actions import node_power as power
 from ops.actions.options import REPO, TrainOptions, check_against
 from ops.cost import cap as cost_cap
 from ops.cost import estimate as est
+from ops.cost import still_bills
 from ops.finetune import gpu_events, stream, summary, timeline
 from ops.finetune import sbatch as jobs
 from ops.say import Say
@@ -393,8 +394,9 @@ def run_dir(job_id: str, job_dir: str | None) -> Path:
 
 def finish(cl: Cluster, job_id: str, followed: stream.Followed, say: Say,
            job_dir: str | None = None, log_path: str | None = None,
-           checked: netcheck.Checked | None = None) -> summary.RunSummary:
-    """Print the summary and bring the run home to runs/<job-id>/."""
+           checked: netcheck.Checked | None = None, closing: list[str] | None = None) -> summary.RunSummary:
+    """Print the summary and bring the run home to runs/<job-id>/. `closing`: the summary's last lines
+    (what the stack still bills, or that --down takes it down)."""
     log, job = followed.log, followed.job
     job_dir = job_dir or log.job_dir
     dest = run_dir(job_id, job_dir)
@@ -406,6 +408,7 @@ def finish(cl: Cluster, job_id: str, followed: stream.Followed, say: Say,
         (dest / "job.log").write_text(read_remote(cl.controller, log_path))
     run = summary.build(job_id, job.run_time if job else "", log, dest if got else None)
     run.real_gpus, run.dest = targets.of(cl.inventory).real_gpus, dest
+    run.closing = list(closing or [])
     if checked is not None:  # the check that preceded this run, kept beside it
         run.network = netcheck.summary_line(checked.verdict)
         netcheck.save(dest / "network.json", checked.verdict, checked.result, checked.job_id, checked.drained)
@@ -435,7 +438,7 @@ def succeeded(followed: stream.Followed) -> bool:
     return followed.log.metrics is not None
 
 
-COMPLETED_MARKER = "COMPLETED"  # training.train.COMPLETED_MARKER, written after the adapters
+COMPLETED_MARKER = stack_down.COMPLETED_MARKER  # training.train.COMPLETED_MARKER, written after the adapters
 
 
 def training_completed(ctl: Connection, job_dir: str | None) -> bool:
@@ -475,7 +478,8 @@ def controller_lost(exc: slurm.ControllerUnreachable, job_id: str, target: str) 
 
 def run(cl: Cluster, opts: TrainOptions, nodes: int, gpus: int, say: Say = print,
         raw: bool = False, tl: timeline.Timeline | None = None,
-        predicted: dict[str, float] | None = None, cost_per_h: float | None = None) -> summary.RunSummary:
+        predicted: dict[str, float] | None = None, cost_per_h: float | None = None,
+        closing: list[str] | None = None) -> summary.RunSummary:
     tl = tl or timeline.Timeline()  # every step below is one phase of the run's timeline
     with tl.phase("wake"):
         power.wake(cl, say)  # every later step reaches the nodes over SSH
@@ -512,7 +516,7 @@ def run(cl: Cluster, opts: TrainOptions, nodes: int, gpus: int, say: Say = print
         raise controller_lost(exc, job_id, cl.inventory.target) from None
     if not outcome(cl, job_id, followed, job_dir, lambda s: say("      " + s)):
         raise failure(job_id, followed, log_path)
-    result = tl.timed("download", finish, cl, job_id, followed, say, job_dir, log_path, checked)
+    result = tl.timed("download", finish, cl, job_id, followed, say, job_dir, log_path, checked, closing)
     record_timeline(tl, follow, result, run_dir(job_id, job_dir), say, predicted)
     return result
 
@@ -551,15 +555,37 @@ def train(opts: TrainOptions, say: Say = print, raw: bool = False,
             cost_per_h = cost_cap.rate_per_h(plan.cluster)
             say(f"      --max-cost ${opts.max_cost:.2f}: estimated at ${cost:.2f}; the job stops with a checkpoint "
                 f"before it would pass the cap (${cost_per_h:.2f}/h while it runs)")
+    closing = closing_lines(opts, plan)
     with tl.phase("setup"):
         cl = connect(inv, opts.identity)
     try:
-        result = run(cl, opts, nodes, gpus, say=say, raw=raw, tl=tl, predicted=predicted, cost_per_h=cost_per_h)
+        if opts.down:  # another run in flight: refused before anything but squeue touched the cluster
+            stack_down.refuse_busy(cl.controller, "--down", f" --stack {opts.stack}" if opts.stack else "")
+        result = run(cl, opts, nodes, gpus, say=say, raw=raw, tl=tl, predicted=predicted, cost_per_h=cost_per_h,
+                     closing=closing)
+        if opts.down:  # this run and every earlier finished one home, their adapters verified
+            checked = stack_down.check_ready(cl, RUNS, "--down", opts.stack, done_job=result.job_id)
     finally:
         cl.close()
     if result.dest is not None:
         write_run_record(result.dest, opts, inv, nodes, gpus, tl.wall_s, plan)
+    if opts.down:
+        say(f"--down: no job on the cluster; {checked} finished run(s), all home in {RUNS} with their adapters "
+            "verified")
+        stack_down.destroy(opts.stack, say)
     return result
+
+
+def closing_lines(opts: TrainOptions, plan: est.Estimate | None) -> list[str]:
+    """The summary's last lines: what the stack bills once the run is home (every GPU node on, idle until power
+    saving stops it), and the command that stops it; with --down, that it comes down."""
+    if opts.down:
+        return ["  stack         --down: `pulumi destroy` once the adapters are home and verified"]
+    if plan is None or plan.cluster.calibrated:  # the local cluster bills nothing; no prices: nothing to say
+        return []
+    cl = plan.cluster
+    return still_bills.lines(still_bills.still_billing(cl, nodes_on=cl.billed_nodes, nodes_stopped=0,
+                                                       stack=opts.stack))
 
 
 def _check_cap(opts: TrainOptions, plan: est.Estimate, scenario: str) -> float:

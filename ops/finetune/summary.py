@@ -29,6 +29,8 @@ class RunSummary:
     real_gpus: bool = True  # False: the local cluster's stand-in GPUs (nothing to sample)
     dest: Path | None = None  # runs/<job>/ on this machine, once brought home
     network: str | None = None  # the network check's line (ops/actions/netcheck.py), when it ran
+    # The summary's last lines: what the stack still bills and how to stop it (ops/cost/still_bills.py).
+    closing: list[str] = field(default_factory=list)
 
     def value(self, key: str):
         return self.metrics.get(key)
@@ -62,6 +64,7 @@ class RunSummary:
             out.append(f"  network       {self.network}")
         out.append(f"  NCCL          {self.nccl.describe()}")
         out.extend(f"  warning       {w}" for w in self.nccl.warnings(expect_efa))
+        out.extend(self.closing)
         return out
 
 
