@@ -220,9 +220,12 @@ def test_fab_tasks_share_the_cluster_flags_and_keep_their_menu():
     from ops.actions.options import CLUSTER_FLAGS_HELP
 
     assert sorted(fabfile.ns.task_names) == ["cancel", "check", "down", "estimate", "local.down", "local.status",
-                                             "local.up", "logs", "reconfigure", "runs", "ssh", "status", "train",
-                                             "update-nodes"]
+                                             "local.up", "logs", "reconfigure", "runs", "spot-requests", "ssh", "status",
+                                             "train", "update-nodes"]
     assert fabfile.ns["runs"].__doc__.strip()  # local files only: no cluster flags
+    # EC2 only (it works after a destroy): its own flags, none of a cluster's
+    assert fabfile.ns["spot-requests"].__doc__.strip()
+    assert {a.name for a in fabfile.ns["spot-requests"].get_arguments()} == {"region", "stack"}
     own = {"train": {"config", "nodes", "gpus_per_node", "examples", "model", "data", "raw", "estimate", "skip_check",
                      "healthy_only", "max_cost", "down"}, "check": set(), "down": set(),
            "estimate": {"config", "nodes", "gpus_per_node", "examples", "model", "data", "gpu_instance_type",
