@@ -9,7 +9,6 @@ read locally.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from dataclasses import dataclass
@@ -18,21 +17,12 @@ from pathlib import Path
 import yaml
 
 from cluster import targets
-from cluster.errors import UserError
 from cluster.inventory import Inventory
 from cluster.targets import Target
+from ops.actions.flags import OptionError, number  # noqa: F401 - the flag errors and number parser, here too
 
 REPO = Path(__file__).resolve().parents[2]
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-# Numbers as flags are written: ASCII digits only. Python's int() and float() also take '٣' (any Unicode
-# digit), '1_000', 'nan' and 'inf', which no flag means.
-_ASCII_INT = re.compile(r"[+-]?[0-9]+")
-_ASCII_DECIMAL = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
-
-
-class OptionError(UserError, ValueError):
-    pass
-
 
 # --help of the flags every task that reaches a cluster takes (ops/actions/cluster_task.py adds them).
 CLUSTER_FLAGS_HELP = {
@@ -70,22 +60,6 @@ class TrainOptions:
     @property
     def data_path(self) -> str | None:
         return self.data or self.config_data
-
-
-def number(flag: str, value, kind: type = float, what: str | None = None) -> int | float:
-    """A number flag's value, as `kind` (int or float): the one parser of every number flag of `fab`.
-
-    Only ASCII digits (a sign, a decimal point and an exponent for floats) count, and the value must be
-    finite; the range (positive, at least 1, ...) is the caller's. `what` says what the flag wants, for
-    the error ("a whole number", "a number of US dollars")."""
-    text = str(value).strip()
-    what = what or ("a whole number" if kind is int else "a number")
-    if not (_ASCII_INT if kind is int else _ASCII_DECIMAL).fullmatch(text):
-        raise OptionError(f"--{flag} must be {what}, not {value!r} (digits 0-9, e.g. --{flag} 2)")
-    n = kind(text)
-    if not math.isfinite(n):  # 1e999 overflows to inf
-        raise OptionError(f"--{flag} must be {what}, not {value!r}: a finite number")
-    return n
 
 
 def _int(flag: str, value, low: int = 1) -> int | None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ops.actions.options import OptionError, number
+from ops.actions.flags import OptionError, number
 from ops.cost import estimate as est
 from ops.cost import market_prices
 

@@ -19,7 +19,7 @@ import yaml
 
 from cluster.errors import UserError
 from cluster.settings import SETTINGS
-from ops.actions.options import OptionError, number  # the one parser of number flags (ASCII digits, finite)
+from ops.actions.flags import OptionError, number  # the one parser of number flags (ASCII digits, finite)
 from ops.cost import market_prices
 
 DATA = Path(__file__).resolve().parents[1] / "data"  # ops/data/
