@@ -16,7 +16,10 @@ The keys come from a source an attacker on the network path cannot forge:
   step line (nothing a step prints can come before it); every other block on the console (cloud-init's
   at the end of boot) must hold the same keys, else nothing is pinned. Markers count only as whole
   lines (after cloud-init's `logger -t ec2` prefix): cloud-init's tools/write-ssh-key-fingerprints
-  prints them so, and cc_keys_to_console writes its output to the console. The file lives in
+  prints them so, and cc_keys_to_console writes its output to the console.
+  EC2 keeps only the most recent 64 KB of console output
+  (https://docs.aws.amazon.com/AWSEC2/latest/APIReference/API_GetConsoleOutput.html): a node first
+  reached long after a verbose boot may have lost the bootstrap's block, and is then refused. The file lives in
   ~/.config/slurm-gpu/<cluster>-<controller instance id>/known_hosts.
 - The local cluster: the keys `fab local.up` generated, written when it comes up
   (/var/lib/slurm-gpu-local/known_hosts, named by the inventory's extra["known_hosts"]).
