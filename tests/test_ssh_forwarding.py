@@ -89,3 +89,70 @@ def test_fab_ssh_forwards_nothing_to_the_host_or_the_jump(ssh_config, tmp_path, 
         jump = shlex.split(cfg["proxycommand"][0])
         assert "-W" in jump
         _forwards_nothing(_resolved(ssh_config, jump))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.root
+def test_a_real_session_under_forward_agent_yes_gets_no_agent(ssh_config, tmp_path):
+    """A real sshd on loopback that permits agent forwarding, a real ssh-agent here, ~/.ssh/config saying
+    ForwardAgent yes: the remote command fab runs sees no SSH_AUTH_SOCK, while plain Fabric's does."""
+    import os
+    import time
+
+    from cluster.inventory import Inventory, Node
+
+    for name in ("host", "user"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / name)], check=True)
+    (tmp_path / "authorized_keys").write_text((tmp_path / "user.pub").read_text())
+    port = _free_port()
+    os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # sshd's privilege separation directory (as the package makes it)
+    sshd = subprocess.Popen(["/usr/sbin/sshd", "-D", "-e", "-f", "/dev/null", "-p", str(port),
+                             "-o", "ListenAddress=127.0.0.1", "-o", f"HostKey={tmp_path / 'host'}",
+                             "-o", f"AuthorizedKeysFile={tmp_path / 'authorized_keys'}",
+                             "-o", "PermitRootLogin=prohibit-password", "-o", "AllowAgentForwarding=yes",
+                             "-o", "StrictModes=no", "-o", f"PidFile={tmp_path / 'sshd.pid'}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    agent = subprocess.run(["ssh-agent", "-s"], capture_output=True, text=True, check=True).stdout
+    env = dict(part.split("=", 1) for part in agent.replace(";", "\n").split() if "=" in part)
+    try:
+        os.environ["SSH_AUTH_SOCK"] = env["SSH_AUTH_SOCK"]
+        subprocess.run(["ssh-add", "-q", str(tmp_path / "user")], check=True, env={**os.environ})
+        host_pub = (tmp_path / "host.pub").read_text().split()
+        known = tmp_path / "known_hosts"
+        known.write_text(f"controller {host_pub[0]} {host_pub[1]}\n")
+        inv = Inventory(target="local", cluster_name="t", ssh_user="root",
+                        controller=Node("controller", "127.0.0.1", "controller"), gpu_nodes=(),
+                        gpus_per_node=1, gpu_type="sim", nvlink=False, efa=False, python="/usr/bin/python3",
+                        service_cmd="true {action} {service}", extra={"known_hosts": str(known)})
+        for _ in range(100):  # sshd is listening once it accepts
+            if subprocess.run(["bash", "-c", f"exec 3<>/dev/tcp/127.0.0.1/{port}"],
+                              stderr=subprocess.DEVNULL).returncode == 0:
+                break
+            time.sleep(0.1)
+        cmd = 'echo "sock=${SSH_AUTH_SOCK:-none}"'
+        plain = Connection("127.0.0.1", user="root", port=port, config=Config(),
+                           connect_kwargs={"key_filename": [str(tmp_path / "user")]})
+        plain.client.load_host_keys(str(known))
+        plain.client.set_missing_host_key_policy(__import__("paramiko").AutoAddPolicy())
+        try:
+            assert plain.run(cmd, hide=True, in_stream=False).stdout.strip() != "sock=none"  # forwarded
+        finally:
+            plain.close()
+        cl = remote.connect(inv, identity=str(tmp_path / "user"))
+        cl.controller.port = port
+        try:
+            assert cl.controller.run(cmd, hide=True, in_stream=False).stdout.strip() == "sock=none"
+        finally:
+            cl.close()
+    finally:
+        os.environ.pop("SSH_AUTH_SOCK", None)
+        subprocess.run(["kill", env["SSH_AGENT_PID"]], check=False)
+        sshd.terminate()
+        sshd.wait(timeout=10)
