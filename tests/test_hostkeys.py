@@ -129,17 +129,22 @@ def test_a_block_opened_inside_a_block_pins_nothing(host_keys, tmp_path):
         hostkeys.parse_console_output(text)
 
 
-def test_a_refused_console_names_the_node_and_the_known_hosts_file(tmp_path, monkeypatch, host_keys):
-    real, evil = host_keys[:1], [keygen(tmp_path, "evil")]
+def _fake_aws(tmp_path, monkeypatch, output: str) -> None:
+    """An `aws` CLI on PATH answering get-console-output with `output`."""
     bindir = tmp_path / "bin"
-    bindir.mkdir()
+    bindir.mkdir(exist_ok=True)
     answer = tmp_path / "answer.json"
-    answer.write_text(json.dumps({"Output": bootstrap_block(real) + STEPS + forged(evil)}))
+    answer.write_text(json.dumps({"Output": output}))
     aws = bindir / "aws"
     aws.write_text(f"#!/bin/sh\ncat {answer}\n")
     aws.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bindir}:/usr/bin:/bin")
     monkeypatch.setattr(hostkeys, "CONFIG_HOME", tmp_path / "config")
+
+
+def test_a_refused_console_names_the_node_and_the_known_hosts_file(tmp_path, monkeypatch, host_keys):
+    real, evil = host_keys[:1], [keygen(tmp_path, "evil")]
+    _fake_aws(tmp_path, monkeypatch, bootstrap_block(real) + STEPS + forged(evil))
     inv = aws_inventory()
     with pytest.raises(hostkeys.HostKeyError) as info:
         hostkeys.Pins(inv).keys("gpu-node-01")
@@ -256,3 +261,17 @@ def test_unknown_host_names_the_valid_ones(tmp_path):
     with pytest.raises(OptionError, match=r"unknown host 'gpu-node-9'; the hosts of cluster 'mini' are: "
                                           r"controller, gpu-node-01, gpu-node-02 \(e.g. `fab ssh gpu-node-01`\)"):
         sshcmd.ssh_argv(aws_inventory(), "gpu-node-9", tmp_path / "kh")
+
+
+def test_a_console_cut_at_ec2s_64_kb_pins_nothing(tmp_path, monkeypatch, host_keys):
+    """A step floods the console until EC2's 64 KB window lost the bootstrap's block, then forges one
+    before a later step line: in a cut console, order proves nothing."""
+    evil = [keygen(tmp_path, "evil")]
+    flood = "pip: Collecting sgpu-tiny " + "x" * 100 + "\n"
+    text = flood * 640 + forged(evil) + "slurm-gpu-bootstrap(gpu): step services\n"
+    assert hostkeys.parse_console_output(text) == [tuple(evil[0][0].split()[:2])]  # order alone would pin it
+    _fake_aws(tmp_path, monkeypatch, text)
+    with pytest.raises(hostkeys.HostKeyError, match=r"controller \(i-0ctl\): the console output is \d+ KB, at "
+                                                    r"the 64 KB EC2 keeps: .* fab pins no key"):
+        hostkeys.Pins(aws_inventory()).keys("controller")
+    assert not hostkeys.known_hosts_path(aws_inventory()).exists()
