@@ -13,6 +13,7 @@ NAMESPACE = "slurm-gpu"
 REQUIRED = object()
 SETTINGS: dict[str, tuple[Any, str]] = {
     "adminCidr": (REQUIRED, "203.0.113.7/32"),
+    "allowWideAdminCidr": (False, "true"),
     "sshPublicKey": (REQUIRED, '"$(cat ~/.ssh/id_ed25519.pub)"'),
     "gpuNodeCount": (2, "2"),
     "gpuInstanceType": ("g6.12xlarge", "g6.12xlarge"),

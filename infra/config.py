@@ -116,6 +116,7 @@ class StackConfig:
     scratch_iops: int = GP3_IOPS[0]
     gpu_market: str = ON_DEMAND  # MARKETS
     capacity_reservation_id: str | None = None  # the reservation's id, for RESERVED_MARKETS only
+    allow_wide_admin_cidr: bool = False  # adminCidr may be wider than a /16 (SSH open to that range)
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any]) -> StackConfig:
@@ -239,9 +240,11 @@ class StackConfig:
             )
 
         throughput, iops = _scratch_volume(value("scratchThroughputMBps"), value("scratchIops"))
+        allow_wide = _bool("allowWideAdminCidr", value("allowWideAdminCidr"))
 
         return cls(
-            admin_cidr=_admin_cidr(value("adminCidr")),
+            admin_cidr=_admin_cidr(value("adminCidr"), allow_wide),
+            allow_wide_admin_cidr=allow_wide,
             ssh_public_key=_ssh_key(value("sshPublicKey")),
             gpu_node_count=count,
             gpu_instance_type=_instance_type("gpuInstanceType", value("gpuInstanceType")),
@@ -334,7 +337,7 @@ def _int(key: str, v: Any) -> int:
         raise _fail(key, f"must be a whole number, not {v!r}", SETTINGS[key][1])
     if isinstance(v, int):
         return v
-    if isinstance(v, str) and re.fullmatch(r"[+-]?\d+", v):
+    if isinstance(v, str) and re.fullmatch(r"[+-]?[0-9]+", v):  # ASCII: \d and int() also take '٣'
         return int(v)
     raise _fail(key, f"must be a whole number, not {v!r}", SETTINGS[key][1])
 
@@ -363,7 +366,12 @@ def _network(key: str, v: Any, *, min_prefix: int, max_prefix: int):
     return net
 
 
-def _admin_cidr(v: Any) -> str:
+# adminCidr is the only source SSH (port 22) is open to: one address or a small range. Wider than this
+# is SSH open to a large part of the internet, refused unless allowWideAdminCidr says it is meant.
+WIDEST_ADMIN_PREFIX = 16
+
+
+def _admin_cidr(v: Any, allow_wide: bool = False) -> str:
     key, example = "adminCidr", SETTINGS["adminCidr"][1]
     text = str(v)
     if "/" not in text:
@@ -372,11 +380,17 @@ def _admin_cidr(v: Any) -> str:
         net = ipaddress.ip_network(text, strict=False)
     except ValueError:
         raise _fail(key, f"({text!r}) is not a network in CIDR form", example) from None
-    if net.prefixlen == 0:
+    if net.is_loopback or net.is_link_local:  # 127/8, ::1, 169.254/16, fe80::/10: never where an admin is
+        kind = "loopback" if net.is_loopback else "link-local"
+        raise _fail(key, f"({text}) is a {kind} range: no admin connects from there; give your own public "
+                    "address with /32 (e.g. from `curl -s https://checkip.amazonaws.com`)", example)
+    if net.prefixlen < WIDEST_ADMIN_PREFIX and not allow_wide:
+        whole = net.prefixlen == 0
         raise _fail(
             key,
-            f"({text}) would open SSH to the whole internet; give your own public address "
-            "with /32 (e.g. from `curl -s https://checkip.amazonaws.com`)",
+            f"({text}) would open SSH to {'the whole internet' if whole else 'a range wider than a /16'}; give "
+            "your own public address with /32 (e.g. from `curl -s https://checkip.amazonaws.com`), or, if it "
+            f"is meant, `pulumi config set {NAMESPACE}:allowWideAdminCidr true`",
             example,
         )
     if net.version != 4:

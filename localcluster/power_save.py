@@ -9,6 +9,7 @@ forced command (stop or start slurmd), checking the host key pinned in known_hos
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from cluster.facts import PowerSave
@@ -43,7 +44,8 @@ class PowerOptionError(ValueError):
 def validate_idle_stop(value) -> int:
     """--idle-stop as a number of seconds (0: off), or an error naming the option and the fix."""
     text = str(value).strip()
-    if not text.isdigit() or (int(text) != 0 and not MIN_IDLE_STOP_S <= int(text) <= MAX_IDLE_STOP_S):
+    # ASCII digits: isdigit() and int() also take '٣'.
+    if not re.fullmatch(r"[0-9]+", text) or (int(text) != 0 and not MIN_IDLE_STOP_S <= int(text) <= MAX_IDLE_STOP_S):
         raise PowerOptionError(
             f"--idle-stop must be 0 (GPU hosts never stop) or {MIN_IDLE_STOP_S}-{MAX_IDLE_STOP_S} seconds "
             f"of idle time (got {value!r}); e.g. `fab local.up --idle-stop 10`")

@@ -30,6 +30,7 @@ from typing import Any
 import yaml
 from pulumi_policy import (
     EnforcementLevel,
+    PolicyConfigSchema,
     ReportViolation,
     ResourceValidationArgs,
     ResourceValidationPolicy,
@@ -59,6 +60,13 @@ IAM_ROLE_POLICY = "aws:iam/rolePolicy:RolePolicy"
 IAM_POLICY = "aws:iam/policy:Policy"
 
 SSH_PORT = 22
+# The SSH source (adminCidr) is one address or a small range: at most a /16 of IPv4 (as infra/config.py
+# allows) or a /48 of IPv6 (one site's allocation, RFC 6177), never loopback or link-local. Wider needs
+# the pack's config `allowWideAdminCidr: true` (`pulumi preview --policy-pack policy
+# --policy-pack-config FILE`), the same override the stack setting slurm-gpu:allowWideAdminCidr is.
+WIDE_OVERRIDE = "allowWideAdminCidr"
+NARROWEST_WIDE_PREFIX = {4: 16, 6: 48}
+OVERRIDE_SCHEMA = PolicyConfigSchema(properties={WIDE_OVERRIDE: {"type": "boolean", "default": False}})
 ALL_PROTOCOLS = ("-1", "all")
 TCP = ("tcp", "6")
 # A munge key is at least 128 random bytes (mungekey's default; Debian's old
@@ -179,11 +187,40 @@ def _cidr_ingress(resource_type: str, props: Mapping[str, Any]) -> list[_Ingress
     return found
 
 
+def _wide_allowed(args) -> bool:
+    """The pack's config says `allowWideAdminCidr: true` for this policy (a JSON boolean, nothing else)."""
+    return (args.get_config() or {}).get(WIDE_OVERRIDE) is True
+
+
 def check_ssh_not_open(args: ResourceValidationArgs, report: ReportViolation) -> None:
+    if _wide_allowed(args):
+        return
     for perm in _cidr_ingress(args.resource_type, args.props):
         if _is_internet(perm.cidr) and _covers_ssh(perm.protocol, perm.from_port, perm.to_port):
             report(f"{perm.where}: {perm.what} from {perm.cidr} opens SSH (port 22) to the whole "
                    "internet; allow SSH only from your adminCidr (e.g. 203.0.113.7/32)")
+
+
+def check_ssh_source_is_narrow(args: ResourceValidationArgs, report: ReportViolation) -> None:
+    """SSH comes from a narrow range: not loopback or link-local (a mistake: nothing of yours connects from
+    there), not wider than a /16 (v4) or /48 (v6) unless the pack's config allows wide ranges. /0 is left to
+    ssh-not-open-to-internet."""
+    wide_ok = _wide_allowed(args)
+    for perm in _cidr_ingress(args.resource_type, args.props):
+        if not _covers_ssh(perm.protocol, perm.from_port, perm.to_port):
+            continue
+        try:
+            net = ipaddress.ip_network(str(perm.cidr), strict=False)
+        except ValueError:
+            continue
+        if net.is_loopback or net.is_link_local:
+            kind = "loopback" if net.is_loopback else "link-local"
+            report(f"{perm.where}: {perm.what} from {perm.cidr}, a {kind} range: no admin connects from "
+                   "there; allow SSH from your own public address (e.g. 203.0.113.7/32)")
+        elif 0 < net.prefixlen < NARROWEST_WIDE_PREFIX[net.version] and not wide_ok:
+            report(f"{perm.where}: {perm.what} from {perm.cidr} is wider than a "
+                   f"/{NARROWEST_WIDE_PREFIX[net.version]}: SSH open to that much of the internet; narrow "
+                   f"it to your address (e.g. 203.0.113.7/32), or set the pack's config {WIDE_OVERRIDE}: true")
 
 
 def check_no_other_cidr_ingress(args: ResourceValidationArgs, report: ReportViolation) -> None:
@@ -599,14 +636,22 @@ def _policy_documents(resource_type: str, props: Mapping[str, Any]) -> list[tupl
     return out
 
 
+# Condition operators that hold only when the request carries the tag and it matches. Not `...IfExists`:
+# "If the key is not present, evaluate the condition element as true", so StringEqualsIfExists matches
+# an untagged instance; not a set qualifier (ForAllValues:... is true for a missing key either).
+# https://docs.aws.amazon.com/IAM/latest/UserGuide/reference_policies_elements_condition_operators.html#Conditions_IfExists
+# https://docs.aws.amazon.com/IAM/latest/UserGuide/reference_policies_condition-single-vs-multi-valued-context-keys.html
+TAG_MATCH_OPERATORS = ("stringequals", "stringequalsignorecase", "stringlike")
+
+
 def _tag_scoped(statement: Mapping[str, Any]) -> bool:
-    """Does the statement's Condition require a resource tag to equal a value (not a wildcard)?"""
+    """Does the statement's Condition require a resource tag to be present and equal a value (not a
+    wildcard)?"""
     conditions = _get(statement, "Condition")
     if not isinstance(conditions, Mapping):
         return False
     for operator, tests in conditions.items():
-        op = str(operator).split(":")[-1].lower()
-        if not op.startswith("string") or "not" in op or not isinstance(tests, Mapping):
+        if str(operator).lower() not in TAG_MATCH_OPERATORS or not isinstance(tests, Mapping):
             continue
         for key, value in tests.items():
             values = [str(v) for v in _list(value)]
@@ -675,9 +720,10 @@ def check_kms_use_names_its_key(args: ResourceValidationArgs, report: ReportViol
 
 # --------------------------------------------------------------- the pack
 
-def _resource(name: str, description: str, check: Callable) -> ResourceValidationPolicy:
+def _resource(name: str, description: str, check: Callable,
+              config_schema: PolicyConfigSchema | None = None) -> ResourceValidationPolicy:
     return ResourceValidationPolicy(name=name, description=description, validate=check,
-                                    enforcement_level=EnforcementLevel.MANDATORY)
+                                    enforcement_level=EnforcementLevel.MANDATORY, config_schema=config_schema)
 
 
 def _stack(name: str, description: str, check: Callable) -> StackValidationPolicy:
@@ -690,7 +736,10 @@ def policies() -> list:
     return [
         _resource("ssh-not-open-to-internet",
                   "SSH (port 22, a range holding it, or all traffic) is never open to 0.0.0.0/0 or ::/0.",
-                  check_ssh_not_open),
+                  check_ssh_not_open, OVERRIDE_SCHEMA),
+        _resource("ssh-source-is-narrow",
+                  "SSH comes from at most a /16 (IPv6: a /48), never a loopback or link-local range.",
+                  check_ssh_source_is_narrow, OVERRIDE_SCHEMA),
         _resource("only-ssh-from-outside",
                   "The only ingress from an address range is SSH (tcp 22); all else comes from the group.",
                   check_no_other_cidr_ingress),

@@ -40,6 +40,19 @@ CONFIG = [
     ({"adminCidr": None}, ["slurm-gpu:adminCidr is required", FIX + "adminCidr"]),
     ({"adminCidr": "0.0.0.0/0"}, ["slurm-gpu:adminCidr", FIX + "adminCidr"]),
     ({"adminCidr": "203.0.113.300/32"}, ["slurm-gpu:adminCidr", FIX + "adminCidr"]),
+    ({"adminCidr": "10.0.0.0/8"}, ["slurm-gpu:adminCidr (10.0.0.0/8) would open SSH to a range wider than a /16",
+                                   FIX + "allowWideAdminCidr true`", FIX + "adminCidr 203.0.113.7/32`"]),
+    ({"adminCidr": "198.18.0.0/15"}, ["slurm-gpu:adminCidr (198.18.0.0/15) would open SSH", "allowWideAdminCidr"]),
+    ({"adminCidr": "0.0.0.0/0"}, ["(0.0.0.0/0) would open SSH to the whole internet", "allowWideAdminCidr true`"]),
+    ({"adminCidr": "127.0.0.1/32"}, ["slurm-gpu:adminCidr (127.0.0.1/32) is a loopback range", FIX + "adminCidr"]),
+    ({"adminCidr": "127.0.0.0/8", "allowWideAdminCidr": "true"}, ["(127.0.0.0/8) is a loopback range"]),
+    ({"adminCidr": "169.254.169.254/32"}, ["(169.254.169.254/32) is a link-local range", FIX + "adminCidr"]),
+    ({"adminCidr": "169.254.0.0/16"}, ["(169.254.0.0/16) is a link-local range"]),
+    ({"adminCidr": "::1/128"}, ["slurm-gpu:adminCidr (::1/128) is a loopback range"]),
+    ({"adminCidr": "fe80::/10", "allowWideAdminCidr": "true"}, ["(fe80::/10) is a link-local range"]),
+    ({"adminCidr": "203.0.113.7/32", "allowWideAdminCidr": "yes"},
+     ["slurm-gpu:allowWideAdminCidr must be true or false", FIX + "allowWideAdminCidr true`"]),
+    ({"gpuNodeCount": "٣"}, ["slurm-gpu:gpuNodeCount must be a whole number, not '٣'", FIX + "gpuNodeCount 2`"]),
     ({"sshPublicKey": "-----BEGIN OPENSSH PRIVATE KEY-----"}, ["slurm-gpu:sshPublicKey", FIX + "sshPublicKey"]),
     ({"gpuNodeCount": "0"}, ["slurm-gpu:gpuNodeCount must be at least 1", FIX + "gpuNodeCount 2`"]),
     ({"gpuNodeCount": "two"}, ["slurm-gpu:gpuNodeCount", FIX + "gpuNodeCount"]),
@@ -251,3 +264,13 @@ def test_bad_data_fails_training_before_its_output_dir_is_written(tmp_path):
     assert f"training data error: {data}: missing column 'output' (row 1)" in res.stderr
     assert "Traceback" not in res.stderr
     assert list(scratch.iterdir()) == []  # nothing half-written
+
+
+@pytest.mark.parametrize("value", ["٣٠", "３０", "1_0", " "])
+def test_local_idle_stop_takes_ascii_digits_only(value):
+    """`fab local.up --idle-stop`: str.isdigit() and int() take Unicode digits ('٣٠' is 30); the flag does not."""
+    from localcluster import power_save
+
+    with pytest.raises(power_save.PowerOptionError, match=f"--idle-stop must be 0 .* \\(got {value!r}\\)"):
+        power_save.validate_idle_stop(value)
+    assert power_save.validate_idle_stop("30") == 30

@@ -69,8 +69,17 @@ FLAGS += [
     ("train", {"target": "local", "gpus_per_node": "0"}, ["--gpus-per-node must be at least 1, not 0"]),
     ("train", {"target": "local", "max_cost": "-5"}, ["--max-cost must be a positive number of US dollars", "'-5'"]),
     ("train", {"target": "local", "max_cost": "0"}, ["--max-cost must be a positive number of US dollars", "'0'"]),
-    ("train", {"target": "local", "max_cost": "nan"}, ["--max-cost must be a positive number of US dollars"]),
+    ("train", {"target": "local", "max_cost": "nan"}, ["--max-cost must be a number of US dollars", "'nan'"]),
     ("train", {"target": "local", "max_cost": "ten"}, ["--max-cost must be a number of US dollars", "'ten'"]),
+    # Numbers are ASCII digits and finite: Python's int()/float() take '٣' (Arabic-Indic 3), 'nan', 'inf'.
+    ("train", {"target": "local", "nodes": "٣"}, ["--nodes must be a whole number, not '٣'", "digits 0-9"]),
+    ("train", {"target": "local", "examples": "١٠"}, ["--examples must be a whole number, not '١٠'"]),
+    ("train", {"target": "local", "max_cost": "٥"}, ["--max-cost must be a number of US dollars", "'٥'"]),
+    ("train", {"target": "local", "max_cost": "inf"}, ["--max-cost must be a number of US dollars", "'inf'"]),
+    ("logs", {"target": "local", "job": "٣"}, JOB + ["'٣'"]),
+    *[("estimate", {"target": "aws", "gpu_instance_type": "g6.12xlarge", "region": "us-east-1", flag: value},
+       [f"--{flag.replace('_', '-')} must be a number, not {value!r}"])
+      for flag in ("scratch_mbps", "model_gb", "tokens_per_row") for value in ("nan", "inf", "-inf", "٣", "1e999")],
     ("ssh", {"host": "", "target": "local"}, ["name the host", "`fab ssh controller`"]),
     ("ssh", {"host": "   ", "target": "nowhere"}, ["name the host", "`fab ssh gpu-node-01`"]),
 ]

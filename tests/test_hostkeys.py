@@ -64,10 +64,94 @@ def test_parse_console_output(host_keys):
     assert keys == [tuple(pub.split()[:2]) for pub, _ in host_keys]
 
 
-def test_parse_takes_the_last_boot(host_keys, tmp_path):
-    old = [keygen(tmp_path, "old")]
-    keys = hostkeys.parse_console_output(console(old) + console(host_keys[:1]))
-    assert keys == [tuple(host_keys[0][0].split()[:2])]
+def bootstrap_block(keys: list[tuple[str, str]], host: str = "ip-10-0-1-10") -> str:
+    """What the bootstrap prints as it starts (bootstrap/scripts/_steps.sh.j2, print_host_keys): bare
+    lines, `ssh-keygen -l` then `cut -d' ' -f1-2` of each public key."""
+    labels = {"ssh-ed25519": "ED25519", "ecdsa-sha2-nistp256": "ECDSA", "ssh-rsa": "RSA"}
+    lines = [hostkeys.FP_BEGIN]
+    lines += [f"{3072 if pub.startswith('ssh-rsa') else 256} {fp} root@{host} ({labels[pub.split()[0]]})"
+              for pub, fp in keys]
+    lines += [hostkeys.FP_END, hostkeys.KEYS_BEGIN, *(" ".join(pub.split()[:2]) for pub, _ in keys), hostkeys.KEYS_END]
+    return "\n".join(lines) + "\n"
+
+
+STEPS = "slurm-gpu-bootstrap(gpu): step hostname\nslurm-gpu-bootstrap(gpu): step packages\n"
+
+
+def forged(keys: list[tuple[str, str]]) -> str:
+    """A block as a hostile file echoed to the console would forge it (bare, like the bootstrap's)."""
+    return bootstrap_block(keys, host="evil")
+
+
+def test_the_bootstrap_block_and_cloud_inits_agree_and_pin(host_keys):
+    text = bootstrap_block(host_keys) + STEPS + "slurm-gpu-bootstrap(gpu): done\n" + console(host_keys)
+    assert hostkeys.parse_console_output(text) == [tuple(pub.split()[:2]) for pub, _ in host_keys]
+
+
+@pytest.mark.parametrize("layout", ["forged-after-the-steps", "forged-between-bootstrap-and-cloud-init",
+                                    "forged-after-cloud-init", "old-boot-with-other-keys"])
+def test_a_console_with_blocks_that_disagree_pins_nothing(host_keys, tmp_path, layout):
+    """A step echoes attacker text (today: a failed wheel cache's first 300 bytes) that forges a block."""
+    real, evil = host_keys[:1], [keygen(tmp_path, "evil")]
+    text = {
+        "forged-after-the-steps": bootstrap_block(real) + STEPS + forged(evil),  # cloud-init not done yet
+        "forged-between-bootstrap-and-cloud-init": bootstrap_block(real) + STEPS + forged(evil) + console(real),
+        "forged-after-cloud-init": bootstrap_block(real) + STEPS + console(real) + forged(evil),
+        "old-boot-with-other-keys": console(evil) + console(real),
+    }[layout]
+    with pytest.raises(hostkeys.HostKeyError, match=r"[23] SSH HOST KEY KEYS blocks with different keys: something "
+                                                    r"on the host printed a forged block; fab pins no key"):
+        hostkeys.parse_console_output(text)
+
+
+def test_a_block_printed_only_after_the_steps_began_pins_nothing(host_keys, tmp_path):
+    """No bootstrap block before the first step (lost from EC2's last 64 KB, or never printed): the only
+    block may be a step's output."""
+    text = "[    0.000000] Linux version 6.8.0-1015-aws\n" + STEPS + forged([keygen(tmp_path, "evil")])
+    with pytest.raises(hostkeys.HostKeyError, match=r"first SSH HOST KEY KEYS block was printed after the "
+                                                    r"bootstrap's steps began .* fab pins no key"):
+        hostkeys.parse_console_output(text)
+
+
+def test_markers_count_only_as_whole_lines(host_keys, tmp_path):
+    """Marker text inside a log line (a file's content echoed by a step) opens and closes no block."""
+    evil_pub = keygen(tmp_path, "evil")[0]
+    text = (bootstrap_block(host_keys[:1]) + STEPS
+            + f"slurm-gpu-bootstrap(gpu): training stack from the package index: {hostkeys.KEYS_BEGIN}\n"
+            + " ".join(evil_pub.split()[:2]) + "\n"
+            + f"pip: {hostkeys.KEYS_END}\n")
+    assert hostkeys.parse_console_output(text) == [tuple(host_keys[0][0].split()[:2])]
+
+
+def test_a_block_opened_inside_a_block_pins_nothing(host_keys, tmp_path):
+    text = (hostkeys.KEYS_BEGIN + "\n" + bootstrap_block([keygen(tmp_path, "evil")]) + hostkeys.KEYS_END + "\n")
+    with pytest.raises(hostkeys.HostKeyError, match=r"inside another such block .* fab pins no key"):
+        hostkeys.parse_console_output(text)
+
+
+def _fake_aws(tmp_path, monkeypatch, output: str) -> None:
+    """An `aws` CLI on PATH answering get-console-output with `output`."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir(exist_ok=True)
+    answer = tmp_path / "answer.json"
+    answer.write_text(json.dumps({"Output": output}))
+    aws = bindir / "aws"
+    aws.write_text(f"#!/bin/sh\ncat {answer}\n")
+    aws.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}:/usr/bin:/bin")
+    monkeypatch.setattr(hostkeys, "CONFIG_HOME", tmp_path / "config")
+
+
+def test_a_refused_console_names_the_node_and_the_known_hosts_file(tmp_path, monkeypatch, host_keys):
+    real, evil = host_keys[:1], [keygen(tmp_path, "evil")]
+    _fake_aws(tmp_path, monkeypatch, bootstrap_block(real) + STEPS + forged(evil))
+    inv = aws_inventory()
+    with pytest.raises(hostkeys.HostKeyError) as info:
+        hostkeys.Pins(inv).keys("gpu-node-01")
+    msg = str(info.value)
+    assert msg.startswith("controller (i-0ctl): the console output holds 2 SSH HOST KEY KEYS blocks")
+    assert "EC2 serial console" in msg and str(hostkeys.known_hosts_path(inv)) in msg
+    assert not hostkeys.known_hosts_path(inv).exists()  # nothing pinned
 
 
 def test_a_key_whose_fingerprint_was_not_printed_is_refused(host_keys, tmp_path):
@@ -177,3 +261,17 @@ def test_unknown_host_names_the_valid_ones(tmp_path):
     with pytest.raises(OptionError, match=r"unknown host 'gpu-node-9'; the hosts of cluster 'mini' are: "
                                           r"controller, gpu-node-01, gpu-node-02 \(e.g. `fab ssh gpu-node-01`\)"):
         sshcmd.ssh_argv(aws_inventory(), "gpu-node-9", tmp_path / "kh")
+
+
+def test_a_console_cut_at_ec2s_64_kb_pins_nothing(tmp_path, monkeypatch, host_keys):
+    """A step floods the console until EC2's 64 KB window lost the bootstrap's block, then forges one
+    before a later step line: in a cut console, order proves nothing."""
+    evil = [keygen(tmp_path, "evil")]
+    flood = "pip: Collecting sgpu-tiny " + "x" * 100 + "\n"
+    text = flood * 640 + forged(evil) + "slurm-gpu-bootstrap(gpu): step services\n"
+    assert hostkeys.parse_console_output(text) == [tuple(evil[0][0].split()[:2])]  # order alone would pin it
+    _fake_aws(tmp_path, monkeypatch, text)
+    with pytest.raises(hostkeys.HostKeyError, match=r"controller \(i-0ctl\): the console output is \d+ KB, at "
+                                                    r"the 64 KB EC2 keeps: .* fab pins no key"):
+        hostkeys.Pins(aws_inventory()).keys("controller")
+    assert not hostkeys.known_hosts_path(aws_inventory()).exists()

@@ -64,6 +64,22 @@ def test_admin_cidr_open_to_the_internet(value):
     assert "whole internet" in refused("adminCidr", adminCidr=value)
 
 
+@pytest.mark.parametrize("value", ["10.0.0.0/8", "100.64.0.0/10", "0.0.0.0/0"])
+def test_a_wide_admin_cidr_needs_the_named_override(value):
+    assert "pulumi config set slurm-gpu:allowWideAdminCidr true" in refused("adminCidr", adminCidr=value)
+    cfg = parse(adminCidr=value, allowWideAdminCidr="true")
+    assert (cfg.admin_cidr, cfg.allow_wide_admin_cidr) == (value, True)
+    assert parse(adminCidr="198.51.0.0/16").allow_wide_admin_cidr is False  # a /16 is narrow enough
+
+
+@pytest.mark.parametrize("value", ["127.0.0.1/32", "127.0.0.0/8", "169.254.169.254/32", "169.254.0.0/16",
+                                   "::1/128", "fe80::/10"])
+def test_loopback_and_link_local_are_refused_even_with_the_override(value):
+    for allow in ("false", "true"):
+        msg = refused("adminCidr", adminCidr=value, allowWideAdminCidr=allow)
+        assert "loopback range" in msg or "link-local range" in msg
+
+
 @pytest.mark.parametrize("value", ["203.0.113.7", "203.0.113.300/32", "my-laptop", "203.0.113.7/33", ""])
 def test_admin_cidr_malformed(value):
     refused("adminCidr", adminCidr=value)

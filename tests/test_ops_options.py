@@ -45,6 +45,10 @@ BAD = [
     ({"target": "aws", "data": "../data.jsonl"}, "--data"),
     ({"target": "aws", "model": "  "}, "--model"),
     ({"target": "local", "identity": "/nonexistent/id_ed25519"}, "--identity"),
+    ({"target": "local", "nodes": "٢"}, "--nodes"),  # Arabic-Indic 2: int() takes it, a flag does not
+    ({"target": "local", "gpus_per_node": "２"}, "--gpus-per-node"),  # fullwidth 2
+    ({"target": "local", "examples": "1_000"}, "--examples"),
+    ({"target": "local", "max_cost": "NaN"}, "--max-cost"),
 ]
 
 
@@ -59,6 +63,28 @@ def test_bad_config_files(bad_yaml, list_yaml):
     for path in (bad_yaml, list_yaml):
         with pytest.raises(options.OptionError, match="--config"):
             options.parse(target="local", config=path)
+
+
+@pytest.mark.parametrize("text", ["nan", "inf", "-Infinity", "1e999", "٣", "３.5", "1_0", "0x10", "", " "])
+def test_the_number_parser_takes_ascii_finite_numbers_only(text):
+    for kind in (int, float):
+        with pytest.raises(options.OptionError, match=f"--x must be a (whole )?number, not {text!r}"):
+            options.number("x", text, kind)
+
+
+def test_the_number_parser_reads_plain_numbers():
+    assert [options.number("x", t, float) for t in ("2", "+2.5", ".5", "1e3", " 7 ")] == [2.0, 2.5, 0.5, 1000.0, 7.0]
+    assert [options.number("x", t, int) for t in ("2", "+3", "-1", "007")] == [2, 3, -1, 7]
+
+
+@pytest.mark.parametrize("setting", ["model_name_or_path: 12", "dataset_name: 3.5", "output_dir: 7"])
+def test_a_config_location_must_be_a_string_not_a_number(tmp_path, setting):
+    """YAML reads `model_name_or_path: 12` as the number 12: not a Hub ID, a mistake to name."""
+    p = tmp_path / "train.yaml"
+    p.write_text((REPO / "training" / "configs" / "qwen3-4b-lora.yaml").read_text() + setting + "\n")
+    key = setting.split(":")[0]
+    with pytest.raises(options.OptionError, match=f"{key}: .* is the wrong type; set {key} to a string"):
+        options.parse(target="aws", config=str(p))
 
 
 def test_counts_checked_against_inventory():

@@ -384,6 +384,32 @@ RESOURCE_CASES = [
     ("stop-start-tag-wildcard", "power-stop-start",
      _policy_doc(lambda st: st.update(Condition={"StringLike": {"aws:ResourceTag/Cluster": "*"}})),
      {"power-save-role-is-tag-scoped"}, r"without a resource-tag condition"),
+    # ...IfExists holds for a request without the tag (an untagged instance): not a tag scope.
+    ("stop-start-tag-if-exists", "power-stop-start",
+     _policy_doc(lambda st: st.update(Condition={"StringEqualsIfExists": st["Condition"]["StringEquals"]})),
+     {"power-save-role-is-tag-scoped"}, r"without a resource-tag condition"),
+    ("stop-start-tag-like-if-exists", "power-stop-start",
+     _policy_doc(lambda st: st.update(Condition={"StringLikeIfExists": st["Condition"]["StringEquals"]})),
+     {"power-save-role-is-tag-scoped"}, r"without a resource-tag condition"),
+    ("stop-start-tag-for-all-values", "power-stop-start",
+     _policy_doc(lambda st: st.update(Condition={"ForAllValues:StringEquals": st["Condition"]["StringEquals"]})),
+     {"power-save-role-is-tag-scoped"}, r"without a resource-tag condition"),
+    # The SSH source: no wider than a /16 (IPv6 /48), never loopback or link-local.
+    ("ssh-from-a-slash-8", "ssh-from-admin", _set(cidrIpv4="10.0.0.0/8"), {"ssh-source-is-narrow"},
+     r"cidrIpv4: tcp port 22 from 10\.0\.0\.0/8 is wider than a /16: SSH open to that much of the internet; "
+     r"narrow it to your address \(e\.g\. 203\.0\.113\.7/32\), or set the pack's config allowWideAdminCidr: true"),
+    ("ssh-from-a-slash-15", "ssh-from-admin", _set(cidrIpv4="198.18.0.0/15"), {"ssh-source-is-narrow"},
+     r"from 198\.18\.0\.0/15 is wider than a /16"),
+    ("ssh-from-a-v6-slash-32", "ssh-from-admin", _set(cidrIpv4=None, cidrIpv6="2001:db8::/32"),
+     {"ssh-source-is-narrow"}, r"cidrIpv6: tcp port 22 from 2001:db8::/32 is wider than a /48"),
+    ("ssh-from-loopback", "ssh-from-admin", _set(cidrIpv4="127.0.0.1/32"), {"ssh-source-is-narrow"},
+     r"from 127\.0\.0\.1/32, a loopback range: no admin connects from there"),
+    ("ssh-from-link-local", "ssh-from-admin", _set(cidrIpv4="169.254.0.0/16"), {"ssh-source-is-narrow"},
+     r"from 169\.254\.0\.0/16, a link-local range"),
+    ("ssh-from-v6-loopback", "ssh-from-admin", _set(cidrIpv4=None, cidrIpv6="::1/128"), {"ssh-source-is-narrow"},
+     r"from ::1/128, a loopback range"),
+    ("ssh-from-v6-link-local", "ssh-from-admin", _set(cidrIpv4=None, cidrIpv6="fe80::/10"),
+     {"ssh-source-is-narrow"}, r"from fe80::/10, a link-local range"),
     ("ec2-star-action", "power-stop-start", _policy_doc(lambda st: st.update(Action="ec2:*")),
      {"power-save-role-is-tag-scoped"},
      r"policy Statement\[0\] allows wildcard action\(s\) ec2:\*: name each action"),
@@ -602,7 +628,7 @@ def test_main_builds_the_pack_with_every_policy_mandatory(monkeypatch):
     stack_policies = {"efa-nodes-share-cluster-placement-group", "efa-security-group-self-rules",
                       "gpu-nodes-have-no-public-ip"}
     assert set(by_name) == {p.name for p in rules.policies()} == stack_policies | {
-        "ssh-not-open-to-internet", "only-ssh-from-outside", "instances-require-imdsv2",
+        "ssh-not-open-to-internet", "ssh-source-is-narrow", "only-ssh-from-outside", "instances-require-imdsv2",
         "volumes-encrypted", "user-data-has-no-munge-key", "no-private-key-material",
         "key-pair-public-key-only", "power-save-role-is-tag-scoped", "kms-use-names-its-key"}
     for name, p in by_name.items():
@@ -656,3 +682,27 @@ def test_the_pack_serves_the_engine_over_loopback():
     finally:
         proc.kill()
         proc.wait(timeout=30)
+
+
+def _configured(override) -> _PolicyAnalyzerServicer:
+    """The analyzer as `--policy-pack-config` configures it: allowWideAdminCidr for both SSH-source policies."""
+    svc = servicer()
+    props = _struct({rules.WIDE_OVERRIDE: override})
+    svc.Configure(proto.ConfigureAnalyzerRequest(policyConfig={
+        name: proto.PolicyConfig(enforcementLevel=proto.MANDATORY, properties=props)
+        for name in ("ssh-not-open-to-internet", "ssh-source-is-narrow")}), None)
+    return svc
+
+
+@pytest.mark.parametrize("cidr,wide_ok", [("10.0.0.0/8", True), ("0.0.0.0/0", True), ("127.0.0.0/8", False),
+                                          ("169.254.169.254/32", False)])
+def test_the_wide_source_override_allows_wide_ranges_but_never_loopback_or_link_local(cluster, cidr, wide_ok):
+    stack = _mutate(cluster, "ssh-from-admin", _set(cidrIpv4=cidr))
+    rule = one(stack, "ssh-from-admin")
+    request = proto.AnalyzeRequest(type=rule.typ, properties=_struct(rule.inputs), urn=rule.urn, name=rule.name)
+    unset = {f.policy for f in _findings(servicer().Analyze(request, None))}
+    assert unset  # refused without the override
+    for override in ("true", 1):  # only a JSON true counts
+        assert {f.policy for f in _findings(_configured(override).Analyze(request, None))} == unset
+    found = {f.policy for f in _findings(_configured(True).Analyze(request, None))}
+    assert found == (set() if wide_ok else {"ssh-source-is-narrow"})

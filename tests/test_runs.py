@@ -100,3 +100,36 @@ def test_fab_runs_lists_newest_first_and_shows_one(tmp_path):
 def test_fab_runs_with_no_runs(tmp_path):
     assert runs.table(tmp_path / "none") == [f"no runs under {tmp_path / 'none'} yet: `fab train` brings each "
                                              "run home there"]
+
+
+def test_fab_runs_on_malformed_records_names_the_file_and_the_fix(tmp_path):
+    """A run.json (or metrics/timeline) that is not the record `fab train` writes: one clear error, no traceback."""
+    d = _run_dir(tmp_path, "5", 3.0, 1.7e9)
+    env = {**os.environ, "SLURM_GPU_RUNS": str(tmp_path)}
+    fab = [sys.executable, "-m", "fabric"]
+    for name, text, says in [("run.json", "[1, 2]", "is not a JSON object (it holds a list)"),
+                             ("run.json", '{"model": 12}', "model must be a str, not 12"),
+                             ("run.json", '{"model": "m", ', "cannot be read as JSON"),
+                             ("timeline.json", '{"started": "yesterday"}', "started must be a int or float"),
+                             ("metrics.json", '{"eval": [1]}', "eval must be a dict")]:
+        original = (d / name).read_text()
+        (d / name).write_text(text)
+        for argv in (["runs"], ["runs", "--job", "5"]):
+            res = subprocess.run([*fab, *argv], cwd=REPO, env=env, capture_output=True, text=True)
+            out = res.stdout + res.stderr
+            assert res.returncode == 2 and "Traceback" not in out, out
+            assert f"{d / name}" in out and says in out and "fix or delete that file" in out, out
+        (d / name).write_text(original)
+
+
+def test_fab_runs_job_reads_nothing_outside_runs(tmp_path):
+    """`--job ../x` names a directory beside runs/: refused by name, whatever is there."""
+    _run_dir(tmp_path / "runs", "3", 3.25, 1.7e9)
+    _run_dir(tmp_path, "x", 1.0, 1.7e9)  # a run-like directory outside runs/
+    env = {**os.environ, "SLURM_GPU_RUNS": str(tmp_path / "runs")}
+    for job in ("../x", "/etc", "3/../../x", ".", "٣"):
+        res = subprocess.run([sys.executable, "-m", "fabric", "runs", "--job", job], cwd=REPO, env=env,
+                             capture_output=True, text=True)
+        out = res.stdout + res.stderr
+        assert res.returncode == 2 and f"--job {job!r} is not a run's name" in out and "Traceback" not in out, out
+        assert "job x" not in out

@@ -42,6 +42,18 @@ def test_local_inventory_missing_names_the_fix(monkeypatch, tmp_path):
         targets.load("local")
 
 
+@pytest.mark.parametrize("answer", ["warning: A new version of Pulumi is available\n{}", "[1, 2]", ""])
+def test_pulumi_stack_output_that_is_not_a_json_object_names_the_fix(monkeypatch, tmp_path, answer):
+    """A `pulumi` CLI (a stand-in script on PATH) whose `stack output --json` is not a JSON object."""
+    fake = tmp_path / "pulumi"
+    (tmp_path / "answer").write_text(answer)
+    fake.write_text(f"#!/bin/sh\ncat {tmp_path / 'answer'}\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    with pytest.raises(InventoryError, match=r"`pulumi stack output --json` did not answer a JSON object"):
+        targets.load("aws")
+
+
 def test_flags_and_efa():
     aws, local = targets.get("aws"), targets.get("local")
     assert aws.flag() == "" and local.flag() == " --target local"

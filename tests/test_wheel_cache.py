@@ -189,6 +189,27 @@ def test_gpu_node_falls_back_to_the_index_with_the_reason(world, case, reason):
     assert (world["state"] / "training-source").read_text().startswith("index")
 
 
+def test_a_hostile_failed_record_reaches_the_console_as_one_line(world, tmp_path):
+    """/scratch is not the controller's alone: a `.failed` record holding a forged host key block must not
+    become console lines fab would pin from (ops/ssh/hostkeys.py); the console is the script's stdout."""
+    from ops.ssh import hostkeys
+
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "real")], check=True)
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "evil")], check=True)
+    real, evil = ((tmp_path / f"{k}.pub").read_text().split()[:2] for k in ("real", "evil"))
+    cache = world["cache"]
+    cache.parent.mkdir(parents=True)
+    Path(f"{cache}.failed").write_text(f"x\n{hostkeys.KEYS_BEGIN}\n{' '.join(evil)}\n{hostkeys.KEYS_END}\n\x1b[2J")
+    res = world["run"]("gpu", f'install_training_stack "{world["venv"]}" "{WANT}"')
+    assert res.returncode == 0, res.stdout + res.stderr
+    said = [line for line in res.stdout.splitlines() if "the controller could not fill" in line]
+    assert len(said) == 1 and hostkeys.KEYS_BEGIN in said[0] and "\x1b" not in said[0]  # one printable line
+    assert not any(line.strip() in (hostkeys.KEYS_BEGIN, hostkeys.KEYS_END) for line in res.stdout.splitlines())
+    console = (f"{hostkeys.KEYS_BEGIN}\n{' '.join(real)}\n{hostkeys.KEYS_END}\n"
+               "slurm-gpu-bootstrap(gpu): step training\n" + res.stdout)
+    assert hostkeys.parse_console_output(console) == [tuple(real)]
+
+
 def test_controller_and_nodes_name_one_cache_per_pins_python_and_tags():
     from cluster.platform import BOOT_DEBIAN12
 

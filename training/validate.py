@@ -96,8 +96,8 @@ def _fits(value, hint) -> bool:
             except ValueError:
                 return False
         return False
-    if hint is str:
-        return isinstance(value, (str, int, float)) and not isinstance(value, bool)
+    if hint is str:  # `model_name_or_path: 12` is a mistake, not the Hub ID "12": YAML must give a string
+        return isinstance(value, str)
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         return value in {m.value for m in hint} or value in {m.name for m in hint}
     if origin is list:  # a string is accepted too (e.g. lora_target_modules: all-linear)

@@ -34,7 +34,14 @@ class Aws(Target):
             ) from exc
         except subprocess.CalledProcessError as exc:
             raise InventoryError(f"`pulumi stack output` failed: {exc.stderr.strip()}") from exc
-        outputs = json.loads(out)
+        try:
+            outputs = json.loads(out)
+        except ValueError:
+            outputs = None
+        if not isinstance(outputs, dict):
+            raise InventoryError(f"`{' '.join(cmd)}` did not answer a JSON object (it said {out.strip()[:200]!r}): "
+                                 "run it yourself to see why (a newer pulumi CLI, a stack that needs `pulumi "
+                                 "login`), or pass --stack with the stack's name")
         if "inventory" not in outputs:
             raise InventoryError("the stack has no `inventory` output: run `pulumi up` first")
         return Inventory.from_dict(outputs["inventory"])

@@ -17,17 +17,12 @@ from pathlib import Path
 import yaml
 
 from cluster import targets
-from cluster.errors import UserError
 from cluster.inventory import Inventory
 from cluster.targets import Target
+from ops.actions.flags import OptionError, number  # noqa: F401 - the flag errors and number parser, here too
 
 REPO = Path(__file__).resolve().parents[2]
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-
-
-class OptionError(UserError, ValueError):
-    pass
-
 
 # --help of the flags every task that reaches a cluster takes (ops/actions/cluster_task.py adds them).
 CLUSTER_FLAGS_HELP = {
@@ -72,10 +67,7 @@ class TrainOptions:
 def _int(flag: str, value, low: int = 1) -> int | None:
     if value is None or value == "":
         return None
-    try:
-        n = int(str(value))
-    except ValueError:
-        raise OptionError(f"--{flag} must be a whole number, not {value!r}") from None
+    n = number(flag, value, int)
     if n < low:
         raise OptionError(f"--{flag} must be at least {low}, not {n}")
     return n
@@ -167,7 +159,7 @@ def parse_job(job) -> str | None:
     if job is None:
         return None
     job = str(job).strip()
-    if not job.isdigit() or int(job) == 0:  # Slurm job ids start at 1
+    if not re.fullmatch(r"[0-9]+", job) or int(job) == 0:  # Slurm job ids start at 1
         raise OptionError(f"--job must be a Slurm job id (a number), not {job!r}; see `fab status`")
     return job
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from ops.actions.flags import OptionError, number
 from ops.cost import estimate as est
 from ops.cost import market_prices
 
@@ -30,8 +31,8 @@ def parse(value) -> float | None:
         return None
     text = str(value).strip().lstrip("$")
     try:
-        usd = float(text)
-    except ValueError:
+        usd = number(FLAG.removeprefix("--"), text, float)
+    except OptionError:
         raise CostCapError(f"{FLAG} must be a number of US dollars (e.g. {FLAG} 5.00), not {value!r}") from None
     if not math.isfinite(usd) or usd <= 0:
         raise CostCapError(f"{FLAG} must be a positive number of US dollars (e.g. {FLAG} 5.00), not {value!r}")

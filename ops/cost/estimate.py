@@ -19,6 +19,7 @@ import yaml
 
 from cluster.errors import UserError
 from cluster.settings import SETTINGS
+from ops.actions.flags import OptionError, number  # the one parser of number flags (ASCII digits, finite)
 from ops.cost import market_prices
 
 DATA = Path(__file__).resolve().parents[1] / "data"  # ops/data/
@@ -509,9 +510,9 @@ def _positive(flag: str, value, kind=int):
     if value is None or value == "":
         return None
     try:
-        v = kind(str(value))
-    except ValueError:
-        raise EstimateError(f"--{flag} must be a number, not {value!r}") from None
+        v = number(flag, value, kind)
+    except OptionError as exc:
+        raise EstimateError(str(exc)) from None
     if v <= 0:
         raise EstimateError(f"--{flag} must be positive, not {v}")
     return v

@@ -8,6 +8,7 @@ shows "-" there.
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -18,15 +19,36 @@ COLUMNS = ("job", "date", "model", "rows", "nodes x GPUs", "train loss", "eval l
            "wall", "cost")
 
 
+# A run's directory under runs/: the job id, or `<job id>-<job dir name>` when that id was taken before
+# (ops/finetune/pipeline.py). Nothing else: `--job ../x` would read outside runs/.
+RUN_NAME = re.compile(r"[0-9]+(?:-[A-Za-z0-9_.-]+)?")
+
+
 class RunsError(ValueError):
     pass
 
 
 def _read(path: Path) -> dict:
+    """A run's JSON record ({} when it is missing); a record that is not a JSON object is an error naming
+    the file, not a traceback further on."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
         return {}
+    except (OSError, ValueError) as exc:
+        raise RunsError(f"{path} cannot be read as JSON ({exc}): fix or delete that file") from None
+    if not isinstance(data, dict):
+        raise RunsError(f"{path} is not a JSON object (it holds a {type(data).__name__}): fix or delete that file")
+    return data
+
+
+def _typed(rec: dict, key: str, kinds: tuple[type, ...], path: Path):
+    """rec[key] when it is one of `kinds` (or missing: None), else an error naming the file and key."""
+    value = rec.get(key)
+    if value is None or (isinstance(value, kinds) and not isinstance(value, bool)):
+        return value
+    names = " or ".join(k.__name__ for k in kinds)
+    raise RunsError(f"{path}: {key} must be a {names}, not {value!r}: fix or delete that file")
 
 
 def run_dirs(runs: Path) -> list[Path]:
@@ -43,14 +65,16 @@ def _f(value, fmt: str) -> str:
 
 def row(d: Path) -> list[str]:
     m, tl, rec = _read(d / "metrics.json"), _read(d / "timeline.json"), _read(d / "run.json")
-    ev = m.get("eval") or {}
-    base, tuned = (ev.get("base") or {}).get("loss"), (ev.get("tuned") or {}).get("loss")
+    ev = _typed(m, "eval", (dict,), d / "metrics.json") or {}
+    base = (_typed(ev, "base", (dict,), d / "metrics.json") or {}).get("loss")
+    tuned = (_typed(ev, "tuned", (dict,), d / "metrics.json") or {}).get("loss")
     evaluated = f"{_f(base, '.3f')} -> {_f(tuned, '.3f')}" if tuned is not None else "-"
-    when = tl.get("started") or (d / "metrics.json").stat().st_mtime
-    model = rec.get("model") or "-"
+    when = _typed(tl, "started", (int, float), d / "timeline.json") or (d / "metrics.json").stat().st_mtime
+    model = _typed(rec, "model", (str,), d / "run.json") or "-"
     if model.startswith("/"):  # a path on the cluster: its last part names it
         model = Path(model).name if Path(model).name != "model" else "/".join(Path(model).parts[-2:])
-    shape = f"{rec['nodes']} x {rec['gpus_per_node']}" if rec.get("nodes") else f"{m.get('world_size', '-')} ranks"
+    shape = (f"{rec['nodes']} x {rec.get('gpus_per_node', '-')}" if rec.get("nodes")
+             else f"{m.get('world_size', '-')} ranks")
     rows = m.get("train_rows")
     rows_text = "-" if rows is None else f"{rows}" + (f" +{ev['rows']} eval" if ev.get("rows") else "")
     wall = tl.get("wall_s") or rec.get("wall_s")
@@ -72,10 +96,13 @@ def table(runs: Path) -> list[str]:
 
 def show(runs: Path, job: str) -> list[str]:
     """One run's summary again (as `fab train` printed it), from runs/<job>/."""
+    if not RUN_NAME.fullmatch(job):
+        raise RunsError(f"--job {job!r} is not a run's name: give a job id as `fab runs` lists it (e.g. --job 12)")
     d = runs / job
     if not (d / "metrics.json").is_file():
         known = ", ".join(p.name for p in run_dirs(runs)) or "none"
         raise RunsError(f"no run {job!r} under {runs} (runs there: {known}); `fab runs` lists them")
+    row(d)  # its records read as `fab runs` lists them: a malformed one is named here, not a traceback later
     log = JobLog()
     if (d / "job.log").exists():
         log.feed((d / "job.log").read_text(errors="replace"))

@@ -10,7 +10,18 @@ The keys come from a source an attacker on the network path cannot forge:
   bootstrap as it starts and by cloud-init when it ends (`-----BEGIN SSH HOST KEY KEYS-----`,
   checked against the fingerprint block printed with it),
   read through the EC2 API with the `aws` CLI (`aws ec2 get-console-output`), the same
-  way for GPU nodes (no public IP needed). The file lives in
+  way for GPU nodes (no public IP needed).
+  What a node prints is not all the node's own: a step's output can carry text from /scratch
+  or the network. So the pin comes from the bootstrap's own block, the one before its first
+  step line (nothing a step prints can come before it); every other block on the console (cloud-init's
+  at the end of boot) must hold the same keys, else nothing is pinned. Markers count only as whole
+  lines (after cloud-init's `logger -t ec2` prefix): cloud-init's tools/write-ssh-key-fingerprints
+  prints them so, and cc_keys_to_console writes its output to the console.
+  EC2 keeps only the most recent 64 KB of console output
+  (https://docs.aws.amazon.com/AWSEC2/latest/APIReference/API_GetConsoleOutput.html). Order proves
+  something only in a whole console: in a cut one, output that pushed the start out could put a
+  forged block before a later step line. So an output near that size is refused too (a node first
+  reached long after a verbose boot may be; the error says how to pin it by hand). The file lives in
   ~/.config/slurm-gpu/<cluster>-<controller instance id>/known_hosts.
 - The local cluster: the keys `fab local.up` generated, written when it comes up
   (/var/lib/slurm-gpu-local/known_hosts, named by the inventory's extra["known_hosts"]).
@@ -27,6 +38,7 @@ import shutil
 import subprocess
 import threading
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.errors import UserError
@@ -35,8 +47,15 @@ KEY_TYPES = ("ssh-ed25519", "ecdsa-sha2-nistp256", "ecdsa-sha2-nistp384", "ecdsa
 CONFIG_HOME = Path(os.environ.get("XDG_CONFIG_HOME", Path.home() / ".config")) / "slurm-gpu"
 KEYS_BEGIN, KEYS_END = "-----BEGIN SSH HOST KEY KEYS-----", "-----END SSH HOST KEY KEYS-----"
 FP_BEGIN, FP_END = "-----BEGIN SSH HOST KEY FINGERPRINTS-----", "-----END SSH HOST KEY FINGERPRINTS-----"
-_KEY = re.compile(r"(?P<type>" + "|".join(map(re.escape, KEY_TYPES)) + r") (?P<blob>AAAA[A-Za-z0-9+/]+={0,3})")
+# What may stand before a marker or a key on its line: cloud-init pipes its block through
+# `logger --stderr -t ec2` (`<14>Dec  4 01:02:03 ec2: `, or `ec2: `); the bootstrap's lines are bare.
+_PREFIX = r"(?:<\d{1,3}>)?(?:[A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d )?(?:ec2: ?)?"
+_KEY = re.compile(_PREFIX + r"(?P<type>" + "|".join(map(re.escape, KEY_TYPES))
+                  + r") (?P<blob>AAAA[A-Za-z0-9+/]+={0,3})(?: [^\s].*)?\s*")
 _FP = re.compile(r"\b\d+ (?P<fp>SHA256:[A-Za-z0-9+/]+)\b")
+# The bootstrap's first step line (bootstrap/scripts/_steps.sh.j2, run_steps: `log "step ${s}"` or
+# `log "skip ${s}"`): its own host key block comes before it, anything a step prints after it.
+_FIRST_STEP = re.compile(r"slurm-gpu-bootstrap\([a-z-]+\): (?:step|skip) \S")
 Key = tuple[str, str]  # (type, base64 blob)
 
 
@@ -92,20 +111,46 @@ def read_known_hosts(path: Path) -> dict[str, list[Key]]:
 
 # ---------------------------------------------------------------- EC2 console output
 
+CONSOLE_KEPT_BYTES = 64 * 1024  # what EC2 keeps of the console output (the newest part)
+CONSOLE_CUT_MARGIN = 4 * 1024  # an output this close to it may have lost its start
+REFUSED = ("fab pins no key from it. Check the host's keys another way (the EC2 serial console or "
+           "Session Manager: `ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub`) and add `<node name> "
+           "<type> <key>` lines to the cluster's known_hosts, or replace the instance")
+
+
+@dataclass
+class _Block:
+    start: int  # line number of its BEGIN marker
+    lines: list[str]
+
+
 def parse_console_output(text: str) -> list[Key]:
-    """The host keys cloud-init printed to the console (the last KEYS block), each checked
-    against the FINGERPRINTS block when the console holds one. Lines may carry prefixes
-    (`<14>Dec  4 01:02:03 ec2: `, kernel timestamps): only the markers and keys count."""
-    keys_blocks, fp_blocks = _blocks(text, KEYS_BEGIN, KEYS_END), _blocks(text, FP_BEGIN, FP_END)
+    """The host keys of the bootstrap's own KEYS block (the first, before the bootstrap's first step),
+    each checked against the FINGERPRINTS block printed just before it. Refused: a console whose KEYS
+    blocks do not all hold the same keys (a forged block beside the real one), a first block printed
+    after the steps began (it may be a step's output), a marker inside a block."""
+    lines = text.splitlines()
+    keys_blocks, fp_blocks = _blocks(lines, KEYS_BEGIN, KEYS_END), _blocks(lines, FP_BEGIN, FP_END)
     if not keys_blocks:
         raise HostKeyError("the console output holds no SSH HOST KEY KEYS block yet (the bootstrap "
                            "prints it as it starts, a minute or two into the first boot); wait a "
                            "minute and retry")
-    keys = [(m["type"], m["blob"]) for line in keys_blocks[-1] for m in [_KEY.search(line)] if m]
+    first = keys_blocks[0]
+    first_step = next((i for i, line in enumerate(lines) if _FIRST_STEP.match(line)), len(lines))
+    if first.start > first_step:
+        raise HostKeyError("the console's first SSH HOST KEY KEYS block was printed after the bootstrap's "
+                           "steps began (the bootstrap's own block, printed before them, is not in the "
+                           "console output EC2 keeps), so it may be a step's output: " + REFUSED)
+    keys = _keys(first)
     if not keys:
         raise HostKeyError("the console output's SSH HOST KEY KEYS block holds no public key")
-    if fp_blocks:
-        printed = {m["fp"] for line in fp_blocks[-1] for m in [_FP.search(line)] if m}
+    for other in keys_blocks[1:]:
+        if sorted(_keys(other)) != sorted(keys):
+            raise HostKeyError(f"the console output holds {len(keys_blocks)} SSH HOST KEY KEYS blocks with "
+                               "different keys: something on the host printed a forged block; " + REFUSED)
+    fps = [b for b in fp_blocks if b.start < first.start]
+    if fps:
+        printed = {m["fp"] for line in fps[-1].lines for m in [_FP.search(line)] if m}
         for keytype, blob in keys:
             if fingerprint(blob) not in printed:
                 raise HostKeyError(f"the console's {keytype} key ({fingerprint(blob)}) is not among the "
@@ -113,16 +158,29 @@ def parse_console_output(text: str) -> list[Key]:
     return keys
 
 
-def _blocks(text: str, begin: str, end: str) -> list[list[str]]:
+def _keys(block: _Block) -> list[Key]:
+    """The public keys of a KEYS block: lines that are a key and nothing else (prefix aside)."""
+    return [(m["type"], m["blob"]) for line in block.lines for m in [_KEY.fullmatch(line)] if m]
+
+
+def _marker(line: str, marker: str) -> bool:
+    """`line` is `marker` as a whole line (prefix aside), not text that merely holds it."""
+    return re.fullmatch(_PREFIX + re.escape(marker) + r"\s*", line) is not None
+
+
+def _blocks(lines: list[str], begin: str, end: str) -> list[_Block]:
     blocks, current = [], None
-    for line in text.splitlines():
-        if begin in line:
-            current = []
-        elif end in line and current is not None:
+    for i, line in enumerate(lines):
+        if _marker(line, begin):
+            if current is not None:
+                raise HostKeyError(f"the console output holds a {begin} line inside another such block "
+                                   "(a forged or garbled block); " + REFUSED)
+            current = _Block(i, [])
+        elif _marker(line, end) and current is not None:
             blocks.append(current)
             current = None
         elif current is not None:
-            current.append(line)
+            current.lines.append(line)
     return blocks
 
 
@@ -158,9 +216,15 @@ def fetch_from_ec2(inv, names: Iterable[str]) -> dict[str, list[Key]]:
             raise HostKeyError(f"no pinned host key for {name} and the inventory has no instance id for it; "
                                "run `pulumi up` to refresh the stack's outputs")
         try:
-            out[name] = parse_console_output(console_output(ids[name], region))
+            text = console_output(ids[name], region)
+            if len(text.encode()) > CONSOLE_KEPT_BYTES - CONSOLE_CUT_MARGIN:
+                raise HostKeyError(f"the console output is {len(text.encode()) // 1024} KB, at the 64 KB EC2 keeps: "
+                                   "its start, with the bootstrap's own host key block, may be cut off, and "
+                                   "what is left cannot be told from a step's output; " + REFUSED)
+            out[name] = parse_console_output(text)
         except HostKeyError as exc:
-            raise HostKeyError(f"{name} ({ids[name]}): {exc}") from None
+            where = f" ({known_hosts_path(inv)})" if "known_hosts" in str(exc) else ""
+            raise HostKeyError(f"{name} ({ids[name]}): {exc}{where}") from None
     return out
 
 

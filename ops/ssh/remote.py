@@ -58,12 +58,33 @@ class Cluster:
 
 class PinnedConnection(Connection):
     """A Fabric connection that accepts only its host's pinned SSH key (ops/ssh/hostkeys.py),
-    never an unknown one (Fabric's own default is paramiko's AutoAddPolicy)."""
+    never an unknown one (Fabric's own default is paramiko's AutoAddPolicy), and never forwards
+    the user's SSH agent.
+
+    Agent forwarding would let root on a node (or anyone who became it) sign with the admin's keys
+    while fab is connected. Fabric 3 turns it on from ~/.ssh/config's `ForwardAgent yes` whenever
+    the connection is given no `forward_agent` ("if ssh_config is present, it wins",
+    fabric/connection.py, Connection.__init__), and create_session() then attaches paramiko's
+    AgentRequestHandler: so it is passed as False here, and create_session never attaches one."""
 
     def __init__(self, *args, node_name: str, pins: hostkeys.Pins, **kwargs):
+        kwargs["forward_agent"] = False
         super().__init__(*args, **kwargs)
         self.node_name, self.pins = node_name, pins
         self.client.set_missing_host_key_policy(RejectPolicy())
+
+    @property
+    def forward_agent(self) -> bool:
+        return False
+
+    @forward_agent.setter
+    def forward_agent(self, value) -> None:
+        if value:
+            raise ValueError("fab's connections never forward the SSH agent")
+
+    def create_session(self):
+        self.open()
+        return self.transport.open_session()  # no AgentRequestHandler, whatever the config says
 
     def open(self):
         if self.is_connected:

@@ -5,6 +5,13 @@ on AWS). The jump goes through ProxyCommand rather than -J: options given on the
 line apply to the destination only, never to a -J jump host, and the jump needs the same
 key and the same pinned host keys. Host keys are checked against the cluster's known_hosts
 (StrictHostKeyChecking=yes) by node name (HostKeyAlias), as fab's own connections do.
+
+Nothing of the admin's machine is handed to a host, whatever ~/.ssh/config says: no agent
+(`-a`, ForwardAgent=no: a node's root could sign with the admin's keys while the session is
+open), no X11 (ForwardX11=no) and no port forwarding (ClearAllForwardings=yes drops the
+config's LocalForward/RemoteForward/DynamicForward). Options on the command line win over the
+config files ("the first obtained value will be used", ssh_config(5)); `-W`, the jump, clears
+forwardings itself (OpenSSH ssh.c, case 'W': options.clear_forwardings = 1).
 """
 
 from __future__ import annotations
@@ -26,8 +33,13 @@ class SshFailed(UserError, RuntimeError):
     """ssh itself failed (its own error is above, on the terminal)."""
 
 
+# Forward nothing of this machine to a cluster host (see the module's docstring).
+NO_FORWARDING = ["-a", "-x", "-o", "ForwardAgent=no", "-o", "ForwardX11=no", "-o", "ForwardX11Trusted=no",
+                 "-o", "ClearAllForwardings=yes"]
+
+
 def _common(known_hosts: Path, identity: str | None) -> list[str]:
-    opts = ["-o", "StrictHostKeyChecking=yes", "-o", f"UserKnownHostsFile={known_hosts}",
+    opts = [*NO_FORWARDING, "-o", "StrictHostKeyChecking=yes", "-o", f"UserKnownHostsFile={known_hosts}",
             "-o", "GlobalKnownHostsFile=/dev/null", "-o", "ConnectTimeout=20"]
     if identity:
         opts += ["-i", identity, "-o", "IdentitiesOnly=yes"]
