@@ -175,6 +175,19 @@ def test_host_keys_pinned_from_consoles(booted):
     pins = hostkeys.read_known_hosts(booted.known_hosts)
     for name in booted.roles:
         assert pins.get(name), f"{name}: no host key on its console ({booted.containers[name].console})"
+        # The console holds the bootstrap's own lines but none of its steps' output (apt, pip, files from
+        # /scratch), which cloud-init's output setting keeps in /var/log/cloud-init-output.log: text that
+        # is not ours never reaches where the keys are pinned from.
+        console = set(booted.containers[name].console.read_text(errors="replace").splitlines())
+        out = booted.containers[name].run("cat /var/log/cloud-init-output.log", check=False).stdout.splitlines()
+        ours = [ln for ln in out if ln.startswith("slurm-gpu-bootstrap(")]
+        theirs = [ln for ln in out if len(ln) > 20 and not ln.startswith("slurm-gpu-bootstrap(")
+                  and "SSH HOST KEY" not in ln and not ln.startswith((*hostkeys.KEY_TYPES, "ec2:"))
+                  and "SHA256:" not in ln]
+        assert ours and theirs, f"{name}: cloud-init-output.log lacks the bootstrap's lines or its steps' output"
+        assert any(ln in console for ln in ours), f"{name}: the bootstrap's own lines are not on the console"
+        leaked = [ln for ln in theirs if ln in console]
+        assert not leaked, f"{name}: step output on the console: {leaked[:3]}"
 
 
 def fab(bc, *args, timeout=1200):

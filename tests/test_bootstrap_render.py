@@ -280,7 +280,9 @@ def test_user_data_content(case, role):
         assert f'SLURMD_OPTIONS="--conf-server {facts.controller.ip}:6817"' in env.splitlines()
         dropin = file_text(written[render.SLURMD_DROPIN]).splitlines()
         assert "ConditionPathExists=" in dropin and f"EnvironmentFile={render.SLURMD_ENV_FILE}" in dropin
-    assert cfg["runcmd"] == [[render.BOOTSTRAP_PATH]]
+    assert cfg["runcmd"] == [["env", "SLURM_GPU_CONSOLE=1", render.BOOTSTRAP_PATH]]
+    # no output of cloud-init or a step on the console, where fab pins host keys (to_console writes ours)
+    assert cfg["output"] == {"all": ">> /var/log/cloud-init-output.log"}
     # No munge key: nothing is written under /etc/munge, no key-like blob.
     assert not any(p.startswith("/etc/munge") for p in written)
     plain = [f["content"] for f in written.values() if "encoding" not in f]

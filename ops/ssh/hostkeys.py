@@ -17,12 +17,13 @@ The keys come from a source an attacker on the network path cannot forge:
   at the end of boot) must hold the same keys, else nothing is pinned. Markers count only as whole
   lines (after cloud-init's `logger -t ec2` prefix): cloud-init's tools/write-ssh-key-fingerprints
   prints them so, and cc_keys_to_console writes its output to the console.
-  EC2 keeps only the most recent 64 KB of console output
-  (https://docs.aws.amazon.com/AWSEC2/latest/APIReference/API_GetConsoleOutput.html). Order proves
-  something only in a whole console: in a cut one, output that pushed the start out could put a
-  forged block before a later step line. So an output near that size is refused too (a node first
-  reached long after a verbose boot may be; the error says how to pin it by hand). The file lives in
-  ~/.config/slurm-gpu/<cluster>-<controller instance id>/known_hosts.
+  And no step's output reaches the console at all: cloud-init's output goes to
+  /var/log/cloud-init-output.log alone, and the bootstrap writes only its own lines there
+  (bootstrap/templates/cloud-config.yaml.j2, `to_console` in bootstrap/scripts/_steps.sh.j2). So a
+  console that EC2 cut to its newest 64 KB
+  (https://docs.aws.amazon.com/AWSEC2/latest/APIReference/API_GetConsoleOutput.html), long kernel
+  boot messages before the bootstrap, say, still holds only blocks the host's own programs printed.
+  The file lives in ~/.config/slurm-gpu/<cluster>-<controller instance id>/known_hosts.
 - The local cluster: the keys `fab local.up` generated, written when it comes up
   (/var/lib/slurm-gpu-local/known_hosts, named by the inventory's extra["known_hosts"]).
 """
@@ -111,8 +112,6 @@ def read_known_hosts(path: Path) -> dict[str, list[Key]]:
 
 # ---------------------------------------------------------------- EC2 console output
 
-CONSOLE_KEPT_BYTES = 64 * 1024  # what EC2 keeps of the console output (the newest part)
-CONSOLE_CUT_MARGIN = 4 * 1024  # an output this close to it may have lost its start
 REFUSED = ("fab pins no key from it. Check the host's keys another way (the EC2 serial console or "
            "Session Manager: `ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub`) and add `<node name> "
            "<type> <key>` lines to the cluster's known_hosts, or replace the instance")
@@ -216,12 +215,7 @@ def fetch_from_ec2(inv, names: Iterable[str]) -> dict[str, list[Key]]:
             raise HostKeyError(f"no pinned host key for {name} and the inventory has no instance id for it; "
                                "run `pulumi up` to refresh the stack's outputs")
         try:
-            text = console_output(ids[name], region)
-            if len(text.encode()) > CONSOLE_KEPT_BYTES - CONSOLE_CUT_MARGIN:
-                raise HostKeyError(f"the console output is {len(text.encode()) // 1024} KB, at the 64 KB EC2 keeps: "
-                                   "its start, with the bootstrap's own host key block, may be cut off, and "
-                                   "what is left cannot be told from a step's output; " + REFUSED)
-            out[name] = parse_console_output(text)
+            out[name] = parse_console_output(console_output(ids[name], region))
         except HostKeyError as exc:
             where = f" ({known_hosts_path(inv)})" if "known_hosts" in str(exc) else ""
             raise HostKeyError(f"{name} ({ids[name]}): {exc}{where}") from None
