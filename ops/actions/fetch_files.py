@@ -12,6 +12,11 @@ a final `FETCH_DONE {...}`; exits 1 with a `fetch error: ...` line naming the fi
 A file is downloaded to `<name>.partial` and continued from its size (HTTP Range) after an
 interruption; it is renamed into place only when its size (and sha256, where the manifest gives
 one) match. `.complete` records the manifest once every file is in place: then nothing is read.
+
+Every name in the manifest comes from an answer fab does not control (the Hub's file list), so each
+must stay inside `dest` (`inside`): no "..", no absolute path, no symbolic link on the way. The same
+check guards fab's own downloads (ops/finetune/pipeline.py `download`, ops/actions/prefetch.py): it
+lives here because this file must run alone on the controller with the standard library.
 """
 
 from __future__ import annotations
@@ -27,6 +32,46 @@ import urllib.request
 
 CHUNK = 1 << 20
 TICK_S = 0.5
+
+
+class UnsafeName(ValueError):
+    """A name from outside (a listing, an API answer) that would leave the folder it is written to."""
+
+
+def safe_name(name: object, nested: bool = False) -> str:
+    """`name` when joining it to a folder stays inside that folder, else UnsafeName naming it.
+
+    A single name (an SFTP listing's entry): not empty, not "." or "..", no "/" or "\\", no NUL or
+    other control character. `nested` (a Hub rfilename such as "data/train.parquet"): relative,
+    each "/"-separated part such a name."""
+    if not isinstance(name, str) or not name:
+        raise UnsafeName(f"{name!r}: not a file name")
+    if nested and name.startswith("/"):
+        raise UnsafeName(f"{name!r}: an absolute path")
+    for part in name.split("/") if nested else [name]:
+        if part in ("", ".", ".."):
+            raise UnsafeName(f"{name!r}: has an empty, '.' or '..' part")
+        if "/" in part or "\\" in part:
+            raise UnsafeName(f"{name!r}: a path separator in a single name")
+        if any(ord(ch) < 32 or ord(ch) == 127 for ch in part):
+            raise UnsafeName(f"{name!r}: a control character in the name")
+    return name
+
+
+def inside(dest: str, rel: object) -> str:
+    """dest/rel, when `rel` is a safe nested name (safe_name) and no part of dest/rel that already
+    exists is a symbolic link (it could point out of dest); else UnsafeName naming `rel`."""
+    path = str(dest)
+    for part in safe_name(rel, nested=True).split("/"):
+        path = os.path.join(path, part)
+        if os.path.islink(path):
+            raise UnsafeName(f"{rel!r}: {path} is a symbolic link (it could point out of {dest})")
+    return path
+
+
+def _append_nofollow(path: str):
+    """`path` opened to append, created if missing; a symbolic link there is refused (ELOOP), not followed."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644), "ab")
 
 
 def _digest(manifest: dict) -> str:
@@ -75,8 +120,8 @@ def _open(source: str, rel: str, offset: int):
 
 def fetch_one(source: str, dest: str, entry: dict, progress: Progress) -> None:
     rel, size = entry["path"], int(entry["size"])
-    final = os.path.join(dest, rel)
-    part = final + ".partial"
+    final = inside(dest, rel)
+    part = inside(dest, rel + ".partial")
     os.makedirs(os.path.dirname(final), exist_ok=True)
     have = os.path.getsize(part) if os.path.exists(part) else 0
     if have > size:  # not a prefix of this file: start again
@@ -84,7 +129,7 @@ def fetch_one(source: str, dest: str, entry: dict, progress: Progress) -> None:
         progress.add(-have)
         have = 0
     if have < size:
-        with _open(source, rel, have) as src, open(part, "ab") as out:
+        with _open(source, rel, have) as src, _append_nofollow(part) as out:
             while block := src.read(CHUNK):
                 out.write(block)
                 progress.add(len(block))
@@ -106,7 +151,7 @@ def fetch(manifest: dict) -> dict:
         return {"skipped": True, "bytes": 0, "total": total, "files": len(manifest["files"])}
     todo, done = [], 0
     for entry in manifest["files"]:
-        final = os.path.join(dest, entry["path"])
+        final = inside(dest, entry["path"])
         if os.path.exists(final) and os.path.getsize(final) == int(entry["size"]):
             done += int(entry["size"])  # in place already (its sha256 was checked when it arrived)
             continue
@@ -118,8 +163,11 @@ def fetch(manifest: dict) -> dict:
     for entry in todo:
         fetch_one(source, dest, entry, progress)
     progress.add(0, force=True)
-    with open(marker + ".tmp", "w") as f:
-        f.write(digest + "\n")
+    tmp = inside(dest, ".complete.tmp")
+    if os.path.exists(tmp):
+        os.remove(tmp)
+    with _append_nofollow(tmp) as f:
+        f.write((digest + "\n").encode())
     os.replace(marker + ".tmp", marker)
     return {"skipped": False, "bytes": progress.done - fetched_from, "total": total, "files": len(todo)}
 
@@ -127,10 +175,12 @@ def fetch(manifest: dict) -> dict:
 def main() -> int:
     manifest = json.load(sys.stdin)
     try:
+        for f in manifest["files"]:  # every name first: nothing is written when one would leave dest
+            safe_name(f["path"], nested=True)
         os.makedirs(manifest["dest"], exist_ok=True)
         free = shutil.disk_usage(manifest["dest"]).free
         need = sum(int(f["size"]) for f in manifest["files"]
-                   if not os.path.exists(os.path.join(manifest["dest"], f["path"])))
+                   if not os.path.exists(inside(manifest["dest"], f["path"])))
         if free < need:
             raise OSError(f"{manifest['dest']}: {need / 1e9:.1f} GB needed, {free / 1e9:.1f} GB free")
         result = fetch(manifest)
