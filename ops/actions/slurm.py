@@ -43,6 +43,10 @@ _HOST = r"[A-Za-z0-9._-]*(?:\[[0-9]+(?:-[0-9]+)?(?:,[0-9]+(?:-[0-9]+)?)*\][A-Za-
 HOSTLIST = re.compile(rf"(?=[A-Za-z0-9])(?:{_HOST})(?:,(?=[A-Za-z0-9])(?:{_HOST}))*")
 
 
+# A job id as squeue's %i prints it: 123, an array task 123_4, or a pending array's 123_[5-9%2].
+JOB_ID = re.compile(r"[0-9]+(?:_(?:[0-9]+|\[[0-9,%-]+\]))?")
+
+
 def hostlist(text: object) -> str | None:
     """`text` when it is a Slurm hostlist (HOSTLIST), else None: data from a log never reaches a command."""
     return text if isinstance(text, str) and len(text) <= 4096 and HOSTLIST.fullmatch(text) else None
