@@ -298,3 +298,38 @@ def test_fab_logs_downloads_only_from_a_job_dir_of_ours():
                 "relative/slurm-gpu/jobs/20261207-031700-abc123", "/a/../slurm-gpu/jobs/20261207-031700-abc123"):
         log.feed("SLURM_GPU_JOB " + json.dumps({"job_id": "7", "restart": 0, "job_dir": bad}) + "\n")
         assert log.job_dir == made, bad
+
+
+def test_the_controller_side_never_follows_a_link_planted_between_the_fetch_area_and_dest(tmp_path):
+    """/scratch is shared with the jobs: a folder on the way to dest may be a link a job planted."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_bytes(b"abc")
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (tmp_path / "hub" / "models").mkdir(parents=True)
+    (tmp_path / "hub" / "models" / "org").symlink_to(victim)
+    manifest = {"source": str(src), "dest": f"{tmp_path}/hub/models/org/m@{SHA}", "root": f"{tmp_path}/hub",
+                "files": [{"path": "config.json", "size": 3}]}  # what hub_manifest makes
+    res = _fetch(manifest)
+    assert res.returncode == 1 and "symbolic link" in res.stderr and f"org/m@{SHA}" in res.stderr, res.stderr
+    assert list(victim.iterdir()) == []
+    assert prefetch.manifest_of_dir(str(src), manifest["dest"], {"config.json": 3}, root=manifest["root"]) == manifest
+
+
+def test_tagged_lines_of_the_wrong_shape_are_text_and_never_stop_fab(capsys):
+    """A forged line with values of the wrong type (or a nesting bomb) is dropped; what was known stays."""
+    lines = [f"SLURM_GPU_JOB {REAL_JOB}",
+             'SLURM_GPU_JOB {"restart": "x", "nodes": "evil[1]", "job_dir": "/x"}',
+             '0: SLURM_GPU_RESUMED {"step": "x"}',
+             '0: SLURM_GPU_RESUMED {"step": [1]}',
+             '0: SLURM_GPU_LOG {"step": "x", "loss": 1.0}',
+             '0: SLURM_GPU_LOG {"step": 1, "max_steps": 1e999, "loss": 1.0}',
+             '0: SLURM_GPU_LOG {"step": 1, "loss": "high"}',
+             "0: {'loss': " + "[" * 5000 + "]" * 5000 + "}",
+             "SLURM_GPU_JOB {" + '"a":' * 1 + "[" * 100000 + "]" * 100000 + "}",
+             '0: SLURM_GPU_LOG {"step": 2, "max_steps": 5, "loss": 2.0}']
+    log, ctl, said = _follow(lines)
+    assert log.nodes == "gpu-node-[01-02]" and log.job_dir == JOB_DIR and log.restarts == 0
+    assert log.resumed_from is None and [s["step"] for s in log.steps] == [2]
+    assert said == ["job started on gpu-node-[01-02]", "step 2/5  loss 2.0000"], said

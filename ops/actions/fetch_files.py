@@ -4,7 +4,8 @@ Runs on a cluster host (the controller, into the shared /scratch) with that host
 the standard library only: fab uploads this file and runs it (ops/actions/prefetch.py). Reads the
 manifest as JSON on stdin:
 
-    {"source": "https://host/base" | "/a/local/dir", "dest": "/scratch/models/x",
+    {"source": "https://host/base" | "/a/local/dir", "dest": "/scratch/hub/models/x",
+     "root": "/scratch/hub" (optional: the fetch area above dest),
      "files": [{"path": "model.safetensors", "size": 123, "sha256": "..." (optional)}]}
 
 Prints one `FETCH {...}` JSON line per progress tick (done, total bytes, rate, seconds left) and
@@ -14,17 +15,22 @@ interruption; it is renamed into place only when its size (and sha256, where the
 one) match. `.complete` records the manifest once every file is in place: then nothing is read.
 
 Every name in the manifest comes from an answer fab does not control (the Hub's file list), so each
-must stay inside `dest` (`inside`): no "..", no absolute path, no symbolic link on the way. The same
-check guards fab's own downloads (ops/finetune/pipeline.py `download`, ops/actions/prefetch.py): it
+must stay inside `dest` (`safe_name`): no "..", no absolute path. The fetch area is shared with the
+jobs (/scratch), so a symbolic link may be planted in it at any time: every folder from the
+manifest's `root` (the fetch area, `dest` when absent) down to each file is opened with
+O_NOFOLLOW, one step at a time (`_folder`), and every file is opened, renamed and removed relative
+to its folder's descriptor, so a link found on the way is refused, never followed. The name check
+also guards fab's own downloads (ops/finetune/pipeline.py `download`, ops/actions/prefetch.py): it
 lives here because this file must run alone on the controller with the standard library.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
-import shutil
+import stat
 import sys
 import time
 import urllib.error
@@ -69,9 +75,47 @@ def inside(dest: str, rel: object) -> str:
     return path
 
 
-def _append_nofollow(path: str):
-    """`path` opened to append, created if missing; a symbolic link there is refused (ELOOP), not followed."""
-    return os.fdopen(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644), "ab")
+def _folder(at: int, parts: list[str], what: str) -> int:
+    """A descriptor of the folder `parts` below descriptor `at`, each step made when missing and
+    opened with O_NOFOLLOW: a symbolic link (or a file) on the way is UnsafeName naming `what`."""
+    fd = os.dup(at)
+    try:
+        for part in parts:
+            try:
+                os.mkdir(part, 0o755, dir_fd=fd)
+            except FileExistsError:
+                pass
+            try:
+                nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise UnsafeName(f"{what!r}: {part} on its way is a symbolic link or not a folder") from None
+                raise
+            os.close(fd)
+            fd = nxt
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_in(folder: int, name: str, flags: int, what: str) -> int:
+    """`name` in `folder` opened with O_NOFOLLOW: a symbolic link there is UnsafeName naming `what`."""
+    try:
+        return os.open(name, flags | os.O_NOFOLLOW, 0o644, dir_fd=folder)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnsafeName(f"{what!r}: {name} is a symbolic link (it could point out of the folder)") from None
+        raise
+
+
+def _size_in(folder: int, name: str) -> int | None:
+    """The size of plain file `name` in `folder`; None when missing or not a plain file (a link)."""
+    try:
+        st = os.stat(name, dir_fd=folder, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
 
 
 def _digest(manifest: dict) -> str:
@@ -79,9 +123,9 @@ def _digest(manifest: dict) -> str:
     return hashlib.sha256(json.dumps(files).encode()).hexdigest()
 
 
-def _sha256(path: str) -> str:
+def _sha256(fd: int) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with os.fdopen(fd, "rb") as f:
         for block in iter(lambda: f.read(CHUNK), b""):
             h.update(block)
     return h.hexdigest()
@@ -118,58 +162,91 @@ def _open(source: str, rel: str, offset: int):
     return f
 
 
-def fetch_one(source: str, dest: str, entry: dict, progress: Progress) -> None:
+def fetch_one(source: str, dest: int, entry: dict, progress: Progress) -> None:
+    """One file into the folder of descriptor `dest`, never through a symbolic link (_folder, _open_in)."""
     rel, size = entry["path"], int(entry["size"])
-    final = inside(dest, rel)
-    part = inside(dest, rel + ".partial")
-    os.makedirs(os.path.dirname(final), exist_ok=True)
-    have = os.path.getsize(part) if os.path.exists(part) else 0
-    if have > size:  # not a prefix of this file: start again
-        os.remove(part)
-        progress.add(-have)
-        have = 0
-    if have < size:
-        with _open(source, rel, have) as src, _append_nofollow(part) as out:
-            while block := src.read(CHUNK):
-                out.write(block)
-                progress.add(len(block))
-    got = os.path.getsize(part)
-    if got != size:
-        raise OSError(f"{rel}: {got} bytes arrived, the manifest says {size}; run again to resume")
-    if entry.get("sha256") and _sha256(part) != entry["sha256"]:
-        os.remove(part)  # a wrong file is not resumed
-        raise OSError(f"{rel}: sha256 differs from the manifest's (the copy is removed); run again")
-    os.replace(part, final)
+    *dirs, name = safe_name(rel, nested=True).split("/")
+    folder = _folder(dest, dirs, rel)
+    try:
+        part = name + ".partial"
+        have = _size_in(folder, part) or 0
+        if have > size:  # not a prefix of this file: start again
+            os.unlink(part, dir_fd=folder)
+            progress.add(-have)
+            have = 0
+        if have < size:
+            with _open(source, rel, have) as src, \
+                    os.fdopen(_open_in(folder, part, os.O_WRONLY | os.O_APPEND | os.O_CREAT, rel), "ab") as out:
+                while block := src.read(CHUNK):
+                    out.write(block)
+                    progress.add(len(block))
+        got = _size_in(folder, part)
+        if got != size:
+            raise OSError(f"{rel}: {got} bytes arrived, the manifest says {size}; run again to resume")
+        if entry.get("sha256") and _sha256(_open_in(folder, part, os.O_RDONLY, rel)) != entry["sha256"]:
+            os.unlink(part, dir_fd=folder)  # a wrong file is not resumed
+            raise OSError(f"{rel}: sha256 differs from the manifest's (the copy is removed); run again")
+        os.replace(part, name, src_dir_fd=folder, dst_dir_fd=folder)
+    finally:
+        os.close(folder)
 
 
-def fetch(manifest: dict) -> dict:
-    source, dest = manifest["source"], manifest["dest"]
-    marker = os.path.join(dest, ".complete")
+def _in_place(dest: int, rel: str) -> tuple[int | None, int | None]:
+    """(size of rel, size of rel.partial) under descriptor `dest`; None where missing (or behind a link)."""
+    *dirs, name = rel.split("/")
+    folder = _folder(dest, dirs, rel)
+    try:
+        return _size_in(folder, name), _size_in(folder, name + ".partial")
+    finally:
+        os.close(folder)
+
+
+def fetch(manifest: dict, dest: int) -> dict:
+    """The manifest's files into the folder of descriptor `dest` (opened by `open_dest`)."""
+    source = manifest["source"]
     digest = _digest(manifest)
     total = sum(int(f["size"]) for f in manifest["files"])
-    if os.path.exists(marker) and open(marker).read().strip() == digest:
-        return {"skipped": True, "bytes": 0, "total": total, "files": len(manifest["files"])}
+    try:
+        with os.fdopen(_open_in(dest, ".complete", os.O_RDONLY, ".complete"), "r") as f:
+            if f.read().strip() == digest:
+                return {"skipped": True, "bytes": 0, "total": total, "files": len(manifest["files"])}
+    except FileNotFoundError:
+        pass
     todo, done = [], 0
     for entry in manifest["files"]:
-        final = inside(dest, entry["path"])
-        if os.path.exists(final) and os.path.getsize(final) == int(entry["size"]):
-            done += int(entry["size"])  # in place already (its sha256 was checked when it arrived)
+        have, partial = _in_place(dest, entry["path"])
+        if have == int(entry["size"]):
+            done += have  # in place already (its sha256 was checked when it arrived)
             continue
-        part = final + ".partial"
-        done += os.path.getsize(part) if os.path.exists(part) else 0
+        done += partial or 0
         todo.append(entry)
     progress = Progress(total, done)
     fetched_from = done
     for entry in todo:
         fetch_one(source, dest, entry, progress)
     progress.add(0, force=True)
-    tmp = inside(dest, ".complete.tmp")
-    if os.path.exists(tmp):
-        os.remove(tmp)
-    with _append_nofollow(tmp) as f:
-        f.write((digest + "\n").encode())
-    os.replace(marker + ".tmp", marker)
+    if _size_in(dest, ".complete.tmp") is not None:
+        os.unlink(".complete.tmp", dir_fd=dest)
+    with os.fdopen(_open_in(dest, ".complete.tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL, ".complete"), "w") as f:
+        f.write(digest + "\n")
+    os.replace(".complete.tmp", ".complete", src_dir_fd=dest, dst_dir_fd=dest)
     return {"skipped": False, "bytes": progress.done - fetched_from, "total": total, "files": len(todo)}
+
+
+def open_dest(manifest: dict) -> int:
+    """A descriptor of the manifest's `dest`, reached from its `root` (the fetch area; `dest` itself
+    when absent) one folder at a time without following a symbolic link (made where missing)."""
+    dest = manifest["dest"]
+    root = manifest.get("root") or dest
+    rel = os.path.relpath(dest, root)
+    if rel != "." and (rel.startswith("../") or rel == ".."):
+        raise UnsafeName(f"{dest!r}: not under the fetch area {root}")
+    os.makedirs(root, exist_ok=True)
+    top = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        return _folder(top, [] if rel == "." else safe_name(rel, nested=True).split("/"), dest)
+    finally:
+        os.close(top)
 
 
 def main() -> int:
@@ -177,13 +254,16 @@ def main() -> int:
     try:
         for f in manifest["files"]:  # every name first: nothing is written when one would leave dest
             safe_name(f["path"], nested=True)
-        os.makedirs(manifest["dest"], exist_ok=True)
-        free = shutil.disk_usage(manifest["dest"]).free
-        need = sum(int(f["size"]) for f in manifest["files"]
-                   if not os.path.exists(inside(manifest["dest"], f["path"])))
-        if free < need:
-            raise OSError(f"{manifest['dest']}: {need / 1e9:.1f} GB needed, {free / 1e9:.1f} GB free")
-        result = fetch(manifest)
+        dest = open_dest(manifest)
+        try:
+            fs = os.statvfs(dest)
+            free = fs.f_bavail * fs.f_frsize
+            need = sum(int(f["size"]) for f in manifest["files"] if _in_place(dest, f["path"])[0] is None)
+            if free < need:
+                raise OSError(f"{manifest['dest']}: {need / 1e9:.1f} GB needed, {free / 1e9:.1f} GB free")
+            result = fetch(manifest, dest)
+        finally:
+            os.close(dest)
     except (OSError, urllib.error.URLError, ValueError, KeyError) as exc:
         print(f"fetch error: {exc}", file=sys.stderr, flush=True)
         return 1

@@ -30,13 +30,15 @@ class PrefetchError(UserError, RuntimeError):
     pass
 
 
-def manifest_of_dir(source: str, dest: str, sizes: dict[str, int], sha256: dict[str, str] | None = None) -> dict:
-    """A manifest of `sizes` (relative path -> bytes) from `source` (a URL or a directory) into `dest`."""
+def manifest_of_dir(source: str, dest: str, sizes: dict[str, int], sha256: dict[str, str] | None = None,
+                    root: str | None = None) -> dict:
+    """A manifest of `sizes` (relative path -> bytes) from `source` (a URL or a directory) into `dest`;
+    `root`: the fetch area above dest, from which fetch_files.py walks down without following links."""
     files = [{"path": p, "size": int(n), **({"sha256": sha256[p]} if sha256 and p in sha256 else {})}
              for p, n in sorted(sizes.items())]
     if not files:
         raise PrefetchError(f"nothing to fetch from {source}: the manifest is empty")
-    return {"source": source, "dest": dest, "files": files}
+    return {"source": source, "dest": dest, "files": files, **({"root": root} if root else {})}
 
 
 def hub_endpoint() -> str:
@@ -75,7 +77,7 @@ def hub_manifest(repo_id: str, dest_root: str, kind: str = "models", revision: s
     sums = {s["rfilename"]: s["lfs"]["sha256"] for s in siblings if s.get("lfs", {}).get("sha256")}
     prefix = "" if kind == "models" else f"{kind}/"
     return manifest_of_dir(f"{endpoint}/{prefix}{repo_id}/resolve/{sha}", f"{dest_root}/{kind}/{repo_id}@{sha}",
-                           sizes, sums)
+                           sizes, sums, root=dest_root)
 
 
 def fetch_inputs(cl, opts, say: Say):

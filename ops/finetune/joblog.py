@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import re
 import time
 from collections import deque
@@ -53,6 +54,14 @@ def job_dir(text: object) -> str | None:
     if not isinstance(text, str) or not _JOB_DIR.fullmatch(text) or ".." in text.split("/"):
         return None
     return text
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _finite(value: object) -> bool:
+    return _number(value) and math.isfinite(value)
 
 
 def _floats(d: dict) -> dict:
@@ -106,20 +115,21 @@ class JobLog:
             return None
         self.tail.append(raw)
         self._error(line)
+        # A line that does not parse, or holds values of the wrong type, is text: it never stops `fab train`.
         if m := _TAGGED.match(_RANK.sub("", line, count=1)):
             try:
                 body = json.loads(m["body"])
-            except json.JSONDecodeError:
+                return self._tagged(m["tag"], body, now) if isinstance(body, dict) else None
+            except (ValueError, TypeError, OverflowError, RecursionError):
                 return None
-            return self._tagged(m["tag"], body, now)
         if _HF_DICT.match(line) and not self._has_tagged_steps():
             try:
                 body = _floats(ast.literal_eval(line))
-            except (ValueError, SyntaxError):
+                if isinstance(body, dict) and _number(body.get("loss")):
+                    body.setdefault("step", len(self.steps) + 1)
+                    return self._step(body, now)
+            except (ValueError, TypeError, OverflowError, SyntaxError, RecursionError, MemoryError):
                 return None
-            if "loss" in body:
-                body.setdefault("step", len(self.steps) + 1)
-                return self._step(body, now)
         if (m := _BAR.search(line)) and self.max_steps is None:
             self.max_steps = int(m["total"])
         return None
@@ -138,9 +148,10 @@ class JobLog:
 
     def _tagged(self, tag: str, body: dict, now: float) -> Event | None:
         if tag == "SLURM_GPU_JOB":
+            restarts = int(body.get("restart", 0))
             self.started = True
             self.job_dir = job_dir(body.get("job_dir")) or self.job_dir
-            self.restarts = int(body.get("restart", 0))
+            self.restarts = restarts
             self.nodes = slurm.hostlist(body.get("nodes")) or self.nodes
             return Event("start", body)
         if tag == "SLURM_GPU_SPOT":
@@ -151,12 +162,14 @@ class JobLog:
         if tag == "SLURM_GPU_METRICS":
             self.metrics = body
             return Event("metrics", body)
-        if "loss" not in body:  # e.g. the final train_runtime dict
-            return None
         body = {**_floats(body), "_tagged": True}
+        if not _number(body.get("loss")):  # e.g. the final train_runtime dict
+            return None
         return self._step(body, now)
 
     def _step(self, body: dict, now: float) -> Event:
+        if not all(_finite(body.get(k, 0)) for k in ("step", "max_steps")):
+            raise ValueError(f"not a step: {body!r}")  # line() drops the line
         if body.get("max_steps"):
             self.max_steps = int(body["max_steps"])
         tokens = body.get("num_tokens")
@@ -186,9 +199,8 @@ class JobLog:
             return self.progress(ev.data)
         if ev.kind == "start":
             if self.restarts:
-                return (f"job restarted after a requeue (restart {self.restarts}) on "
-                        f"{ev.data.get('nodes', '?')}")
-            return f"job started on {ev.data.get('nodes', '?')}"
+                return f"job restarted after a requeue (restart {self.restarts}) on {self.nodes or '?'}"
+            return f"job started on {self.nodes or '?'}"  # the checked node list, not the line's text
         if ev.kind == "resumed":
             return f"resumed from checkpoint step {ev.data.get('step')} ({ev.data.get('checkpoint')})"
         if ev.kind == "metrics":
