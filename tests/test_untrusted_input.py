@@ -333,3 +333,14 @@ def test_tagged_lines_of_the_wrong_shape_are_text_and_never_stop_fab(capsys):
     assert log.nodes == "gpu-node-[01-02]" and log.job_dir == JOB_DIR and log.restarts == 0
     assert log.resumed_from is None and [s["step"] for s in log.steps] == [2]
     assert said == ["job started on gpu-node-[01-02]", "step 2/5  loss 2.0000"], said
+
+
+def test_the_controller_side_is_not_hung_by_a_planted_fifo(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "w.bin").write_bytes(b"abc")
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    os.mkfifo(dest / "w.bin.partial")
+    res = _fetch({"source": str(src), "dest": str(dest), "files": [{"path": "w.bin", "size": 3}]})
+    assert res.returncode == 1 and "fetch error: 'w.bin': w.bin.partial is not a plain file" in res.stderr, res.stderr

@@ -100,13 +100,20 @@ def _folder(at: int, parts: list[str], what: str) -> int:
 
 
 def _open_in(folder: int, name: str, flags: int, what: str) -> int:
-    """`name` in `folder` opened with O_NOFOLLOW: a symbolic link there is UnsafeName naming `what`."""
+    """`name` in `folder` opened with O_NOFOLLOW (and O_NONBLOCK: a planted FIFO cannot hang us); a
+    symbolic link or anything but a plain file there is UnsafeName naming `what`."""
     try:
-        return os.open(name, flags | os.O_NOFOLLOW, 0o644, dir_fd=folder)
+        fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644, dir_fd=folder)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise UnsafeName(f"{what!r}: {name} is a symbolic link (it could point out of the folder)") from None
+        if exc.errno == errno.ENXIO:
+            raise UnsafeName(f"{what!r}: {name} is not a plain file") from None
         raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UnsafeName(f"{what!r}: {name} is not a plain file")
+    return fd
 
 
 def _size_in(folder: int, name: str) -> int | None:
@@ -225,8 +232,10 @@ def fetch(manifest: dict, dest: int) -> dict:
     for entry in todo:
         fetch_one(source, dest, entry, progress)
     progress.add(0, force=True)
-    if _size_in(dest, ".complete.tmp") is not None:
-        os.unlink(".complete.tmp", dir_fd=dest)
+    try:
+        os.unlink(".complete.tmp", dir_fd=dest)  # whatever is there (a link itself, not its target)
+    except FileNotFoundError:
+        pass
     with os.fdopen(_open_in(dest, ".complete.tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL, ".complete"), "w") as f:
         f.write(digest + "\n")
     os.replace(".complete.tmp", ".complete", src_dir_fd=dest, dst_dir_fd=dest)

@@ -65,7 +65,9 @@ def hub_manifest(repo_id: str, dest_root: str, kind: str = "models", revision: s
                             "and this machine's network (or HF_ENDPOINT)") from None
     sha = info.get("sha") or revision
     siblings = info.get("siblings") or []
-    try:  # the answer's names become paths on /scratch: each must stay in its folder (fetch_files.inside)
+    if not isinstance(siblings, list) or not all(isinstance(s, dict) for s in siblings):
+        raise PrefetchError(f"{repo_id}: the Hub's answer ({url}) has no list of files (siblings); nothing is fetched")
+    try:  # the answer's names become paths on /scratch: each must stay in its folder (fetch_files.safe_name)
         safe_name(repo_id, nested=True)
         if not (isinstance(sha, str) and _COMMIT.fullmatch(sha)) and sha != safe_name(revision):
             raise UnsafeName(f"sha {sha!r}: not a commit id (40 hex digits)")
