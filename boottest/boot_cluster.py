@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import time
 from contextlib import contextmanager
@@ -193,7 +194,8 @@ class BootCluster:
         return dict(line.split(" ", 1) for line in out.splitlines() if " " in line)
 
     def step_log(self, name: str, step: str, lines: int = 25) -> str:
-        return self.containers[name].run(f"tail -n {lines} {STEPS_DIR}/{step}.log", check=False).stdout
+        log = shlex.quote(f"{STEPS_DIR}/{step}.log")
+        return self.containers[name].run(f"tail -n {int(lines)} {log}", check=False).stdout
 
     def pin_host_keys(self) -> None:
         """known_hosts from the keys cloud-init printed on each console (as fab reads EC2's)."""

@@ -77,15 +77,15 @@ def test_each_reports_every_failing_host():
 
 
 LOG = (
-    'SLURM_GPU_JOB {"job_id": "7", "restart": 0, "job_dir": "/scratch/slurm-gpu/jobs/x", "nodes": "gpu-node-[01-02]"}\n'
+    'SLURM_GPU_JOB {"job_id": "7", "restart": 0, "job_dir": "/scratch/slurm-gpu/jobs/20260101-120000-abc123", "nodes": "gpu-node-[01-02]"}\n'
     "0: gpu-node-01:1:1 [0] NCCL INFO Channel 00 : 0[0] -> 1[1] via SHM/direct/direct\n"
     "0: Training:  40%|####      | 2/5 [00:01<00:02,  1.2it/s]\r"
     "0: SLURM_GPU_LOG {\"step\": 1, \"max_steps\": 5, \"loss\": 2.5, \"num_tokens\": 1000.0, \"mean_token_accuracy\": 0.2, \"epoch\": 0.2}\n"
     "0: {'loss': '2.5', 'grad_norm': '1.1', 'learning_rate': '0.003', 'epoch': '0.2'}\n"
     "0: SLURM_GPU_LOG {\"step\": 2, \"max_steps\": 5, \"loss\": 2.0, \"num_tokens\": 3000.0, \"mean_token_accuracy\": 0.3, \"epoch\": 0.4}\n"
     "0: SLURM_GPU_LOG {\"step\": 2, \"max_steps\": 5, \"train_runtime\": 3.0}\n"
-    'SLURM_GPU_JOB {"job_id": "7", "restart": 1, "job_dir": "/scratch/slurm-gpu/jobs/x", "nodes": "gpu-node-[01-02]"}\n'
-    '0: SLURM_GPU_RESUMED {"checkpoint": "/scratch/slurm-gpu/jobs/x/output/checkpoint-2", "step": 2}\n'
+    'SLURM_GPU_JOB {"job_id": "7", "restart": 1, "job_dir": "/scratch/slurm-gpu/jobs/20260101-120000-abc123", "nodes": "gpu-node-[01-02]"}\n'
+    '0: SLURM_GPU_RESUMED {"checkpoint": "/scratch/slurm-gpu/jobs/20260101-120000-abc123/output/checkpoint-2", "step": 2}\n'
     '0: SLURM_GPU_METRICS {"train_runtime": 3.0, "train_steps": 5, "mean_token_accuracy": 0.5, "tokens_per_s": 900.0}\n'
 )
 
@@ -101,7 +101,7 @@ def test_job_log_events_in_pieces():
     assert kinds == ["start", "step", "step", "start", "resumed", "metrics"]
     assert [s["loss"] for s in log.steps] == [2.5, 2.0]  # the HF dict duplicate is ignored
     assert log.max_steps == 5 and log.restarts == 1 and log.resumed_from == 2
-    assert log.job_dir == "/scratch/slurm-gpu/jobs/x" and log.metrics["train_steps"] == 5
+    assert log.job_dir == "/scratch/slurm-gpu/jobs/20260101-120000-abc123" and log.metrics["train_steps"] == 5
     assert len(log.nccl_lines) == 1
     line = log.progress(log.steps[1])
     assert line.startswith("step 2/5  loss 2.0000  acc 0.300") and "tok/s" in line

@@ -17,6 +17,9 @@ from ops.ssh.remote import connect
 from tests.localcluster_fixture import fresh_cluster
 from tests.test_prefetch import RangeHandler
 
+# Hub commits: 40 hex digits, as the revision API answers (prefetch refuses anything else).
+TINY_SHA, ROWS_SHA = "a" * 40, "b" * 40
+
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 
@@ -77,8 +80,8 @@ def test_fab_train_fetches_hub_ids_into_scratch_and_names_the_copies(cluster_and
 
     cl, _url, _files = cluster_and_source
     hub = tmp_path / "hub"
-    blobs = {("models", "org/tiny", "abc123"): {"config.json": b'{"model_type": "qwen3"}', "w.bin": os.urandom(1 << 20)},
-             ("datasets", "org/rows", "def456"): {"data/train.jsonl": b'{"instruction": "a", "output": "b"}\n',
+    blobs = {("models", "org/tiny", TINY_SHA): {"config.json": b'{"model_type": "qwen3"}', "w.bin": os.urandom(1 << 20)},
+             ("datasets", "org/rows", ROWS_SHA): {"data/train.jsonl": b'{"instruction": "a", "output": "b"}\n',
                                                    "README.md": b"# rows\n"}}
     for (kind, repo, sha), files in blobs.items():
         api = hub / "api" / kind / repo / "revision" / "main"
@@ -101,12 +104,12 @@ def test_fab_train_fetches_hub_ids_into_scratch_and_names_the_copies(cluster_and
     finally:
         server.shutdown()
     scratch = cl.inventory.scratch
-    assert got.model == f"{scratch}/hub/models/org/tiny@abc123"
-    assert got.data == f"{scratch}/hub/datasets/org/rows@def456/data"
+    assert got.model == f"{scratch}/hub/models/org/tiny@{TINY_SHA}"
+    assert got.data == f"{scratch}/hub/datasets/org/rows@{ROWS_SHA}/data"
     local = layout.SCRATCH / "hub"
     try:
-        assert (local / "models/org/tiny@abc123/w.bin").read_bytes() == blobs[("models", "org/tiny", "abc123")]["w.bin"]
-        assert (local / "datasets/org/rows@def456/data/train.jsonl").is_file()
+        assert (local / f"models/org/tiny@{TINY_SHA}/w.bin").read_bytes() == blobs[("models", "org/tiny", TINY_SHA)]["w.bin"]
+        assert (local / f"datasets/org/rows@{ROWS_SHA}/data/train.jsonl").is_file()
         assert any("verified" in s for s in said), said
     finally:
         shutil.rmtree(local, ignore_errors=True)

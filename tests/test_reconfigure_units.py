@@ -92,3 +92,36 @@ def test_install_text_writes_the_mode_it_is_given(tmp_path):
     inode = path.stat().st_ino
     reconfigure.install_text(_Here(), "changed\n", str(path))
     assert path.stat().st_ino == inode and path.read_text() == "changed\n"
+
+
+@pytest.mark.root
+def test_install_text_quotes_a_path_with_shell_characters(tmp_path):
+    """The path goes inside `sh -c '...'`: quoted as a whole, a quote in it cannot end the string (issue 44)."""
+    marker = tmp_path / "ran"
+    path = tmp_path / f"a'; touch {marker}; echo '$(id)`id`" / "slurm.conf"
+    reconfigure.install_text(_Here(), "x\n", str(path))
+    assert path.read_text() == "x\n" and not marker.exists()
+
+
+class _Squeue:
+    """The controller as check_removals sees it: squeue lists `listed` until scancel has run."""
+
+    user = "root"
+
+    def __init__(self, listed: str) -> None:
+        self.listed, self.ran = listed, []
+
+    def run(self, cmd, **kwargs):
+        from types import SimpleNamespace
+
+        self.ran.append(cmd)
+        cancelled = any(c.startswith("scancel") for c in self.ran)
+        return SimpleNamespace(ok=True, stdout="" if cancelled or not cmd.startswith("squeue") else self.listed)
+
+
+def test_check_removals_cancels_only_job_ids_quoted():
+    """squeue's output reaches scancel: only job ids (slurm.JOB_ID) and each quoted (issue 44)."""
+    ctl = _Squeue("12\n13_[1-2]\n$(touch /tmp/x)\n;id\n`id`\n7_3\n")
+    busy = reconfigure.check_removals(ctl, ["gpu-node-03"], force=True)
+    assert busy == {"gpu-node-03": ["12", "13_[1-2]", "7_3"]}
+    assert [c for c in ctl.ran if c.startswith("scancel")] == ["scancel 7_3 12 '13_[1-2]'"]

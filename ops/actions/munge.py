@@ -132,12 +132,10 @@ def install_key(c: Connection, key: bytes, service_cmd: str) -> None:
     tmp = f"{KEY_PATH}.new"
     restart = service_cmd.format(action="restart", service="munge")
     # The node-local key's marker goes with it: slurmd's drop-in may start slurmd from now on.
-    sudo(
-        c,
-        f"sh -c 'base64 -d | install -o munge -g munge -m 0400 /dev/stdin {tmp}"
-        f" && mv -f {tmp} {KEY_PATH} && rm -f {NODE_LOCAL_KEY_MARKER} && {restart}'",
-        in_stream=WholeInput(base64.b64encode(key).decode()),
-    )
+    inner = (f"base64 -d | install -o munge -g munge -m 0400 /dev/stdin {shlex.quote(tmp)}"
+             f" && mv -f {shlex.quote(tmp)} {shlex.quote(KEY_PATH)} && rm -f {shlex.quote(NODE_LOCAL_KEY_MARKER)}"
+             f" && {restart}")  # restart: the inventory's service_cmd, a command by design
+    sudo(c, f"sh -c {shlex.quote(inner)}", in_stream=WholeInput(base64.b64encode(key).decode()))
 
 
 def make_credential(c: Connection) -> str:

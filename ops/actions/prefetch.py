@@ -10,28 +10,35 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import shlex
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 from cluster.errors import UserError
+from ops.actions.fetch_files import UnsafeName, safe_name
 from ops.say import Say
 
 SCRIPT = Path(__file__).resolve().parent / "fetch_files.py"
+# A Hub commit: the revision API's "sha" is the commit's 40 hex digits
+# (https://huggingface.co/docs/hub/api: GET /api/models/{repo_id}/revision/{revision}).
+_COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
 class PrefetchError(UserError, RuntimeError):
     pass
 
 
-def manifest_of_dir(source: str, dest: str, sizes: dict[str, int], sha256: dict[str, str] | None = None) -> dict:
-    """A manifest of `sizes` (relative path -> bytes) from `source` (a URL or a directory) into `dest`."""
+def manifest_of_dir(source: str, dest: str, sizes: dict[str, int], sha256: dict[str, str] | None = None,
+                    root: str | None = None) -> dict:
+    """A manifest of `sizes` (relative path -> bytes) from `source` (a URL or a directory) into `dest`;
+    `root`: the fetch area above dest, from which fetch_files.py walks down without following links."""
     files = [{"path": p, "size": int(n), **({"sha256": sha256[p]} if sha256 and p in sha256 else {})}
              for p, n in sorted(sizes.items())]
     if not files:
         raise PrefetchError(f"nothing to fetch from {source}: the manifest is empty")
-    return {"source": source, "dest": dest, "files": files}
+    return {"source": source, "dest": dest, "files": files, **({"root": root} if root else {})}
 
 
 def hub_endpoint() -> str:
@@ -58,11 +65,21 @@ def hub_manifest(repo_id: str, dest_root: str, kind: str = "models", revision: s
                             "and this machine's network (or HF_ENDPOINT)") from None
     sha = info.get("sha") or revision
     siblings = info.get("siblings") or []
+    if not isinstance(siblings, list) or not all(isinstance(s, dict) for s in siblings):
+        raise PrefetchError(f"{repo_id}: the Hub's answer ({url}) has no list of files (siblings); nothing is fetched")
+    try:  # the answer's names become paths on /scratch: each must stay in its folder (fetch_files.safe_name)
+        safe_name(repo_id, nested=True)
+        if not (isinstance(sha, str) and _COMMIT.fullmatch(sha)) and sha != safe_name(revision):
+            raise UnsafeName(f"sha {sha!r}: not a commit id (40 hex digits)")
+        for s in siblings:
+            safe_name(s.get("rfilename"), nested=True)
+    except UnsafeName as exc:
+        raise PrefetchError(f"{repo_id}: the Hub's answer ({url}) names {exc}; nothing is fetched") from None
     sizes = {s["rfilename"]: s["size"] for s in siblings if s.get("size") is not None}
     sums = {s["rfilename"]: s["lfs"]["sha256"] for s in siblings if s.get("lfs", {}).get("sha256")}
     prefix = "" if kind == "models" else f"{kind}/"
     return manifest_of_dir(f"{endpoint}/{prefix}{repo_id}/resolve/{sha}", f"{dest_root}/{kind}/{repo_id}@{sha}",
-                           sizes, sums)
+                           sizes, sums, root=dest_root)
 
 
 def fetch_inputs(cl, opts, say: Say):

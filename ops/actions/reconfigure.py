@@ -78,8 +78,9 @@ def slurm_nodes(ctl: Connection) -> list[str]:
 
 
 def busy_jobs(ctl: Connection, node: str) -> list[str]:
+    """The ids of the jobs on `node` (squeue's output: only what has a job id's shape, slurm.JOB_ID)."""
     out = ctl.run(f"squeue -h -w {shlex.quote(node)} -t {BUSY_STATES} -o %i", hide=True, warn=True).stdout
-    return out.split()
+    return [j for j in out.split() if slurm.JOB_ID.fullmatch(j)]
 
 
 def read_text(c: Connection, path: str) -> str | None:
@@ -92,8 +93,8 @@ def install_text(c: Connection, text: str, path: str, mode: int = 0o644) -> None
     tmp = f"/tmp/slurm-gpu-{uuid.uuid4().hex[:8]}"
     c.put(io.BytesIO(text.encode()), remote=tmp)
     q, t = shlex.quote(path), shlex.quote(tmp)
-    sudo(c, f"sh -c 'mkdir -p \"$(dirname {q})\" && cat {t} > {q} && chown root:root {q} "
-            f"&& chmod {mode:04o} {q}'; rc=$?; rm -f {t}; exit $rc")
+    inner = f'mkdir -p "$(dirname {q})" && cat {t} > {q} && chown root:root {q} && chmod {mode:04o} {q}'
+    sudo(c, f"sh -c {shlex.quote(inner)}; rc=$?; rm -f {t}; exit $rc")
 
 
 def plan(ctl: Connection, facts: ClusterFacts, files: dict[str, str]) -> Change:
@@ -116,9 +117,9 @@ def check_removals(ctl: Connection, removed: list[str], force: bool) -> dict[str
             f"first (`scontrol update nodename={names} state=drain reason=scale-down` on the "
             "controller), let the job finish or cancel it, then run `fab reconfigure` again; "
             "--force cancels the job and removes the node")
-    jobs = sorted({j for js in busy.values() for j in js}, key=int)
+    jobs = sorted({j for js in busy.values() for j in js}, key=lambda j: (int(j.split("_")[0]), j))
     if jobs:
-        sudo(ctl, f"scancel {' '.join(jobs)}")
+        sudo(ctl, "scancel " + " ".join(map(shlex.quote, jobs)))
         deadline = time.monotonic() + 120  # KillWait (30 s) and the step's epilogue
         while any(busy_jobs(ctl, n) for n in busy):
             if time.monotonic() > deadline:

@@ -36,6 +36,21 @@ PING_DOWN_EXIT = 3
 # What `scontrol ping` says of a controller that answers: "Slurmctld(primary) at HOST is UP".
 PING_UP = "is UP"
 
+# A Slurm hostlist as SLURM_JOB_NODELIST prints it ("gpu-node-[01-03,05],ctl"): names of letters,
+# digits, '.', '_', '-', each with optional numeric ranges in brackets; no space, quote or shell
+# character. The hostlist syntax: https://slurm.schedmd.com/sinfo.html#OPT_nodes
+_HOST = r"[A-Za-z0-9._-]*(?:\[[0-9]+(?:-[0-9]+)?(?:,[0-9]+(?:-[0-9]+)?)*\][A-Za-z0-9._-]*)*"
+HOSTLIST = re.compile(rf"(?=[A-Za-z0-9])(?:{_HOST})(?:,(?=[A-Za-z0-9])(?:{_HOST}))*")
+
+
+# A job id as squeue's %i prints it: 123, an array task 123_4, or a pending array's 123_[5-9%2].
+JOB_ID = re.compile(r"[0-9]+(?:_(?:[0-9]+|\[[0-9,%-]+\]))?")
+
+
+def hostlist(text: object) -> str | None:
+    """`text` when it is a Slurm hostlist (HOSTLIST), else None: data from a log never reaches a command."""
+    return text if isinstance(text, str) and len(text) <= 4096 and HOSTLIST.fullmatch(text) else None
+
 
 def controller_up(ctl: Connection) -> bool:
     """`scontrol ping`: answers at once, also when slurmctld is down (other queries retry ~1 min)."""

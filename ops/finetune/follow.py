@@ -65,8 +65,14 @@ def follow(cl: Cluster, job: str | None, progress: bool = False, say: Say = prin
         raise
     except slurm.ControllerUnreachable as exc:
         raise flow.controller_lost(exc, job, cl.inventory.target) from None
-    ok = flow.outcome(cl, job, followed, followed.log.job_dir, say)
-    if ok and followed.log.job_dir:
+    # The job directory comes from the log (its SLURM_GPU_JOB line): only one of ours is downloaded.
+    job_dir = followed.log.job_dir
+    if job_dir and not job_dir.startswith(f"{cl.inventory.scratch}/slurm-gpu/jobs/"):
+        say(f"fab logs: the log names {job_dir!r} as the job directory, not one under "
+            f"{cl.inventory.scratch}/slurm-gpu/jobs/: nothing is downloaded from it")
+        job_dir = followed.log.job_dir = None
+    ok = flow.outcome(cl, job, followed, job_dir, say)
+    if ok and job_dir:
         flow.finish(cl, job, followed, say, log_path=path)
     elif not ok:
         raise flow.failure(job, followed, path)

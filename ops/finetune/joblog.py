@@ -9,23 +9,35 @@ The log holds every rank's output with srun's "N: " labels. The lines that matte
     SLURM_GPU_METRICS {...}    rank 0, the final metrics
     {'loss': '2.1', ...}       the HF Trainer's own per-step dict (used when the above is absent)
     ... NCCL INFO ...          NCCL's connection lines (ops/actions/nccl.py)
+
+A tag counts only at the start of a line, after srun's label and torchrun's "[rankN]:" prefix:
+a tag in the middle of some other output (a library echoing text, a data row) is just text.
+Any process that can write to the shared log can still forge a whole tagged line, so what a tag
+carries is checked before it is used: `nodes` must be a Slurm hostlist (it reaches `sinfo` on the
+controller, ops/finetune/spot_notice.py) and `job_dir` a job directory path (what `fab logs`
+downloads from); anything else is dropped.
 """
 
 from __future__ import annotations
 
 import ast
 import json
+import math
 import re
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from ops.actions import slurm
+
 _LABEL = re.compile(r"^\s*\d+: ")
 _TAGS = ("SLURM_GPU_JOB", "SLURM_GPU_LOG", "SLURM_GPU_RESUMED", "SLURM_GPU_METRICS", "SLURM_GPU_SPOT")
-_TAGGED = re.compile(r"\b(?P<tag>" + "|".join(_TAGS) + r") (?P<body>\{.*\})\s*$")
+_TAGGED = re.compile(r"^(?P<tag>" + "|".join(_TAGS) + r") (?P<body>\{.*\})\s*$")
 _HF_DICT = re.compile(r"^\{'(?:loss|train_runtime)'.*\}$")
 _BAR = re.compile(r"(?P<step>\d+)/(?P<total>\d+) \[")
 _RANK = re.compile(r"^\[(?:rank|default)\d+\]:\s*")
+# `fab train`'s job directories (ops/finetune/pipeline.py new_job_dir): absolute, plain characters, no "..".
+_JOB_DIR = re.compile(r"(?:/[A-Za-z0-9_.-]+)+/slurm-gpu/jobs/[0-9]{8}-[0-9]{6}-[0-9a-f]{6}")
 # A log line that states a cause: an exception's last line, srun/slurm errors, our own messages.
 _ERROR = re.compile(r"^(?:[\w.]*(?:Error|Exception|Interrupt)\b:?|.*\berror: |slurm-gpu: |training data error)")
 MAX_ERRORS = 12
@@ -35,6 +47,21 @@ MAX_ERRORS = 12
 class Event:
     kind: str  # "start", "step", "resumed", "metrics", "spot"
     data: dict
+
+
+def job_dir(text: object) -> str | None:
+    """`text` when it has the shape of a job directory of `fab train` (no ".." part), else None."""
+    if not isinstance(text, str) or not _JOB_DIR.fullmatch(text) or ".." in text.split("/"):
+        return None
+    return text
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _finite(value: object) -> bool:
+    return _number(value) and math.isfinite(value)
 
 
 def _floats(d: dict) -> dict:
@@ -64,6 +91,7 @@ class JobLog:
     resumed_from: int | None = None
     nodes: str | None = None  # the current attempt's node list (Slurm's hostlist)
     max_steps: int | None = None
+    started: bool = False  # a SLURM_GPU_JOB line was seen
     _partial: str = ""
     _tokens_t0: tuple[float, float] | None = None  # (arrival time, num_tokens) of the first step
 
@@ -87,20 +115,21 @@ class JobLog:
             return None
         self.tail.append(raw)
         self._error(line)
-        if m := _TAGGED.search(line):
+        # A line that does not parse, or holds values of the wrong type, is text: it never stops `fab train`.
+        if m := _TAGGED.match(_RANK.sub("", line, count=1)):
             try:
                 body = json.loads(m["body"])
-            except json.JSONDecodeError:
+                return self._tagged(m["tag"], body, now) if isinstance(body, dict) else None
+            except (ValueError, TypeError, OverflowError, RecursionError):
                 return None
-            return self._tagged(m["tag"], body, now)
         if _HF_DICT.match(line) and not self._has_tagged_steps():
             try:
                 body = _floats(ast.literal_eval(line))
-            except (ValueError, SyntaxError):
+                if isinstance(body, dict) and _number(body.get("loss")):
+                    body.setdefault("step", len(self.steps) + 1)
+                    return self._step(body, now)
+            except (ValueError, TypeError, OverflowError, SyntaxError, RecursionError, MemoryError):
                 return None
-            if "loss" in body:
-                body.setdefault("step", len(self.steps) + 1)
-                return self._step(body, now)
         if (m := _BAR.search(line)) and self.max_steps is None:
             self.max_steps = int(m["total"])
         return None
@@ -115,13 +144,15 @@ class JobLog:
         # Our training prints a tagged line per logged step; its job script announces itself with
         # SLURM_GPU_JOB first. HF's own dict for the same step comes before the tagged line, so
         # it is only used for logs without our tags (else the first step would be shown twice).
-        return self.job_dir is not None or any(s.get("_tagged") for s in self.steps)
+        return self.started or any(s.get("_tagged") for s in self.steps)
 
     def _tagged(self, tag: str, body: dict, now: float) -> Event | None:
         if tag == "SLURM_GPU_JOB":
-            self.job_dir = body.get("job_dir") or self.job_dir
-            self.restarts = int(body.get("restart", 0))
-            self.nodes = body.get("nodes") or self.nodes
+            restarts = int(body.get("restart", 0))
+            self.started = True
+            self.job_dir = job_dir(body.get("job_dir")) or self.job_dir
+            self.restarts = restarts
+            self.nodes = slurm.hostlist(body.get("nodes")) or self.nodes
             return Event("start", body)
         if tag == "SLURM_GPU_SPOT":
             return Event("spot", body)
@@ -131,12 +162,14 @@ class JobLog:
         if tag == "SLURM_GPU_METRICS":
             self.metrics = body
             return Event("metrics", body)
-        if "loss" not in body:  # e.g. the final train_runtime dict
-            return None
         body = {**_floats(body), "_tagged": True}
+        if not _number(body.get("loss")):  # e.g. the final train_runtime dict
+            return None
         return self._step(body, now)
 
     def _step(self, body: dict, now: float) -> Event:
+        if not all(_finite(body.get(k, 0)) for k in ("step", "max_steps")):
+            raise ValueError(f"not a step: {body!r}")  # line() drops the line
         if body.get("max_steps"):
             self.max_steps = int(body["max_steps"])
         tokens = body.get("num_tokens")
@@ -166,9 +199,8 @@ class JobLog:
             return self.progress(ev.data)
         if ev.kind == "start":
             if self.restarts:
-                return (f"job restarted after a requeue (restart {self.restarts}) on "
-                        f"{ev.data.get('nodes', '?')}")
-            return f"job started on {ev.data.get('nodes', '?')}"
+                return f"job restarted after a requeue (restart {self.restarts}) on {self.nodes or '?'}"
+            return f"job started on {self.nodes or '?'}"  # the checked node list, not the line's text
         if ev.kind == "resumed":
             return f"resumed from checkpoint step {ev.data.get('step')} ({ev.data.get('checkpoint')})"
         if ev.kind == "metrics":

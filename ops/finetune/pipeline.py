@@ -23,7 +23,7 @@ from fabric import Connection
 from cluster import targets
 from cluster.errors import UserError
 from cluster.inventory import Inventory
-from ops.actions import cloudinit, munge, netcheck, node_update, prefetch, reconfigure, slurm, stack_down
+from ops.actions import cloudinit, fetch_files, munge, netcheck, node_update, prefetch, reconfigure, slurm, stack_down
 from ops.actions import node_power as power
 from ops.actions.options import REPO, TrainOptions, check_against
 from ops.cost import cap as cost_cap
@@ -198,13 +198,19 @@ def check_network(cl: Cluster, stack: str | None, say: Say = print) -> netcheck.
 
 
 def training_tarball() -> bytes:
-    """training/ as a tar.gz (no caches), so `-m training.train` imports from the job dir."""
+    """training/ as a tar.gz (no caches), so `-m training.train` imports from the job dir. Only
+    regular files and folders under training/, each name one that stays inside the job dir
+    (fetch_files.safe_name): the controller extracts it with `tar -xzf` (launch)."""
     buf = io.BytesIO()
 
     def keep(info: tarfile.TarInfo):
         name = info.name
         if "__pycache__" in name.split("/") or name.endswith(".pyc"):
             return None
+        if not (info.isreg() or info.isdir()):
+            raise TrainError(f"{TRAINING_DIR}: {name} is not a regular file or folder (a link?): "
+                             "the training code is uploaded as plain files only; replace it with a file")
+        fetch_files.safe_name(name, nested=True)
         info.uid = info.gid = 0
         info.uname = info.gname = ""
         return info
@@ -308,7 +314,9 @@ def launch(cl: Cluster, opts: TrainOptions, nodes: int, gpus: int, say: Say,
     job_dir = new_job_dir(inv)
     ctl.run(f"mkdir -p {q(job_dir)} {q(inv.scratch)}/logs", hide=True)
     ctl.put(io.BytesIO(training_tarball()), remote=f"{job_dir}/training.tar.gz")
-    ctl.run(f"tar -xzf {q(job_dir)}/training.tar.gz -C {q(job_dir)} && rm {q(job_dir)}/training.tar.gz",
+    # Our own archive (training_tarball: plain files under training/); GNU tar also skips ".." members
+    # (https://www.gnu.org/software/tar/manual/html_node/absolute.html).
+    ctl.run(f"tar --no-same-owner -xzf {q(job_dir)}/training.tar.gz -C {q(job_dir)} && rm {q(job_dir)}/training.tar.gz",
             hide=True)
     put_text(ctl, opts.config.read_text(), f"{job_dir}/config.yaml")
 
@@ -353,30 +361,53 @@ def reattach_hint(job_id: str, target: str) -> str:
 HOME_DIRS = ("tensorboard",)
 
 
-def download(ctl: Connection, output_dir: str, dest: Path) -> list[str]:
+def download(ctl: Connection, output_dir: str, dest: Path, say: Say = print) -> list[str]:
     """Top-level files of the run's output_dir (adapters, tokenizer, state, metrics, samples.md, GPU
-    samples) and the files of HOME_DIRS (TensorBoard events); no checkpoints."""
+    samples) and the files of HOME_DIRS (TensorBoard events); no checkpoints. A listed name that
+    would leave `dest` (fetch_files.inside: "..", a separator, a symbolic link) is not downloaded:
+    `say` names it. The listing holds what the job wrote; symbolic links there are skipped (the SFTP
+    server lists each entry's lstat: OpenSSH sftp-server.c process_readdir)."""
     sftp = ctl.sftp()
     dest.mkdir(parents=True, exist_ok=True)
     got = []
+
+    def fetch(remote_dir: str, name: str, rel: str) -> bool:
+        try:
+            local, tmp = fetch_files.inside(str(dest), rel), fetch_files.inside(str(dest), rel + ".part")
+        except fetch_files.UnsafeName as exc:
+            say(f"      not downloaded from {remote_dir}: {exc}")
+            return False
+        sftp.get(posixpath.join(remote_dir, name), tmp)
+        os.replace(tmp, local)
+        return True
+
     try:
         entries = sftp.listdir_attr(output_dir)
     except FileNotFoundError:
         raise TrainError(f"{output_dir} is not on the cluster (removed?): nothing to download") from None
     for entry in entries:
+        name = entry.filename
         if stat.S_ISREG(entry.st_mode or 0):
-            tmp = dest / (entry.filename + ".part")
-            sftp.get(posixpath.join(output_dir, entry.filename), str(tmp))
-            tmp.replace(dest / entry.filename)
-            got.append(entry.filename)
-        elif stat.S_ISDIR(entry.st_mode or 0) and entry.filename in HOME_DIRS:
-            sub = dest / entry.filename
-            sub.mkdir(exist_ok=True)
-            for inner in sftp.listdir_attr(posixpath.join(output_dir, entry.filename)):
-                if stat.S_ISREG(inner.st_mode or 0):
-                    sftp.get(posixpath.join(output_dir, entry.filename, inner.filename), str(sub / inner.filename))
-            got.append(entry.filename + "/")
+            if _single(name, output_dir, say) and fetch(output_dir, name, name):
+                got.append(name)
+        elif stat.S_ISDIR(entry.st_mode or 0) and name in HOME_DIRS:
+            (dest / name).mkdir(exist_ok=True)
+            remote = posixpath.join(output_dir, name)
+            for inner in sftp.listdir_attr(remote):
+                if stat.S_ISREG(inner.st_mode or 0) and _single(inner.filename, remote, say):
+                    fetch(remote, inner.filename, f"{name}/{inner.filename}")
+            got.append(name + "/")
     return sorted(got)
+
+
+def _single(name: str, remote_dir: str, say: Say) -> bool:
+    """Whether an SFTP listing's `name` is one plain file name (fetch_files.safe_name); else say so."""
+    try:
+        fetch_files.safe_name(name)
+    except fetch_files.UnsafeName as exc:
+        say(f"      not downloaded from {remote_dir}: {exc}")
+        return False
+    return True
 
 
 def run_dir(job_id: str, job_dir: str | None) -> Path:
@@ -402,7 +433,7 @@ def finish(cl: Cluster, job_id: str, followed: stream.Followed, say: Say,
     dest = run_dir(job_id, job_dir)
     got: list[str] = []
     if job_dir:
-        got = download(cl.controller, f"{job_dir}/output", dest)
+        got = download(cl.controller, f"{job_dir}/output", dest, say)
     if log_path:
         dest.mkdir(parents=True, exist_ok=True)
         (dest / "job.log").write_text(read_remote(cl.controller, log_path))

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import shlex
+
 from fabric import Connection
 
+from ops.actions import slurm
 from ops.finetune.joblog import Event, JobLog, spot_line
 
 # The reason bootstrap/spot_watch.py drains a node with: "spot interruption: ACTION at TIME".
@@ -11,8 +14,11 @@ REASON_PREFIX = "spot interruption:"
 
 
 def drained(ctl: Connection, nodes: str) -> list[tuple[str, str]]:
-    """(node, reason) of the nodes in hostlist `nodes` that the spot watcher drained."""
-    res = ctl.run(f"sinfo -h -N -n '{nodes}' -o '%N|%E'", hide=True, warn=True, in_stream=False)
+    """(node, reason) of the nodes in hostlist `nodes` that the spot watcher drained. `nodes` comes
+    from the job log: anything but a Slurm hostlist is not asked about (and it is quoted anyway)."""
+    if slurm.hostlist(nodes) is None:
+        return []
+    res = ctl.run(f"sinfo -h -N -n {shlex.quote(nodes)} -o '%N|%E'", hide=True, warn=True, in_stream=False)
     out = []
     for line in res.stdout.splitlines() if res.ok else []:
         name, _, reason = line.partition("|")

@@ -1,0 +1,346 @@
+"""Data from a GPU node never becomes a command or a path outside its folder (issue 44, items 1-2).
+
+What a job writes (its log, its output directory) and what the Hub answers are read as an attacker
+would write them: through the real parser (ops/finetune/joblog.py), the real code that builds the
+controller's commands (ops/finetune/stream.py, spot_notice.py) with a Connection that records what
+it is asked to run, the real download (ops/finetune/pipeline.py) over a fake SFTP listing, and the
+real Hub manifest and controller-side fetch (ops/actions/prefetch.py, fetch_files.py) over loopback.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import stat
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import paramiko
+import pytest
+
+from ops.actions import fetch_files, prefetch, slurm
+from ops.finetune import pipeline, spot_notice, stream
+from ops.finetune.joblog import JobLog
+
+JOB_DIR = "/scratch/slurm-gpu/jobs/20261207-031700-abc123"
+REAL_JOB = json.dumps({"job_id": "7", "restart": 0, "job_dir": JOB_DIR, "nodes": "gpu-node-[01-02]"})
+SPOT_STOP = '0: SLURM_GPU_SPOT {"kind": "interruption", "step": 12, "checkpoint": "c", "stop": true}'
+
+
+class RecordingConnection:
+    """A Connection that records every command it is asked to run and answers nothing drained."""
+
+    def __init__(self) -> None:
+        self.ran: list[str] = []
+
+    def run(self, cmd: str, **kw) -> SimpleNamespace:
+        self.ran.append(cmd)
+        return SimpleNamespace(ok=True, stdout="", stderr="")
+
+    sudo = run
+
+
+def _hostile_job(nodes: str, job_dir: str = "/home/ubuntu/.ssh", prefix: str = "") -> str:
+    return prefix + "SLURM_GPU_JOB " + json.dumps({"job_id": "7", "restart": 0, "job_dir": job_dir, "nodes": nodes})
+
+
+HOSTILE_NODES = [
+    "gpu-node-01' -o x; touch /tmp/pwned; echo '",  # closes today's quotes
+    "gpu-node-01;id",
+    "$(touch /tmp/pwned)",
+    "`touch /tmp/pwned`",
+    "gpu-node-01\ntouch /tmp/pwned",  # a JSON "\n": a newline inside the value
+    "gpu-node-01 -o %N|sh",
+    "--format=x",
+]
+
+
+def _follow(lines: list[str]) -> tuple[JobLog, RecordingConnection, list[str]]:
+    """Feed log lines as `fab train` does (stream._report with follow's spot explanation)."""
+    log, ctl, said = JobLog(), RecordingConnection(), []
+    data = ("\n".join(lines) + "\n").encode()
+    stream._report(log, data, said.append, raw=False, explain=lambda ev: spot_notice.describe(ctl, log, ev))
+    return log, ctl, said
+
+
+def test_hostile_log_lines_never_reach_the_controllers_shell():
+    lines = [f"SLURM_GPU_JOB {REAL_JOB}"]
+    for nodes in HOSTILE_NODES:
+        lines += [_hostile_job(nodes),  # a whole forged line: its values are checked
+                  _hostile_job(nodes, prefix="1: some library prints "),  # a tag mid-line: not a tag
+                  _hostile_job(nodes, prefix="0: [rank0]: data row: ")]
+    lines.append(SPOT_STOP)
+    log, ctl, said = _follow(lines)
+    assert ctl.ran == ["sinfo -h -N -n 'gpu-node-[01-02]' -o '%N|%E'"]
+    assert log.nodes == "gpu-node-[01-02]" and log.job_dir == JOB_DIR
+    assert said[-1].startswith("spot interruption: checkpoint at step 12")
+
+
+def test_without_a_valid_node_list_nothing_is_asked():
+    log, ctl, _ = _follow([_hostile_job(n) for n in HOSTILE_NODES] + [SPOT_STOP])
+    assert ctl.ran == [] and log.nodes is None and log.job_dir is None
+    for nodes in HOSTILE_NODES:  # and called directly, the command builder refuses the same values
+        assert spot_notice.drained(ctl, nodes) == []
+    assert ctl.ran == []
+
+
+def test_tags_count_at_the_start_of_a_line_after_the_known_prefixes():
+    for prefix in ("", "0: ", "  3: ", "0: [rank0]: ", "1: [default1]:"):
+        log = JobLog()
+        [ev] = log.feed(f"{prefix}SLURM_GPU_JOB {REAL_JOB}\n")
+        assert ev.kind == "start" and log.nodes == "gpu-node-[01-02]", prefix
+    for line in (f"0: echo SLURM_GPU_JOB {REAL_JOB}", f"x SLURM_GPU_JOB {REAL_JOB}",
+                 "0: {'text': 'SLURM_GPU_LOG {\"step\": 1, \"loss\": 0.1}'}"):
+        log = JobLog()
+        assert log.feed(line + "\n") == [] and log.nodes is None and log.steps == [], line
+
+
+@pytest.mark.parametrize("nodes", ["gpu-node-01", "gpu-node-[01-02]", "gpu-node-[01-03,07],controller",
+                                   "ip-10-0-1-12.ec2.internal", "n[1-2]x[3]"])
+def test_real_hostlists_pass(nodes):
+    assert slurm.hostlist(nodes) == nodes
+
+
+@pytest.mark.parametrize("nodes", [*HOSTILE_NODES, "", "a,,b", "[1-2]", "a[1-]", "a b", None, 12, ["a"]])
+def test_anything_else_is_no_hostlist(nodes):
+    assert slurm.hostlist(nodes) is None
+
+
+# ------------------------------------------------------------------ run downloads (SFTP listing)
+
+
+def _attr(name: str, mode: int) -> paramiko.SFTPAttributes:
+    a = paramiko.SFTPAttributes()
+    a.filename, a.st_mode = name, mode
+    return a
+
+
+class FakeSFTP:
+    """An SFTP listing as a compromised controller could answer it; `get` writes what it serves."""
+
+    def __init__(self, listing: dict[str, list[paramiko.SFTPAttributes]]) -> None:
+        self.listing = listing
+
+    def listdir_attr(self, path: str) -> list[paramiko.SFTPAttributes]:
+        return self.listing[path]
+
+    def get(self, remote: str, local: str) -> None:
+        Path(local).write_bytes(f"from {remote}".encode())
+
+
+REG, DIR = stat.S_IFREG | 0o644, stat.S_IFDIR | 0o755
+
+
+def test_a_hostile_listing_writes_nothing_outside_the_run_folder(tmp_path, capsys):
+    out = f"{JOB_DIR}/output"
+    hostile = ["../../escaped", "/" + str(tmp_path / "absolute"), "sub/escaped", "..", ".", "a\\b", "a\x00b", ""]
+    sftp = FakeSFTP({out: [_attr("adapter_model.safetensors", REG), _attr("metrics.json", REG),
+                           _attr("tensorboard", DIR), *(_attr(n, REG) for n in hostile)],
+                     f"{out}/tensorboard": [_attr("events.1", REG), _attr("../../../escaped-tb", REG)]})
+    dest = tmp_path / "runs" / "7"
+    dest.mkdir(parents=True)
+    victim = tmp_path / "victim"
+    victim.write_text("mine")
+    (dest / "metrics.json.part").symlink_to(victim)  # planted beside: a symbolic link pointing out
+    got = pipeline.download(SimpleNamespace(sftp=lambda: sftp), out, dest)  # says refusals with print
+    said = capsys.readouterr().out.splitlines()
+    assert got == ["adapter_model.safetensors", "tensorboard/"]
+    assert victim.read_text() == "mine"
+    inside = {p for p in tmp_path.rglob("*")}
+    assert inside == {tmp_path / "runs", dest, victim, dest / "metrics.json.part", dest / "adapter_model.safetensors",
+                      dest / "tensorboard", dest / "tensorboard" / "events.1"}, sorted(map(str, inside))
+    for name in [*hostile, "metrics.json.part", "../../../escaped-tb"]:
+        assert any(repr(name) in s for s in said), (name, said)
+
+
+# ------------------------------------------------------------------ the Hub prefetch
+
+
+class HubAPI(http.server.BaseHTTPRequestHandler):
+    """The revision API's answer (https://huggingface.co/docs/hub/api), with names chosen by a test."""
+
+    answer: dict = {}
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        body = json.dumps(HubAPI.answer).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.fixture
+def hub():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), HubAPI)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+
+
+SHA = "0123456789abcdef0123456789abcdef01234567"
+
+
+def _sibling(name: str) -> dict:
+    return {"rfilename": name, "size": 3, "lfs": {"sha256": "0" * 64}}
+
+
+@pytest.mark.parametrize("name", ["../../../../tmp/x", "/etc/cron.d/x", "a/../../x", "a//b", "./x", "a\\..\\x",
+                                  "x\n"])
+def test_a_hostile_hub_file_name_is_refused_naming_it(hub, name, tmp_path):
+    HubAPI.answer = {"sha": SHA, "siblings": [_sibling("config.json"), _sibling(name)]}
+    with pytest.raises(prefetch.PrefetchError) as err:
+        prefetch.hub_manifest("org/m", str(tmp_path / "hub"), endpoint=hub)
+    assert repr(name) in str(err.value) and "nothing is fetched" in str(err.value)
+
+
+@pytest.mark.parametrize("sha", ["../../../../tmp", "main/../..", "abc123", "x" * 40, 7])
+def test_a_hostile_hub_commit_is_refused(hub, sha, tmp_path):
+    HubAPI.answer = {"sha": sha, "siblings": [_sibling("config.json")]}
+    with pytest.raises(prefetch.PrefetchError, match="not a commit id"):
+        prefetch.hub_manifest("org/m", str(tmp_path / "hub"), endpoint=hub)
+
+
+def test_a_real_hub_answer_still_makes_its_manifest(hub, tmp_path):
+    HubAPI.answer = {"sha": SHA, "siblings": [_sibling("config.json"), _sibling("data/train-0.parquet")]}
+    m = prefetch.hub_manifest("org/m", str(tmp_path / "hub"), endpoint=hub)
+    assert m["dest"] == f"{tmp_path}/hub/models/org/m@{SHA}"
+    assert [f["path"] for f in m["files"]] == ["config.json", "data/train-0.parquet"]
+
+
+def _fetch(manifest: dict) -> subprocess.CompletedProcess:
+    """The controller's side as it runs there: the program alone, the manifest on stdin."""
+    return subprocess.run([sys.executable, str(prefetch.SCRIPT)], input=json.dumps(manifest), capture_output=True,
+                          text=True, timeout=60, cwd="/")
+
+
+def _files_under(root: Path) -> set[Path]:
+    return {p for p in root.rglob("*") if not p.is_dir() or p.is_symlink()}
+
+
+def test_the_controller_side_refuses_a_name_leaving_dest_before_writing_anything(tmp_path):
+    src = tmp_path / "src" / "repo"
+    src.mkdir(parents=True)
+    (src / "ok.json").write_bytes(b"abc")
+    (tmp_path / "src" / "evil").write_bytes(b"abc")  # what "../evil" reads from the source
+    dest = tmp_path / "out" / "dest"
+    manifest = {"source": str(src), "dest": str(dest),
+                "files": [{"path": "ok.json", "size": 3}, {"path": "../evil", "size": 3}]}
+    res = _fetch(manifest)
+    assert res.returncode == 1 and "fetch error: '../evil'" in res.stderr, res.stderr
+    assert _files_under(tmp_path / "out") == set()
+
+
+@pytest.mark.parametrize("plant", ["file", "folder"])
+def test_the_controller_side_never_writes_through_a_symlink(tmp_path, plant):
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "sub" / "w.bin").write_bytes(b"abc")
+    dest = tmp_path / "dest"
+    (dest / "sub").mkdir(parents=True) if plant == "file" else dest.mkdir()
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    if plant == "file":  # a job planted the half-done file as a link to something of the admin's
+        (victim / "authorized_keys").write_text("mine")
+        (dest / "sub" / "w.bin.partial").symlink_to(victim / "authorized_keys")
+    else:
+        (dest / "sub").symlink_to(victim)
+    res = _fetch({"source": str(src), "dest": str(dest), "files": [{"path": "sub/w.bin", "size": 3}]})
+    assert res.returncode == 1 and "fetch error: 'sub/w.bin" in res.stderr and "symbolic link" in res.stderr, \
+        res.stderr
+    assert [p.name for p in victim.iterdir()] == (["authorized_keys"] if plant == "file" else [])
+    assert plant == "folder" or (victim / "authorized_keys").read_text() == "mine"
+
+
+@pytest.mark.parametrize("name", ["..", ".", "", "a/b", "/a", "a\\b", "a\x00b", "a\nb", None])
+def test_one_check_refuses_a_single_name_that_leaves_its_folder(name):
+    with pytest.raises(fetch_files.UnsafeName) as err:
+        fetch_files.safe_name(name)
+    assert repr(name) in str(err.value)
+
+
+def test_nested_names_from_the_hub_pass():
+    for name in ("config.json", "data/train-00000-of-00002.parquet", "onnx/model.onnx", ".gitattributes"):
+        assert fetch_files.safe_name(name, nested=True) == name
+
+
+def test_the_training_archive_refuses_a_link_and_holds_plain_names_under_training(tmp_path, monkeypatch):
+    import io
+    import tarfile
+
+    with tarfile.open(fileobj=io.BytesIO(pipeline.training_tarball())) as tar:
+        members = tar.getmembers()
+    assert members and all(m.isreg() or m.isdir() for m in members)
+    assert all(m.name == "training" or m.name.startswith("training/") for m in members)
+    planted = tmp_path / "training"
+    planted.mkdir()
+    (planted / "train.py").write_text("")
+    (planted / "keys").symlink_to("/root/.ssh")
+    monkeypatch.setattr(pipeline, "TRAINING_DIR", planted)
+    with pytest.raises(pipeline.TrainError, match="training/keys is not a regular file or folder"):
+        pipeline.training_tarball()
+
+
+def test_fab_logs_downloads_only_from_a_job_dir_of_ours():
+    assert os.path.basename(JOB_DIR)  # the shape pipeline.new_job_dir makes
+    inv = SimpleNamespace(scratch="/scratch")
+    made = pipeline.new_job_dir(inv)
+    log = JobLog()
+    log.feed("SLURM_GPU_JOB " + json.dumps({"job_id": "7", "restart": 0, "job_dir": made, "nodes": "n1"}) + "\n")
+    assert log.job_dir == made
+    for bad in ("/home/ubuntu/.ssh", "/scratch/slurm-gpu/jobs/../../etc", "/scratch/slurm-gpu/jobs/x; id",
+                "relative/slurm-gpu/jobs/20261207-031700-abc123", "/a/../slurm-gpu/jobs/20261207-031700-abc123"):
+        log.feed("SLURM_GPU_JOB " + json.dumps({"job_id": "7", "restart": 0, "job_dir": bad}) + "\n")
+        assert log.job_dir == made, bad
+
+
+def test_the_controller_side_never_follows_a_link_planted_between_the_fetch_area_and_dest(tmp_path):
+    """/scratch is shared with the jobs: a folder on the way to dest may be a link a job planted."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_bytes(b"abc")
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (tmp_path / "hub" / "models").mkdir(parents=True)
+    (tmp_path / "hub" / "models" / "org").symlink_to(victim)
+    manifest = {"source": str(src), "dest": f"{tmp_path}/hub/models/org/m@{SHA}", "root": f"{tmp_path}/hub",
+                "files": [{"path": "config.json", "size": 3}]}  # what hub_manifest makes
+    res = _fetch(manifest)
+    assert res.returncode == 1 and "symbolic link" in res.stderr and f"org/m@{SHA}" in res.stderr, res.stderr
+    assert list(victim.iterdir()) == []
+    assert prefetch.manifest_of_dir(str(src), manifest["dest"], {"config.json": 3}, root=manifest["root"]) == manifest
+
+
+def test_tagged_lines_of_the_wrong_shape_are_text_and_never_stop_fab(capsys):
+    """A forged line with values of the wrong type (or a nesting bomb) is dropped; what was known stays."""
+    lines = [f"SLURM_GPU_JOB {REAL_JOB}",
+             'SLURM_GPU_JOB {"restart": "x", "nodes": "evil[1]", "job_dir": "/x"}',
+             '0: SLURM_GPU_RESUMED {"step": "x"}',
+             '0: SLURM_GPU_RESUMED {"step": [1]}',
+             '0: SLURM_GPU_LOG {"step": "x", "loss": 1.0}',
+             '0: SLURM_GPU_LOG {"step": 1, "max_steps": 1e999, "loss": 1.0}',
+             '0: SLURM_GPU_LOG {"step": 1, "loss": "high"}',
+             "0: {'loss': " + "[" * 5000 + "]" * 5000 + "}",
+             "SLURM_GPU_JOB {" + '"a":' * 1 + "[" * 100000 + "]" * 100000 + "}",
+             '0: SLURM_GPU_LOG {"step": 2, "max_steps": 5, "loss": 2.0}']
+    log, ctl, said = _follow(lines)
+    assert log.nodes == "gpu-node-[01-02]" and log.job_dir == JOB_DIR and log.restarts == 0
+    assert log.resumed_from is None and [s["step"] for s in log.steps] == [2]
+    assert said == ["job started on gpu-node-[01-02]", "step 2/5  loss 2.0000"], said
+
+
+def test_the_controller_side_is_not_hung_by_a_planted_fifo(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "w.bin").write_bytes(b"abc")
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    os.mkfifo(dest / "w.bin.partial")
+    res = _fetch({"source": str(src), "dest": str(dest), "files": [{"path": "w.bin", "size": 3}]})
+    assert res.returncode == 1 and "fetch error: 'w.bin': w.bin.partial is not a plain file" in res.stderr, res.stderr
