@@ -328,6 +328,9 @@ class ClusterMocks(pulumi.runtime.Mocks):
                 return {}, [("instanceId", "Your query returned no results")]
             return {"id": inst.id, "instanceType": inst.instance_type, "tags": dict(inst.tags),
                     "instanceState": inst.state}
+        if args.token == "aws:index/getCallerIdentity:getCallerIdentity":
+            return {"id": ACCOUNT, "accountId": ACCOUNT, "arn": f"arn:aws:iam::{ACCOUNT}:user/test",
+                    "userId": "AIDATEST"}
         if args.token == "aws:ec2/getCapacityBlockReservation:getCapacityBlockReservation":
             block = self.capacity_blocks.get(args.args["id"])
             if block is None:
