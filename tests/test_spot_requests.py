@@ -270,6 +270,7 @@ def test_left_over_requests_are_listed_with_the_commands_that_end_them():
             tagged(request("sir-0bbb", "open", None), name="mini-gpu-node-02"),
             tagged(request("sir-0ccc", "active", "i-0ccc"), name="mini-gpu-node-03")]},
             {"Filters": [scope, {"Name": "state", "Values": ["open", "active", "disabled"]}]})
+        stub.add_response("describe_spot_instance_requests", {"SpotInstanceRequests": []}, PERSISTENT)
         stub.add_response("describe_instances", {"Reservations": [{"Instances": [
             {"InstanceId": "i-0aaa", "Tags": [{"Key": STACK_TAG, "Value": STACK}]}]}]},
             {"Filters": [scope, {"Name": "instance-state-name", "Values": ["pending", "running", "stopping",
@@ -288,11 +289,40 @@ def test_left_over_requests_are_listed_with_the_commands_that_end_them():
     ]
 
 
+PERSISTENT = {"Filters": [{"Name": "state", "Values": ["open", "active", "disabled"]},
+                          {"Name": "type", "Values": ["persistent"]}]}
+
+
+def test_untagged_persistent_requests_of_no_live_stack_are_listed_to_check():
+    """Requests of stacks destroyed before requests were tagged carry no stack tag: each live persistent
+    one whose instance is gone or untagged is listed, marked to check (it may not be slurm-gpu's)."""
+    ec2, lines = ec2_client(), []
+    with Stubber(ec2) as stub:
+        stub.add_response("describe_spot_instance_requests", {"SpotInstanceRequests": []},
+                          {"Filters": [{"Name": "tag-key", "Values": [STACK_TAG]}, ANY]})
+        stub.add_response("describe_spot_instance_requests", {"SpotInstanceRequests": [
+            request("sir-0ddd", "open", None),  # its instance gone: relaunches one
+            request("sir-0eee", "disabled", "i-0eee"),  # an untagged instance
+            request("sir-0fff", "active", "i-0fff"),  # a live stack's node (its tagging failed): fine
+            tagged(request("sir-0aaa", "active", "i-0aaa"))]}, PERSISTENT)  # tagged: judged above
+        stub.add_response("describe_instances", {"Reservations": [{"Instances": [
+            {"InstanceId": "i-0eee", "Tags": [{"Key": "Name", "Value": "other"}]},
+            {"InstanceId": "i-0fff", "Tags": [{"Key": STACK_TAG, "Value": STACK}]}]}]},
+            {"Filters": [{"Name": "instance-id", "Values": ["i-0eee", "i-0fff"]}, ANY]})
+        with pytest.raises(spot_requests.SpotRequestsLeft, match="2 left-over"):
+            spot_requests.report(ec2, "ap-northeast-2", None, say=lines.append)
+        stub.assert_no_pending_responses()
+    assert [line.split(" (")[0] for line in lines if not line.startswith("  ")] == [
+        "untagged: check: Spot request sir-0ddd", "untagged: check: Spot request sir-0eee"]
+    assert "  aws ec2 cancel-spot-instance-requests --region ap-northeast-2 --spot-instance-request-ids sir-0ddd" in lines
+
+
 def test_no_left_over_request_is_one_line_and_success():
     ec2, lines = ec2_client(), []
     with Stubber(ec2) as stub:
         stub.add_response("describe_spot_instance_requests", {"SpotInstanceRequests": []},
                           {"Filters": [{"Name": "tag-key", "Values": [STACK_TAG]}, ANY]})
+        stub.add_response("describe_spot_instance_requests", {"SpotInstanceRequests": []}, PERSISTENT)
         spot_requests.report(ec2, "ap-northeast-2", None, say=lines.append)
     assert lines == ["no left-over Spot requests of any slurm-gpu stack in ap-northeast-2"]
 
