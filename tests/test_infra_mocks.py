@@ -352,8 +352,8 @@ class ClusterMocks(pulumi.runtime.Mocks):
                 ok = inst.reservation in values
             elif name == "tag-key":
                 ok = any(k in inst.tags for k in values)
-            elif name.startswith("tag:"):
-                ok = inst.tags.get(name[4:]) in values
+            elif name.startswith("tag:"):  # values take * and ? wildcards (EC2 API Reference, Filters)
+                ok = name[4:] in inst.tags and any(fnmatch.fnmatchcase(inst.tags[name[4:]], v) for v in values)
             else:
                 raise Exception(f"unexpected filter {name}")
             if not ok:
