@@ -667,3 +667,30 @@ def test_three_spot_nodes_that_never_settle_are_handed_to_slurm_within_the_budge
     assert sum(waits) <= prog.BUDGET_S
     assert calls() == [["update", "nodename=gpu-node-01,gpu-node-02,gpu-node-03", "state=power_down_force",
                         "reason=start failed: IncorrectSpotRequestState: cancelled"]]
+
+
+def test_the_wait_for_a_stopping_node_counts_against_the_same_budget(tmp_path, slurm_conf, start_failed):
+    """The wait for "stopped" is bounded by the deadline, and what it took leaves less for the retries."""
+    from botocore.stub import Stubber
+
+    prog, ec2 = load_program(tmp_path), ec2_client()
+    calls, waits = start_failed(prog), fake_time(prog)
+    polls = []
+
+    class SlowWaiter:
+        def wait(self, InstanceIds, WaiterConfig):
+            polls.append(WaiterConfig)
+            prog.SLEEP(prog.BUDGET_S - 10)  # stopped at last, late
+
+    ec2.get_waiter = lambda name: SlowWaiter()
+    with Stubber(ec2) as stub:
+        stub.add_response("describe_instances", described(("i-0aaa", "mini-gpu-node-01", "stopping")),
+                          {"Filters": filters("mini-gpu-node-01")})
+        for _ in range(3):  # the batch, then two rounds alone; 5 s fits in what is left, 10 s does not
+            stub.add_client_error("start_instances", "IncorrectSpotRequestState", "settling",
+                                  expected_params={"InstanceIds": ["i-0aaa"]})
+        assert prog.main(["slurm-gpu-power", "resume", "gpu-node-01"], ec2=ec2) == 1
+        stub.assert_no_pending_responses()
+    assert polls == [{"Delay": 15, "MaxAttempts": prog.BUDGET_S // 15}]
+    assert waits == [prog.BUDGET_S - 10, 5] and sum(waits) <= prog.BUDGET_S
+    assert calls()[0][:3] == ["update", "nodename=gpu-node-01", "state=power_down_force"]
