@@ -18,7 +18,7 @@ from infra.nodes import NodesComponent
 from infra.power_role import PowerSaveComponent
 from infra.quotas import STACK_TAG, stack_name
 from infra.security import SecurityComponent
-from infra.spot_guard import SpotRequestGuard
+from infra.spot_guard import SpotRequestGuard, provider_account
 
 SERVICE_CMD = "sudo systemctl {action} {service}"
 
@@ -113,8 +113,9 @@ class ClusterComponent(pulumi.ComponentResource):
             opts=pulumi.ResourceOptions(parent=self, depends_on=[self.network, self.security]),
         )
         # Each spot node's persistent request is cancelled before the node goes (infra/spot_guard.py).
+        account = provider_account() if cfg.gpu_market == SPOT else None
         self.spot_guards = [
-            SpotRequestGuard(f"{name}-{h.name}-spot-request", node=node, region=region,
+            SpotRequestGuard(f"{name}-{h.name}-spot-request", node=node, region=region, account=account,
                              tags={"Cluster": facts.cluster_name, "Role": "gpu",
                                    "Name": f"{facts.cluster_name}-{h.name}", STACK_TAG: stack_name()},
                              opts=child)

@@ -122,9 +122,12 @@ def _nodes_outside_blocks() -> bool:
             filters=[*mine, {"name": "instance-lifecycle", "values": ["capacity-block"]}],
             instance_state_names=EXISTING).ids or [])
     except Exception as exc:
+        # Not ignoring is the safe side: at worst the preview shows a visible replacement of the block
+        # nodes; ignoring could launch nodes moved into the block with their old market options.
         pulumi.log.warn(f"could not list this stack's GPU instances ({_first_line(exc)}); Capacity Block nodes "
-                        "ignore changes to their market options (infra/market.py BLOCK_IGNORED)")
-        return False
+                        "do not ignore their market options this time (infra/market.py BLOCK_IGNORED): "
+                        "if the preview replaces them, cancel and run `pulumi up` again")
+        return True
     return bool(every - block)
 
 

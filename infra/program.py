@@ -21,6 +21,7 @@ from infra.instance_types import check_controller_type, choose_availability_zone
 from infra.kms import EbsKey, resolve_ebs_key
 from infra.market import Reservation, check_reservation, zones_offering
 from infra.quotas import check_cluster_name_is_ours, check_vcpu_quotas, stack_name
+from infra.spot_guard import check_provider_followable
 
 SSH_USER = "ubuntu"  # the Ubuntu AMI's login user
 # Power saving on EC2: a stop may take this long before the node can be started again
@@ -65,6 +66,8 @@ def plan(cfg: stack_config.StackConfig) -> tuple[ClusterFacts, str, dict[str, Am
     region = pulumi.Config("aws").get("region")
     ebs_key = resolve_ebs_key(cfg, region)
     check_cluster_name_is_ours(cfg)
+    if cfg.gpu_market == SPOT:
+        check_provider_followable()
     # Last: a missing quota takes days to fix, so the other refusals come first.
     check_vcpu_quotas(cfg, gpu_vcpus=gpu.shape.cpus, controller_vcpus=controller_vcpus, region=region)
     controller, gpu_nodes = plan_hosts(cfg.subnet_cidr, cfg.gpu_node_count,

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import math
 import re
+import shlex
 from dataclasses import dataclass
 
 import pulumi
@@ -268,7 +269,7 @@ def _usage(group: QuotaGroup, cluster_name: str, quota: Quota, *, spot: SpotQuot
 
         running = of_market(set(_ids([types], RUNNING)))
         # The stack's own, in any state: by its stack tag, or (made before that tag) its cluster's.
-        own = set(_ids([types, {"name": f"tag:{STACK_TAG}", "values": [me]}], EXISTING))
+        own = set(_ids([types, {"name": f"tag:{STACK_TAG}", "values": own_stack_tags()}], EXISTING))
         own |= set(_ids([types, {"name": "tag:Cluster", "values": [cluster_name]}], EXISTING))
         own = of_market(own)
     except Exception as exc:
@@ -301,9 +302,23 @@ def _usage(group: QuotaGroup, cluster_name: str, quota: Quota, *, spot: SpotQuot
     return usage
 
 
+def own_stack_tags() -> list[str]:
+    """The STACK_TAG values (DescribeInstances filter values, where `*` is a wildcard: EC2 API Reference,
+    DescribeInstances, Filters) that are this stack's: its name, and its project/stack under any
+    organization. A stack moved to another organization or backend (`pulumi stack rename org/...`, DIY's
+    "organization" vs Pulumi Cloud's) keeps its instances' old tag until its next up retags them."""
+    me = stack_name()
+    tail = _project_stack(me)
+    return sorted({me, tail, f"*/{tail}"})
+
+
+def _project_stack(name: str) -> str:
+    return "/".join(name.split("/")[-2:])
+
+
 def _ours(tags: dict[str, str], me: str, cluster_name: str) -> bool:
     if STACK_TAG in tags:
-        return tags[STACK_TAG] == me
+        return _project_stack(tags[STACK_TAG]) == _project_stack(me)
     # Made before instances carried STACK_TAG: this cluster's, by the tag they have had since.
     return tags.get("Cluster") == cluster_name
 
@@ -324,7 +339,8 @@ def check_cluster_name_is_ours(cfg: StackConfig) -> None:
     named = {"name": "tag:Cluster", "values": [cfg.cluster_name]}
     try:
         tagged = set(_ids([named, {"name": "tag-key", "values": [STACK_TAG]}], EXISTING))
-        others = sorted(tagged - set(_ids([named, {"name": f"tag:{STACK_TAG}", "values": [me]}], EXISTING)))
+        others = sorted(tagged - set(_ids([named, {"name": f"tag:{STACK_TAG}", "values": own_stack_tags()}],
+                                          EXISTING)))
         owner = (aws.ec2.get_instance(instance_id=others[0]).tags or {}).get(STACK_TAG, "?") if others else ""
     except Exception as exc:
         pulumi.log.warn(f"could not list the instances of cluster name {cfg.cluster_name!r} "
@@ -335,7 +351,15 @@ def check_cluster_name_is_ours(cfg: StackConfig) -> None:
             f"{NAMESPACE}:clusterName is {cfg.cluster_name!r}, which stack {owner} already uses in this "
             f"account and region ({len(others)} instance(s), e.g. {others[0]}); two clusters of one name "
             f"would share host names and tags. Nothing was created. Pick another: "
-            f"`pulumi config set {NAMESPACE}:clusterName {_suggest(cfg.cluster_name)}`")
+            f"`pulumi config set {NAMESPACE}:clusterName {_suggest(cfg.cluster_name)}`; or, if {owner} is this "
+            f"stack before a `pulumi stack rename`, give its instances this stack's tag: {_retag(others, me)}")
+
+
+def _retag(ids: list[str], me: str) -> str:
+    """The AWS CLI command that tags those instances as this stack's (ids as EC2 answered, checked)."""
+    safe = [i for i in ids if re.fullmatch(r"i-[0-9a-f]{1,40}", i)]
+    return (f"`aws ec2 create-tags --resources {' '.join(safe) or 'INSTANCE_IDS'} "
+            f"--tags {shlex.quote(f'Key={STACK_TAG},Value={me}')}`")
 
 
 def _suggest(name: str) -> str:

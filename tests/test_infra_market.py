@@ -205,6 +205,25 @@ def test_a_second_up_of_a_capacity_block_stack_plans_no_change_to_its_nodes():
         assert planned_changes(inst.inputs, run.mocks.read_back[inst.name], inst.ignore_changes) == set()
 
 
+def test_block_nodes_keep_their_market_options_when_the_stacks_instances_cannot_be_listed(caplog):
+    """A failed list must not ignore the market options: nodes moved into the block would launch with their
+    old ones. Not ignoring costs at most a visible replacement in the preview."""
+    class Unlisted(ClusterMocks):
+        def call(self, args):
+            if args.token == "aws:ec2/getInstances:getInstances":
+                return {}, [("filters", "UnauthorizedOperation: You are not authorized to perform this operation.")]
+            return super().call(args)
+
+    mocks = Unlisted(capacity_blocks={CB: capacity_block_result(CB)})
+    with caplog.at_level(logging.WARNING):
+        run = run_program(stack_config(gpuMarket="capacity-block", capacityReservationId=CB,
+                                       gpuInstanceType="p5.48xlarge"), mocks)
+    for inst in gpu_and_controller(run)[0]:
+        assert "instanceMarketOptions" not in inst.ignore_changes
+        assert inst.inputs["instanceMarketOptions"] == {"marketType": "capacity-block"}
+    assert "do not ignore their market options" in caplog.text
+
+
 @pytest.mark.parametrize("config,mocks", [
     ({"ebsKmsKeyId": harness.CMK}, {}),
     ({"idleStopMinutes": 0}, {"default_ebs_key": harness.CMK}),  # the account's default is the CMK

@@ -328,6 +328,9 @@ class ClusterMocks(pulumi.runtime.Mocks):
                 return {}, [("instanceId", "Your query returned no results")]
             return {"id": inst.id, "instanceType": inst.instance_type, "tags": dict(inst.tags),
                     "instanceState": inst.state}
+        if args.token == "aws:index/getCallerIdentity:getCallerIdentity":
+            return {"id": ACCOUNT, "accountId": ACCOUNT, "arn": f"arn:aws:iam::{ACCOUNT}:user/test",
+                    "userId": "AIDATEST"}
         if args.token == "aws:ec2/getCapacityBlockReservation:getCapacityBlockReservation":
             block = self.capacity_blocks.get(args.args["id"])
             if block is None:
@@ -349,8 +352,8 @@ class ClusterMocks(pulumi.runtime.Mocks):
                 ok = inst.reservation in values
             elif name == "tag-key":
                 ok = any(k in inst.tags for k in values)
-            elif name.startswith("tag:"):
-                ok = inst.tags.get(name[4:]) in values
+            elif name.startswith("tag:"):  # values take * and ? wildcards (EC2 API Reference, Filters)
+                ok = name[4:] in inst.tags and any(fnmatch.fnmatchcase(inst.tags[name[4:]], v) for v in values)
             else:
                 raise Exception(f"unexpected filter {name}")
             if not ok:

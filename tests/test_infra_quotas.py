@@ -173,6 +173,20 @@ def test_a_quota_without_a_value_is_reported_and_a_zero_quota_refuses(caplog):
     assert "the quota is 0." in msg and request(G, 96) in msg
 
 
+def test_a_stack_moved_to_another_organization_is_not_refused_by_its_own_instances():
+    """After `pulumi stack rename neworg/slurm-gpu/test` (or a move between the DIY backend, whose
+    organization is "organization", and Pulumi Cloud) the stack's instances still carry the old stack tag
+    until this up retags them: the same project/stack is this stack."""
+    moved = [Running("i-0e1", "g6.12xlarge", {"Cluster": "mini", "Role": "gpu",
+                                               "slurm-gpu:stack": f"oldorg/{OURS}"}, state="stopped")]
+    assert len(run_program(stack_config(), ClusterMocks(running=moved)).of_type("instance")) == 3
+    # Renamed to another stack name: refused, naming how to give the instances this stack's tag.
+    renamed = [Running("i-0e1", "g6.12xlarge", {"Cluster": "mini", "slurm-gpu:stack": "slurm-gpu/old-name"},
+                       state="stopped")]
+    msg = refused(ClusterMocks(running=renamed))
+    assert f"`aws ec2 create-tags --resources i-0e1 --tags Key=slurm-gpu:stack,Value={OURS}`" in msg
+
+
 def test_im_and_is_families_are_standard():
     for itype in ("im4gn.large", "is4gen.medium", "i4i.xlarge"):
         group = quota_group(itype)

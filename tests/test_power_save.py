@@ -601,3 +601,96 @@ def test_a_spot_request_that_never_settles_is_handed_to_slurm_after_the_retries(
     assert waits == prog.RETRY_WAITS
     assert calls() == [["update", "nodename=gpu-node-01", "state=power_down_force",
                         "reason=start failed: IncorrectSpotRequestState: cancelled"]]
+
+
+THREE = (("i-0aaa", "mini-gpu-node-01", "stopped"), ("i-0bbb", "mini-gpu-node-02", "stopped"),
+         ("i-0ccc", "mini-gpu-node-03", "stopped"))
+
+
+def fake_time(prog) -> list[float]:
+    """The program's clock advanced only by its sleeps; returns the waits it slept."""
+    now, waits = [1000.0], []
+
+    def sleep(s):
+        waits.append(s)
+        now[0] += s
+
+    prog.SLEEP, prog.CLOCK = sleep, lambda: now[0]
+    return waits
+
+
+def test_three_settling_spot_nodes_are_retried_together_and_all_start_within_the_budget(
+        tmp_path, slurm_conf, start_failed):
+    """Each round tries every node still refused, so three nodes cost the waits of one: retried one node
+    after another, the second and third would wait behind the first's whole budget."""
+    from botocore.stub import Stubber
+
+    prog, ec2 = load_program(tmp_path), ec2_client()
+    calls, waits = start_failed(prog), fake_time(prog)
+    ids = [i[0] for i in THREE]
+    with Stubber(ec2) as stub:
+        stub.add_response("describe_instances", described(*THREE),
+                          {"Filters": filters(*(i[1] for i in THREE))})
+        stub.add_client_error("start_instances", "IncorrectSpotRequestState", "settling",
+                              expected_params={"InstanceIds": ids})
+        for _ in range(4):  # four rounds of all three refused
+            for i in ids:
+                stub.add_client_error("start_instances", "IncorrectSpotRequestState", "settling",
+                                      expected_params={"InstanceIds": [i]})
+        for i in ids:
+            stub.add_response("start_instances", changes("StartingInstances", i), {"InstanceIds": [i]})
+        assert prog.main(["slurm-gpu-power", "resume", "gpu-node-[01-03]"], ec2=ec2) == 0
+        stub.assert_no_pending_responses()
+    assert calls() == [] and waits == prog.RETRY_WAITS[:4]
+    assert sum(waits) <= prog.BUDGET_S == EC2.resume_timeout // 2
+
+
+def test_three_spot_nodes_that_never_settle_are_handed_to_slurm_within_the_budget(
+        tmp_path, slurm_conf, start_failed):
+    """One deadline for the whole resume call, a slow wait for stopping instances included."""
+    from botocore.stub import Stubber
+
+    prog, ec2 = load_program(tmp_path), ec2_client()
+    calls, waits = start_failed(prog), fake_time(prog)
+    ids = [i[0] for i in THREE]
+    with Stubber(ec2) as stub:
+        stub.add_response("describe_instances", described(*THREE),
+                          {"Filters": filters(*(i[1] for i in THREE))})
+        stub.add_client_error("start_instances", "IncorrectSpotRequestState", "cancelled",
+                              expected_params={"InstanceIds": ids})
+        for _ in range(len(prog.RETRY_WAITS) + 1):
+            for i in ids:
+                stub.add_client_error("start_instances", "IncorrectSpotRequestState", "cancelled",
+                                      expected_params={"InstanceIds": [i]})
+        assert prog.main(["slurm-gpu-power", "resume", "gpu-node-[01-03]"], ec2=ec2) == 1
+        stub.assert_no_pending_responses()
+    assert sum(waits) <= prog.BUDGET_S
+    assert calls() == [["update", "nodename=gpu-node-01,gpu-node-02,gpu-node-03", "state=power_down_force",
+                        "reason=start failed: IncorrectSpotRequestState: cancelled"]]
+
+
+def test_the_wait_for_a_stopping_node_counts_against_the_same_budget(tmp_path, slurm_conf, start_failed):
+    """The wait for "stopped" is bounded by the deadline, and what it took leaves less for the retries."""
+    from botocore.stub import Stubber
+
+    prog, ec2 = load_program(tmp_path), ec2_client()
+    calls, waits = start_failed(prog), fake_time(prog)
+    polls = []
+
+    class SlowWaiter:
+        def wait(self, InstanceIds, WaiterConfig):
+            polls.append(WaiterConfig)
+            prog.SLEEP(prog.BUDGET_S - 10)  # stopped at last, late
+
+    ec2.get_waiter = lambda name: SlowWaiter()
+    with Stubber(ec2) as stub:
+        stub.add_response("describe_instances", described(("i-0aaa", "mini-gpu-node-01", "stopping")),
+                          {"Filters": filters("mini-gpu-node-01")})
+        for _ in range(3):  # the batch, then two rounds alone; 5 s fits in what is left, 10 s does not
+            stub.add_client_error("start_instances", "IncorrectSpotRequestState", "settling",
+                                  expected_params={"InstanceIds": ["i-0aaa"]})
+        assert prog.main(["slurm-gpu-power", "resume", "gpu-node-01"], ec2=ec2) == 1
+        stub.assert_no_pending_responses()
+    assert polls == [{"Delay": 15, "MaxAttempts": prog.BUDGET_S // 15}]
+    assert waits == [prog.BUDGET_S - 10, 5] and sum(waits) <= prog.BUDGET_S
+    assert calls()[0][:3] == ["update", "nodename=gpu-node-01", "state=power_down_force"]

@@ -5,15 +5,23 @@ left over with the commands that end them (ops/actions/spot_requests.py, Stubber
 
 from __future__ import annotations
 
+import inspect
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from botocore.stub import ANY, Stubber
 
 from infra import spot_guard
 from infra.quotas import STACK_TAG
 from ops.actions import spot_requests
-from tests.test_infra_mocks import run_program, stack_config
+from tests.test_infra_mocks import ACCOUNT, run_program, stack_config
 
 DYNAMIC = "pulumi-python:dynamic:Resource"
+REPO = Path(__file__).resolve().parents[1]
 STACK = "slurm-gpu/test"  # stack_name() under the mocks (no organization)
 
 
@@ -116,8 +124,119 @@ def test_delete_of_a_request_already_gone_does_nothing():
                           {"SpotInstanceRequests": [request(state="cancelled")]}, {"SpotInstanceRequestIds": ["sir-0aaa"]})
         assert spot_guard.cancel_request(ec2, "sir-0aaa", "i-0aaa") == []
         stub.add_client_error("describe_spot_instance_requests", "InvalidSpotInstanceRequestID.NotFound", "gone")
+        stub.add_client_error("describe_instances", "InvalidInstanceID.NotFound", "gone",
+                              expected_params={"InstanceIds": ["i-0aaa"]})
         assert spot_guard.cancel_request(ec2, "sir-0aaa", "i-0aaa") == []
         stub.assert_no_pending_responses()
+
+
+def instance(state="stopped", request="sir-0aaa"):
+    return {"Reservations": [{"Instances": [{"InstanceId": "i-0aaa", "State": {"Name": state, "Code": 80},
+                                             **({"SpotInstanceRequestId": request} if request else {})}]}]}
+
+
+@pytest.mark.parametrize("answer,ok", [
+    (instance("terminated"), True),  # gone with its instance
+    (instance(request=None), True),  # the node is no longer a spot instance
+    (instance("stopped"), False),  # its instance still names it: the guard looks in the wrong place
+])
+def test_a_request_ec2_does_not_know_is_done_only_once_its_instance_confirms_it(answer, ok):
+    ec2 = ec2_client()
+    with Stubber(ec2) as stub:
+        stub.add_client_error("describe_spot_instance_requests", "InvalidSpotInstanceRequestID.NotFound", "gone")
+        stub.add_response("describe_instances", answer, {"InstanceIds": ["i-0aaa"]})
+        if ok:
+            assert spot_guard.cancel_request(ec2, "sir-0aaa", "i-0aaa") == []
+        else:
+            with pytest.raises(spot_guard.GuardError, match="still runs under it"):
+                spot_guard.cancel_request(ec2, "sir-0aaa", "i-0aaa")
+        stub.assert_no_pending_responses()
+
+
+PROPS = {"instance_id": "i-0aaa", "request_id": "sir-0aaa", "region": "ap-northeast-2", "profile": None,
+         "account": ACCOUNT, "tags": {STACK_TAG: STACK}}
+
+
+def test_the_guard_records_the_providers_account_and_never_acts_in_another(monkeypatch):
+    run = run_program(stack_config(gpuMarket="spot", gpuNodeCount=1))
+    (guard,), _ = guards_and_nodes(run)
+    assert guard.inputs["account"] == ACCOUNT
+    monkeypatch.setattr(spot_guard, "caller_account", lambda *a: "999988887777")
+    monkeypatch.setattr(spot_guard, "ec2_client", lambda *a: pytest.fail("no EC2 call in another account"))
+    with pytest.raises(spot_guard.GuardError) as err:
+        spot_guard.SpotRequestCanceller().delete("sir-0aaa", PROPS)
+    text = str(err.value)
+    assert "\n" not in text and "account 999988887777" in text and f"account {ACCOUNT}" in text
+    assert "aws ec2 cancel-spot-instance-requests --region ap-northeast-2 --spot-instance-request-ids sir-0aaa" in text
+    assert "`pulumi state delete URN`" in text
+
+
+@pytest.mark.parametrize("key", spot_guard.UNFOLLOWED)
+def test_a_spot_stack_whose_provider_settings_the_guard_cannot_follow_is_refused(key):
+    from infra.config import ConfigError
+
+    with pytest.raises(ConfigError, match=f"^slurm-gpu:gpuMarket is spot, but aws:{key} is set") as err:
+        run_program({**stack_config(gpuMarket="spot"), f"aws:{key}": "x"})
+    assert "Nothing was created" in str(err.value)
+    run_program({**stack_config(), f"aws:{key}": "x"})  # on-demand: nothing to cancel, no refusal
+
+
+def test_destroy_without_credentials_is_one_line_with_the_way_out(monkeypatch):
+    from botocore.exceptions import NoCredentialsError
+
+    def no_credentials(*a):
+        raise NoCredentialsError()
+
+    monkeypatch.setattr(spot_guard, "caller_account", no_credentials)
+    with pytest.raises(spot_guard.GuardError) as err:
+        spot_guard.SpotRequestCanceller().delete("sir-0aaa", PROPS)
+    text = str(err.value)
+    assert "\n" not in text and "Unable to locate credentials" in text and "AWS_PROFILE" in text
+    assert "--spot-instance-request-ids sir-0aaa" in text and "pulumi state delete" in text
+    # EC2 refusing a call is the same line, naming what it refused.
+    ec2 = ec2_client()
+    monkeypatch.setattr(spot_guard, "caller_account", lambda *a: ACCOUNT)
+    monkeypatch.setattr(spot_guard, "ec2_client", lambda *a: ec2)
+    with Stubber(ec2) as stub:
+        stub.add_client_error("describe_spot_instance_requests", "UnauthorizedOperation", "not authorized")
+        with pytest.raises(spot_guard.GuardError, match="UnauthorizedOperation.*ec2:CancelSpotInstanceRequests"):
+            spot_guard.SpotRequestCanceller().delete("sir-0aaa", PROPS)
+
+
+def test_a_tagging_failure_warns_and_the_guard_still_lands_in_the_state(monkeypatch, capsys):
+    ec2 = ec2_client()
+    monkeypatch.setattr(spot_guard, "ec2_client", lambda *a: ec2)
+    with Stubber(ec2) as stub:
+        stub.add_client_error("create_tags", "UnauthorizedOperation", "not authorized")
+        made = spot_guard.SpotRequestCanceller().create(PROPS)
+    assert made.id == "sir-0aaa" and made.outs["request_id"] == "sir-0aaa"
+    assert "could not tag Spot request sir-0aaa" in made.outs["warning"]
+    assert "could not tag" in capsys.readouterr().err
+
+
+def load_serialized_provider(cwd: str) -> subprocess.CompletedProcess:
+    """What the engine's dynamic-provider plugin does with the guard's state: `python -m pulumi.dynamic`
+    (started in the project directory: the cwd is on sys.path) runs dill.loads on it."""
+    from pulumi.dynamic.dynamic import serialize_provider
+
+    pickled = serialize_provider(spot_guard.SpotRequestCanceller())
+    code = ("import base64, sys, dill; p = dill.loads(base64.b64decode(sys.argv[1])); "
+            "print(type(p).__module__, type(p).__name__)")
+    return subprocess.run([sys.executable, "-c", code, pickled], cwd=cwd, capture_output=True, text=True,
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+
+
+def test_the_state_pins_the_providers_import_path_so_it_must_never_move():
+    """Renaming or moving infra/spot_guard.py or SpotRequestCanceller would break diff and delete (destroy)
+    for every existing stack: the pickle names it, and only the project directory resolves it."""
+    here = load_serialized_provider(str(REPO))
+    assert here.returncode == 0, here.stderr
+    assert here.stdout.split() == ["infra.spot_guard", "SpotRequestCanceller"]
+    assert "never rename or move" in inspect.getsource(spot_guard).lower()
+    elsewhere = load_serialized_provider("/")
+    assert elsewhere.returncode != 0 and "No module named 'infra'" in elsewhere.stderr
+    # The plugin starts in the project directory, which is the repository root: no `main:` elsewhere.
+    assert not re.search(r"(?m)^main:", (REPO / "Pulumi.yaml").read_text())
 
 
 def test_create_tags_the_request_with_the_stack():
@@ -151,6 +270,7 @@ def test_left_over_requests_are_listed_with_the_commands_that_end_them():
             tagged(request("sir-0bbb", "open", None), name="mini-gpu-node-02"),
             tagged(request("sir-0ccc", "active", "i-0ccc"), name="mini-gpu-node-03")]},
             {"Filters": [scope, {"Name": "state", "Values": ["open", "active", "disabled"]}]})
+        stub.add_response("describe_spot_instance_requests", {"SpotInstanceRequests": []}, PERSISTENT)
         stub.add_response("describe_instances", {"Reservations": [{"Instances": [
             {"InstanceId": "i-0aaa", "Tags": [{"Key": STACK_TAG, "Value": STACK}]}]}]},
             {"Filters": [scope, {"Name": "instance-state-name", "Values": ["pending", "running", "stopping",
@@ -169,11 +289,40 @@ def test_left_over_requests_are_listed_with_the_commands_that_end_them():
     ]
 
 
+PERSISTENT = {"Filters": [{"Name": "state", "Values": ["open", "active", "disabled"]},
+                          {"Name": "type", "Values": ["persistent"]}]}
+
+
+def test_untagged_persistent_requests_of_no_live_stack_are_listed_to_check():
+    """Requests of stacks destroyed before requests were tagged carry no stack tag: each live persistent
+    one whose instance is gone or untagged is listed, marked to check (it may not be slurm-gpu's)."""
+    ec2, lines = ec2_client(), []
+    with Stubber(ec2) as stub:
+        stub.add_response("describe_spot_instance_requests", {"SpotInstanceRequests": []},
+                          {"Filters": [{"Name": "tag-key", "Values": [STACK_TAG]}, ANY]})
+        stub.add_response("describe_spot_instance_requests", {"SpotInstanceRequests": [
+            request("sir-0ddd", "open", None),  # its instance gone: relaunches one
+            request("sir-0eee", "disabled", "i-0eee"),  # an untagged instance
+            request("sir-0fff", "active", "i-0fff"),  # a live stack's node (its tagging failed): fine
+            tagged(request("sir-0aaa", "active", "i-0aaa"))]}, PERSISTENT)  # tagged: judged above
+        stub.add_response("describe_instances", {"Reservations": [{"Instances": [
+            {"InstanceId": "i-0eee", "Tags": [{"Key": "Name", "Value": "other"}]},
+            {"InstanceId": "i-0fff", "Tags": [{"Key": STACK_TAG, "Value": STACK}]}]}]},
+            {"Filters": [{"Name": "instance-id", "Values": ["i-0eee", "i-0fff"]}, ANY]})
+        with pytest.raises(spot_requests.SpotRequestsLeft, match="2 left-over"):
+            spot_requests.report(ec2, "ap-northeast-2", None, say=lines.append)
+        stub.assert_no_pending_responses()
+    assert [line.split(" (")[0] for line in lines if not line.startswith("  ")] == [
+        "untagged: check: Spot request sir-0ddd", "untagged: check: Spot request sir-0eee"]
+    assert "  aws ec2 cancel-spot-instance-requests --region ap-northeast-2 --spot-instance-request-ids sir-0ddd" in lines
+
+
 def test_no_left_over_request_is_one_line_and_success():
     ec2, lines = ec2_client(), []
     with Stubber(ec2) as stub:
         stub.add_response("describe_spot_instance_requests", {"SpotInstanceRequests": []},
                           {"Filters": [{"Name": "tag-key", "Values": [STACK_TAG]}, ANY]})
+        stub.add_response("describe_spot_instance_requests", {"SpotInstanceRequests": []}, PERSISTENT)
         spot_requests.report(ec2, "ap-northeast-2", None, say=lines.append)
     assert lines == ["no left-over Spot requests of any slurm-gpu stack in ap-northeast-2"]
 

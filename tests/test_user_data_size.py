@@ -64,3 +64,44 @@ def test_shipped_shell_scripts_parse_to_the_same_commands(name, spot):
         shipped = render.shipped_shell(text)
         assert shipped.startswith("#!/bin/bash\n") and len(shipped) < len(text), where
         assert _bash_parse(shipped) == _bash_parse(text), where
+
+
+# ------------------------------------------------------------ what shipped_shell must not strip or join
+
+def test_a_comment_line_after_a_continuation_fails_the_render_rather_than_join_two_commands():
+    """`echo a \\` then `  # note` then `echo b`: bash ends the continued command at the comment, so
+    dropping the comment line would make `echo a echo b`."""
+    script = "#!/bin/bash\necho a \\\n  # note\necho b\n"
+    with pytest.raises(render.UnsafeShell, match="continuation"):
+        render.shipped_shell(script)
+    # A comment line after a line ending in an escaped backslash is no continuation.
+    assert render.shipped_shell("#!/bin/bash\necho a\\\\\n# note\necho b\n") == "#!/bin/bash\necho a\\\\\necho b\n"
+
+
+@pytest.mark.skipif(not shutil.which("bash"), reason="needs bash")
+@pytest.mark.parametrize("start", ["<<'EOF-X'", '<<"EOF.X"', "<<-EOF-X", "<< EOF-X"])
+def test_any_here_document_delimiter_keeps_its_body(start):
+    end = "\tEOF-X" if start.startswith("<<-") else ("EOF.X" if "." in start else "EOF-X")
+    script = f"#!/bin/bash\ncat > /tmp/x {start}\n# data, not a comment\n{end}\n# a comment\necho done\n"
+    shipped = render.shipped_shell(script)
+    assert "# data, not a comment" in shipped and "# a comment" not in shipped
+    assert _bash_parse(shipped) == _bash_parse(script)
+
+
+@pytest.mark.skipif(not shutil.which("bash"), reason="needs bash")
+def test_two_here_documents_on_a_line_and_a_multi_line_string_keep_their_data():
+    script = ("#!/bin/bash\npaste /dev/fd/3 3<<A - <<'B'\n# a\nA\n# b\nB\n"
+              "msg='one\n# two'\n# gone\necho \"$msg\"\n")
+    shipped = render.shipped_shell(script)
+    assert shipped == script.replace("# gone\n", "")
+    assert _bash_parse(shipped) == _bash_parse(script)
+
+
+@pytest.mark.parametrize("script,why", [
+    ("#!/bin/bash\ncat <<\necho\n", "cannot parse"),
+    ("#!/bin/bash\ncat <<EOF\n# body\n", "never ends"),
+    ("#!/bin/bash\necho 'open\n# x\n", "never closes"),
+])
+def test_what_shipped_shell_cannot_follow_fails_the_render(script, why):
+    with pytest.raises(render.UnsafeShell, match=why):
+        render.shipped_shell(script)

@@ -7,6 +7,9 @@ terminating the instance of a persistent request reopens it; "Cancel a Spot Inst
 https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/using-spot-instances-cancel.html, "canceling the request
 does not terminate the instance"). Left over: such a request whose instance is not a live instance of its
 own stack (after `pulumi destroy` every request of the stack is; a relaunched instance carries no tags).
+Requests of stacks destroyed before the stack tagged them carry no tag: every live persistent request
+without the stack tag whose instance is gone or carries no stack tag is listed too, marked "untagged:
+check" (it may not be slurm-gpu's: check before cancelling).
 Works without the stack (after a destroy): it asks EC2 directly, with the caller's credentials.
 """
 
@@ -41,35 +44,56 @@ class LeftOver:
     instance_id: str | None
     stack: str
     name: str
+    untagged: bool = False  # no stack tag: maybe a stack's from before requests were tagged, maybe not ours
 
 
 def _tags(item: dict) -> dict[str, str]:
     return {t["Key"]: t["Value"] for t in item.get("Tags", [])}
 
 
-def left_over(ec2, stack: str | None = None) -> list[LeftOver]:
-    """The live Spot requests tagged for `stack` (any slurm-gpu stack when None) whose instance is not a
-    live instance of that stack."""
-    scope = ({"Name": f"tag:{STACK_TAG}", "Values": [stack]} if stack
-             else {"Name": "tag-key", "Values": [STACK_TAG]})
-    requests = [r for page in ec2.get_paginator("describe_spot_instance_requests").paginate(
-                    Filters=[scope, {"Name": "state", "Values": list(LIVE_STATES)}])
-                for r in page["SpotInstanceRequests"]]
-    if not requests:
-        return []
-    live: set[tuple[str, str]] = set()  # (stack, instance id)
+def _requests(ec2, filters: list[dict]) -> list[dict]:
+    return [r for page in ec2.get_paginator("describe_spot_instance_requests").paginate(Filters=filters)
+            for r in page["SpotInstanceRequests"]]
+
+
+def _live_instances(ec2, scope: dict) -> dict[str, str]:
+    """Instance id -> its stack tag ("" if none), of the instances in `scope` that are not terminated."""
+    live = {}
     for page in ec2.get_paginator("describe_instances").paginate(
             Filters=[scope, {"Name": "instance-state-name", "Values": list(INSTANCE_STATES)}]):
         for inst in (i for r in page["Reservations"] for i in r["Instances"]):
-            live.add((_tags(inst).get(STACK_TAG, ""), inst["InstanceId"]))
+            live[inst["InstanceId"]] = _tags(inst).get(STACK_TAG, "")
+    return live
+
+
+def left_over(ec2, stack: str | None = None) -> list[LeftOver]:
+    """The live Spot requests tagged for `stack` (any slurm-gpu stack when None) whose instance is not a
+    live instance of that stack, then the untagged live persistent ones whose instance is gone or carries
+    no stack tag (module docstring)."""
+    scope = ({"Name": f"tag:{STACK_TAG}", "Values": [stack]} if stack
+             else {"Name": "tag-key", "Values": [STACK_TAG]})
+    live_states = {"Name": "state", "Values": list(LIVE_STATES)}
+    requests = _requests(ec2, [scope, live_states])
+    untagged = [r for r in _requests(ec2, [live_states, {"Name": "type", "Values": ["persistent"]}])
+                if STACK_TAG not in _tags(r)]
     found = []
-    for req in requests:
-        tags = _tags(req)
-        owner, instance = tags.get(STACK_TAG, ""), req.get("InstanceId")
-        if instance and (owner, instance) in live:
+    if requests:
+        live = _live_instances(ec2, scope)
+        for req in requests:
+            tags = _tags(req)
+            owner, instance = tags.get(STACK_TAG, ""), req.get("InstanceId")
+            if instance and live.get(instance) == owner:
+                continue
+            found.append(LeftOver(req["SpotInstanceRequestId"], req.get("State", "?"), instance, owner,
+                                  tags.get("Name", "")))
+    held = sorted({r["InstanceId"] for r in untagged if r.get("InstanceId")})
+    live = _live_instances(ec2, {"Name": "instance-id", "Values": held}) if held else {}
+    for req in untagged:
+        instance = req.get("InstanceId")
+        if instance and live.get(instance):  # a live instance of some stack: its guard cancels it
             continue
-        found.append(LeftOver(req["SpotInstanceRequestId"], req.get("State", "?"), instance, owner,
-                              tags.get("Name", "")))
+        found.append(LeftOver(req["SpotInstanceRequestId"], req.get("State", "?"), instance, "",
+                              _tags(req).get("Name", ""), untagged=True))
     return found
 
 
@@ -93,8 +117,13 @@ def report(ec2, region: str | None, stack: str | None, say: Say = print) -> None
         return
     for item in found:
         holds = f"instance {item.instance_id}" if item.instance_id else "no instance yet"
-        say(f"left over: Spot request {item.request_id} ({item.state}, {holds}, stack {item.stack or '?'}"
-            + (f", {item.name}" if item.name else "") + "): it can launch or restart an instance that bills")
+        if item.untagged:
+            say(f"untagged: check: Spot request {item.request_id} ({item.state}, {holds}, no stack tag"
+                + (f", {item.name}" if item.name else "") + "): a persistent request of no live stack, maybe of "
+                "a stack destroyed before requests were tagged, maybe not slurm-gpu's; check it before cancelling")
+        else:
+            say(f"left over: Spot request {item.request_id} ({item.state}, {holds}, stack {item.stack or '?'}"
+                + (f", {item.name}" if item.name else "") + "): it can launch or restart an instance that bills")
         for cmd in cancel_commands(item, region):
             say(f"  {cmd}")
     raise SpotRequestsLeft(f"{len(found)} left-over Spot request{'s' if len(found) != 1 else ''} of {scope}: "
