@@ -52,9 +52,10 @@ SPOT_WATCH_ENV = "/etc/slurm-gpu/spot-watch.env"
 SPOT_WATCH_POLL_S = 5  # AWS recommends checking for interruption notices every 5 seconds
 # The controller's instance metadata guard (its `imds` step): an nftables table that resets every
 # connection to the metadata service but root's and SlurmUser's (the power programs'), loaded at every
-# boot by its own unit. nftables, not iptables: one rule file replaced atomically, and the `nftables`
-# package (Debian Priority: important) is in both boot platforms' and Ubuntu 24.04's main archive; the
-# controller's `packages` step installs it where the image lacks it.
+# boot by its own unit. nftables, not iptables: one rule file replaced atomically, matched on the
+# socket's owner (`meta skuid`); Ubuntu 24.04's archive has nftables 1.0.9 and Debian 12's 1.0.6
+# (Priority: important there), and Ubuntu's iptables is itself the nf_tables backend. Whether or not
+# the image has it, the controller's `packages` step installs it (PACKAGES).
 IMDS_GUARD_UNIT = "slurm-gpu-imds-guard.service"
 IMDS_GUARD_UNIT_PATH = f"/etc/systemd/system/{IMDS_GUARD_UNIT}"
 IMDS_GUARD_RULES = "/etc/slurm-gpu/imds-guard.nft"
