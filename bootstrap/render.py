@@ -23,7 +23,7 @@ from pathlib import Path
 
 import jinja2
 
-from cluster.facts import STACK_TAG, ClusterFacts
+from cluster.facts import DEFAULT_IMDS, STACK_TAG, ClusterFacts
 from cluster.hostpaths import BOOTSTRAP_PATH, HEALTHCHECK_PATH
 from cluster.platform import Platform
 from cluster.targets.local import LOCAL_SKIP_STEPS
@@ -51,6 +51,20 @@ SPOT_WATCH_UNIT = "slurm-gpu-spot-watch.service"
 SPOT_WATCH_UNIT_PATH = f"/etc/systemd/system/{SPOT_WATCH_UNIT}"
 SPOT_WATCH_ENV = "/etc/slurm-gpu/spot-watch.env"
 SPOT_WATCH_POLL_S = 5  # AWS recommends checking for interruption notices every 5 seconds
+# The controller's instance metadata guard (its `imds` step): an nftables table that resets every
+# connection to the metadata service but root's and SlurmUser's (the power programs'), loaded at every
+# boot by its own unit. nftables, not iptables: one rule file replaced atomically, matched on the
+# socket's owner (`meta skuid`); Ubuntu 24.04's archive has nftables 1.0.9 and Debian 12's 1.0.6
+# (Priority: important there), and Ubuntu's iptables is itself the nf_tables backend. Whether or not
+# the image has it, the controller's `packages` step installs it (PACKAGES).
+IMDS_GUARD_UNIT = "slurm-gpu-imds-guard.service"
+IMDS_GUARD_UNIT_PATH = f"/etc/systemd/system/{IMDS_GUARD_UNIT}"
+IMDS_GUARD_RULES = "/etc/slurm-gpu/imds-guard.nft"
+IMDS_GUARD_TABLE = "slurm_gpu_imds"
+IMDS_GUARD_USERS = ("root", "slurm")  # slurm: slurm.conf's SlurmUser, who runs the power programs
+# The metadata service's IPv6 address on Nitro instances (EC2 User Guide, "Access instance metadata":
+# [fd00:ec2::254], when its IPv6 endpoint is on): guarded too, with the IPv4 one.
+IMDS_IPV6 = "fd00:ec2::254"
 # Slurm's SuspendProgram/ResumeProgram on AWS (run by slurmctld as SlurmUser) and their log.
 SUSPEND_PATH = "/usr/local/sbin/slurm-gpu-suspend"
 RESUME_PATH = "/usr/local/sbin/slurm-gpu-resume"
@@ -120,6 +134,9 @@ def training_modules() -> list[str]:
 # The GPU nodes' wheel cache on the shared scratch (the controller's `wheels` step fills it,
 # their `training` step installs from it): one directory per pin set, Python and wheel tags.
 WHEEL_CACHE_DIR = "wheels"
+# In each cache: every wheel as `name==version --hash=sha256:...`, written by the controller as it
+# fills the cache; a node installs `--require-hashes -r` it, so a changed or added wheel is refused.
+WHEEL_MANIFEST = "requirements-hashed.txt"
 # How long a GPU node waits for the cache before it installs from the index instead: in all,
 # and for the controller to have started it at all (a controller whose bootstrap predates the
 # pins never will). The controller's download is bounded too.
@@ -132,8 +149,9 @@ WHEEL_DOWNLOAD_TIMEOUT_S = 1800
 PACKAGES = {
     # python3-pip: the `wheels` step downloads the GPU nodes' training stack; python3-venv: the
     # power-save programs' boto3 venv (POWER_VENV).
+    # nftables: the `imds` step's metadata guard (IMDS_GUARD_RULES).
     "controller": ("slurm-wlm", "munge", "nfs-common", "nfs-kernel-server", "python3-pip",
-                   "python3-venv"),
+                   "python3-venv", "nftables"),
     # python3-dev and a C compiler: Triton (torch.compile, flex attention) builds C against
     # Python.h at run time.
     "gpu": ("slurm-wlm", "munge", "nfs-common", "python3-venv", "python3-pip", "python3-dev",
@@ -151,7 +169,8 @@ def role_packages(platform: Platform, role: str) -> tuple[str, ...]:
 
 # Steps of each role's bootstrap script, in order (SLURM_GPU_SKIP_STEPS picks from these).
 STEPS = {
-    "controller": ("hostname", "hosts", "packages", "dirs", "munge", "nfs", "scratch", "power", "wheels", "services"),
+    "controller": ("hostname", "hosts", "packages", "dirs", "munge", "nfs", "scratch", "power", "imds", "wheels",
+                   "services"),
     "gpu": (
         "hostname", "hosts", "holds", "packages", "dirs", "munge", "healthcheck", "nfs", "scratch",
         "training", "gpus", "services",
@@ -441,6 +460,28 @@ def shipped(files: dict[str, str]) -> dict[str, str]:
             for path, text in files.items()}
 
 
+def imds_address(facts: ClusterFacts) -> tuple[str, int]:
+    """(IPv4 address, port) of the metadata service the hosts ask (`facts.spot_imds`)."""
+    m = re.fullmatch(r"http://(\d{1,3}(?:\.\d{1,3}){3})(?::(\d{1,5}))?/?", facts.spot_imds)
+    if not m:
+        raise ValueError(f"spot_imds must be http://IPV4[:PORT] for the controller's metadata guard "
+                         f"(got {facts.spot_imds!r})")
+    return m[1], int(m[2] or 80)
+
+
+def render_imds_guard(facts: ClusterFacts) -> dict[str, str]:
+    """The controller's metadata guard: its nftables rules and the unit that loads them at boot."""
+    host, port = imds_address(facts)
+    guard = {"unit": IMDS_GUARD_UNIT, "rules": IMDS_GUARD_RULES, "table": IMDS_GUARD_TABLE,
+             "users": IMDS_GUARD_USERS, "host": host, "port": port,
+             "host6": IMDS_IPV6 if f"http://{host}" == DEFAULT_IMDS else None}
+    ctx = {**_context(facts), "imds_guard": guard}
+    return {
+        IMDS_GUARD_RULES: _TEMPLATES.get_template("imds-guard.nft.j2").render(**ctx),
+        IMDS_GUARD_UNIT_PATH: _TEMPLATES.get_template("imds-guard.service.j2").render(**ctx),
+    }
+
+
 def render_apt_lock_conf(facts: ClusterFacts) -> str:
     """apt's wait for the dpkg lock (the bootstrap's apt-get, and any apt run on the node)."""
     return _TEMPLATES.get_template("apt-lock-wait.conf.j2").render(**_context(facts))
@@ -464,6 +505,7 @@ def render_files(facts: ClusterFacts) -> dict[str, str]:
         files[CGROUP_CONF] = render_cgroup_conf(facts)
     if facts.spot:
         files.update(render_spot_watch(facts))
+    files.update(render_imds_guard(facts))
     if facts.power_save is not None and facts.power_save.provider == "ec2":
         files[POWER_PATH] = render_power_program(facts)
         files[SUSPEND_PATH] = render_power_program(facts, "suspend")
@@ -477,7 +519,9 @@ NOT_FOR_ROLE = {
     "controller": (HEALTHCHECK_PATH, SLURMD_ENV_FILE, SLURMD_DROPIN, SPOT_WATCH_PATH, SPOT_WATCH_UNIT_PATH,
                    SPOT_WATCH_ENV),
     # slurmctld runs the power programs: only the controller has them.
-    "gpu": (EXPORTS_FILE, SLURM_CONF, GRES_CONF, CGROUP_CONF, SUSPEND_PATH, RESUME_PATH, POWER_PATH),
+    # GPU nodes have no instance role (infra/nodes.py): no credentials in their metadata to guard.
+    "gpu": (EXPORTS_FILE, SLURM_CONF, GRES_CONF, CGROUP_CONF, SUSPEND_PATH, RESUME_PATH, POWER_PATH,
+            IMDS_GUARD_RULES, IMDS_GUARD_UNIT_PATH),
 }
 
 
@@ -566,10 +610,12 @@ def bootstrap_script(facts: ClusterFacts, role: str, hostname: str | None = None
     ctx["training_modules"] = training_modules()
     ctx["wheel_cache"] = wheel_cache(facts, ctx["pinned_requirements"])
     ctx["wheel_cache_dir"] = WHEEL_CACHE_DIR
+    ctx["wheel_manifest"] = WHEEL_MANIFEST
     ctx["wheel"] = {"wait_s": WHEEL_WAIT_S, "start_wait_s": WHEEL_START_WAIT_S, "poll_s": WHEEL_POLL_S,
                     "download_timeout_s": WHEEL_DOWNLOAD_TIMEOUT_S}
     ctx["packages"] = role_packages(facts.platform, role)
     ctx["local_skip"] = LOCAL_SKIP_STEPS[role]
+    ctx.update(imds_guard_unit=IMDS_GUARD_UNIT, imds_guard_rules=IMDS_GUARD_RULES, imds_guard_table=IMDS_GUARD_TABLE)
     return _SCRIPTS.get_template(f"bootstrap-{role}.sh.j2").render(**ctx)
 
 

@@ -179,6 +179,9 @@ class NodesComponent(pulumi.ComponentResource):
                 instance_type=gpu_instance_type,
                 key_name=self.key_pair.key_name,
                 placement_group=gpu_group,
+                # No iam_instance_profile: a GPU node's metadata holds no role credentials, so a job
+                # there finds none to take (the controller's, the power role, is guarded on the
+                # controller: its bootstrap's `imds` step).
                 metadata_options=self._imdsv2(),
                 root_block_device=self._root("gpu", host),
                 user_data_base64=user_data[host.name],
@@ -259,5 +262,12 @@ class NodesComponent(pulumi.ComponentResource):
 
     @staticmethod
     def _imdsv2() -> aws.ec2.InstanceMetadataOptionsArgs:
-        # Session tokens required: IMDSv1's plain GETs are what SSRF attacks abuse.
-        return aws.ec2.InstanceMetadataOptionsArgs(http_endpoint="enabled", http_tokens="required")
+        """IMDSv2 only, and its token one network hop away, set on every instance whatever the AMI's
+        or the account's default (pulumi_aws ec2 InstanceMetadataOptionsArgs: http_tokens,
+        http_put_response_hop_limit). Session tokens required: IMDSv1's plain GETs are what SSRF
+        attacks abuse. Hop limit 1: the PUT that makes a token is answered with IP TTL 1, so a
+        container or VM behind a bridge on the host (one more hop) never gets one (EC2 User Guide,
+        "Configure the instance metadata options", hop limit; https://docs.aws.amazon.com/AWSEC2/
+        latest/UserGuide/configuring-instance-metadata-options.html)."""
+        return aws.ec2.InstanceMetadataOptionsArgs(http_endpoint="enabled", http_tokens="required",
+                                                   http_put_response_hop_limit=1)

@@ -2,8 +2,10 @@
 
 PUT /latest/api/token gives a token; GETs without a valid one answer 401. The notices come from a
 JSON file read at every request (the test writes it): {"instance-action": {...} | absent,
-"rebalance": {...} | absent, "revoke": bool}; an item that is absent answers 404, as the real service
-does. `revoke` makes every token issued so far invalid (as one that expired). Run inside a local
+"rebalance": {...} | absent, "revoke": bool, "credentials": {"role": NAME, "AccessKeyId": ..., ...} |
+absent}; an item that is absent answers 404, as the real service does. `credentials` answers as an
+instance role does: .../iam/security-credentials/ lists NAME, .../NAME gives the rest (the path and
+fields botocore's InstanceMetadataFetcher reads: botocore/utils.py). `revoke` makes every token issued so far invalid (as one that expired). Run inside a local
 cluster host's namespace: `python tests/imds_standin.py PORT STATE_FILE` serves that host's 127.0.0.1.
 """
 
@@ -18,6 +20,7 @@ from pathlib import Path
 
 ITEMS = {"/latest/meta-data/spot/instance-action": "instance-action",
          "/latest/meta-data/events/recommendations/rebalance": "rebalance"}
+ROLE_PATH = "/latest/meta-data/iam/security-credentials/"
 
 
 class Standin(ThreadingHTTPServer):
@@ -61,6 +64,12 @@ class Handler(BaseHTTPRequestHandler):
             self.server.state.write_text(json.dumps(state))
         if self.headers.get("X-aws-ec2-metadata-token") not in self.server.tokens:
             return self._send(401)
+        creds = dict(state.get("credentials") or {})
+        role = creds.pop("role", None)
+        if role and self.path == f"{ROLE_PATH}{role}":
+            return self._send(200, json.dumps(creds))
+        if role and self.path == ROLE_PATH:
+            return self._send(200, role)
         item = ITEMS.get(self.path)
         if item is None or state.get(item) is None:
             return self._send(404)

@@ -331,3 +331,103 @@ def test_a_failed_unit_of_ours_keeps_a_host_unsettled(booted):
     finally:
         c.run("systemctl reset-failed slurm-gpu-canary.service", check=False)
     c.wait_running(timeout=60, settled=True)
+
+
+# The controller's metadata guard (its `imds` step), against the stand-in metadata service on the
+# controller container's own loopback at the address the cluster renders for it (SPOT_IMDS): the
+# requests botocore makes for an instance role's credentials (IMDSv2 token, role name, credentials).
+GUARD_PROBE = r"""
+import json, sys, urllib.request as u
+base = sys.argv[1]
+try:
+    token = u.urlopen(u.Request(f"{base}/latest/api/token", method="PUT",
+                                headers={"X-aws-ec2-metadata-token-ttl-seconds": "60"}), timeout=5).read().decode()
+    get = lambda p: u.urlopen(u.Request(base + p, headers={"X-aws-ec2-metadata-token": token}), timeout=5).read().decode()
+    role = get("/latest/meta-data/iam/security-credentials/")
+    print(json.loads(get(f"/latest/meta-data/iam/security-credentials/{role}"))["AccessKeyId"])
+except OSError as e:
+    print(f"refused: {type(e).__name__}")
+"""
+GUARD_KEY = "ASIABOOTTESTSTANDIN0"
+
+
+def _metadata_as_each_user(bc) -> dict[str, str]:
+    """root, slurm (SlurmUser: the power programs) and the admin's SSH user ask the controller's
+    metadata stand-in for the role's credentials: user -> the key, or how it was refused."""
+    from boottest.boot_cluster import SPOT_IMDS
+
+    c = bc.containers[bc.facts.controller.name]
+    port = SPOT_IMDS.rsplit(":", 1)[1]
+    (c.root / "root/imds_standin.py").write_text((REPO / "tests" / "imds_standin.py").read_text())
+    (c.root / "usr/local/lib/guard_probe.py").write_text(GUARD_PROBE)  # readable by every user
+    (c.root / "root/imds.json").write_text(json.dumps({"credentials": {
+        "role": "slurm-gpu-power", "AccessKeyId": GUARD_KEY, "SecretAccessKey": "x" * 40, "Token": "t",
+        "Expiration": "2099-01-01T00:00:00Z"}}))
+    c.run(f"nohup python3 /root/imds_standin.py {port} /root/imds.json >/dev/null 2>&1 & echo $! > /root/imds.pid; "
+          f"for _ in $(seq 50); do (exec 3<>/dev/tcp/127.0.0.1/{port}) 2>/dev/null && break; sleep 0.1; done")
+    try:
+        return {user: c.run(f"setpriv --reuid={user} --regid={user} --init-groups python3 "
+                            f"/usr/local/lib/guard_probe.py {SPOT_IMDS}", check=False).stdout.strip()
+                for user in ("root", "slurm", bc.facts.ssh_user)}
+    finally:
+        c.run("kill $(cat /root/imds.pid)", check=False)
+
+
+def test_only_root_and_slurm_reach_the_controllers_metadata(booted):
+    """Booted for real: the guard's unit loaded the rules at boot (nftables in the container's own
+    network namespace); the admin's SSH user is refused; the power programs' user gets the role."""
+    from bootstrap.render import IMDS_GUARD_UNIT
+
+    bc = booted
+    c = bc.containers[bc.facts.controller.name]
+    assert c.run(f"systemctl is-enabled {IMDS_GUARD_UNIT}; systemctl is-active {IMDS_GUARD_UNIT}",
+                 check=False).stdout.split() == ["enabled", "active"]
+    got = _metadata_as_each_user(bc)
+    assert got["root"] == GUARD_KEY and got["slurm"] == GUARD_KEY, got
+    assert got[bc.facts.ssh_user].startswith("refused: "), got
+
+
+def test_wheel_cache_is_roots_alone_and_a_node_user_cannot_move_it(booted):
+    """The cache the controller built for real: /scratch root's and sticky, the cache and its hashed
+    manifest root's 0755/0644; on a GPU node the admin's user (a job's) can neither rename the cache
+    nor plant a wheel in it."""
+    from bootstrap.render import WHEEL_CACHE_DIR, WHEEL_MANIFEST
+
+    bc = booted
+    ctl = bc.containers[bc.facts.controller.name]
+    scratch, user = bc.facts.scratch, bc.facts.ssh_user
+    group = ctl.run(f"id -gn {user}").stdout.strip()
+    assert ctl.run(f"stat -c '%U %G %a' {scratch}").stdout.strip() == f"root {group} 1775"
+    if bc.platform.os_torch:  # no cache (the nodes' torch is the OS's): scratch is all there is to check
+        return
+    m = re.search(r"wheel cache (\S+): \d+ MB in \d+ s", bc.step_log(bc.facts.controller.name, "wheels"))
+    assert m
+    cache = m[1]
+    modes = ctl.run(f"stat -c '%U %G %a' {scratch}/{WHEEL_CACHE_DIR} {cache} {cache}/{WHEEL_MANIFEST}"
+                    ).stdout.splitlines()
+    assert modes == ["root root 755", "root root 755", "root root 644"], modes
+    node = bc.containers[bc.facts.gpu_nodes[0].name]
+    for attempt in (f"mv {scratch}/{WHEEL_CACHE_DIR} {scratch}/moved", f"mv {cache} {cache}.moved",
+                    f"touch {cache}/planted-0.1-py3-none-any.whl"):
+        res = node.run(f"setpriv --reuid={user} --regid={user} --init-groups {attempt}", check=False)
+        assert res.returncode != 0 and re.search("Operation not permitted|Permission denied", res.stderr), (
+            attempt, res.stderr)
+    assert node.run(f"setpriv --reuid={user} --regid={user} --init-groups mkdir {scratch}/a-job-dir && "
+                    f"rmdir {scratch}/a-job-dir", check=False).returncode == 0
+
+
+def test_controller_reboot_keeps_the_metadata_guard(booted):
+    """Persistent: after the controller reboots, its unit loads the rules again before the network."""
+    bc = booted
+    c = bc.containers[bc.facts.controller.name]
+    with bc.phase("controller_reboot"):
+        old = c.pid1()
+        c.run("systemctl reboot --no-block", check=False)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and (c.pid1() in (None, old)):
+            time.sleep(1)
+        assert c.pid1() not in (None, old), f"the controller did not boot again; {c.tail()}"
+        c.wait_running(timeout=180, settled=True)
+    got = _metadata_as_each_user(bc)
+    assert got["root"] == GUARD_KEY and got["slurm"] == GUARD_KEY, got
+    assert got[bc.facts.ssh_user].startswith("refused: "), got

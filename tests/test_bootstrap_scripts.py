@@ -236,7 +236,7 @@ def test_gpu_bootstrap_names_a_missing_gpu_and_stops_before_slurmd(tmp_path):
 
 @pytest.mark.cluster
 def test_controller_bootstrap_makes_the_key_once(tmp_path):
-    report, logs = run_in_sandbox(tmp_path, LOCAL, "controller", LOCAL.controller, "packages nfs services")
+    report, logs = run_in_sandbox(tmp_path, LOCAL, "controller", LOCAL.controller, "packages nfs imds services")
     assert "hostname=controller etc_hostname=controller" in report
     st = stats(report)
     assert st["/etc/munge/munge.key"] == ("munge:munge", "400")

@@ -96,6 +96,29 @@ def test_every_instance_requires_imdsv2_and_encrypts_its_root(run):
     assert run.mocks.of_type("aws:ebs/volume:Volume") == []  # no unencrypted side volumes
 
 
+@pytest.mark.parametrize("market", [
+    {}, {"gpuMarket": "spot"},
+    {"gpuMarket": "capacity-reservation", "capacityReservationId": "cr-0123456789abcdef0",
+     "availabilityZone": "ap-northeast-2a"},
+    {"gpuMarket": "capacity-block", "capacityReservationId": "cr-0fedcba9876543210", "gpuInstanceType": "p5.48xlarge"},
+], ids=["on-demand", "spot", "odcr", "block"])
+def test_every_instance_of_every_market_sets_imdsv2_and_hop_limit_one(market):
+    """Set on every instance, not left to the AMI's or the account's default: a token only for
+    the instance itself (a container behind a bridge is one hop further), and only the
+    controller has an instance role (GPU nodes' metadata holds no credentials)."""
+    from tests.test_infra_market import blocks
+
+    run = run_program(stack_config(**market), blocks())
+    instances = run.of_type("instance")
+    assert len(instances) >= 2
+    for inst in instances:
+        opts = inst.inputs["metadataOptions"]
+        assert (opts["httpTokens"], opts["httpPutResponseHopLimit"]) == ("required", 1), inst.name
+        assert opts.get("httpEndpoint") == "enabled", inst.name
+        if inst.inputs["tags"]["Role"] == "gpu":
+            assert "iamInstanceProfile" not in inst.inputs, inst.name
+
+
 # ------------------------------------------------------------ NFS
 
 @pytest.mark.parametrize("subnet", ["10.0.1.0/24", "172.31.64.0/20"])

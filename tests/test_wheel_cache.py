@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
+import tempfile
 import zipfile
 from dataclasses import fields, replace
 from pathlib import Path
@@ -40,12 +43,13 @@ def this_machine(platform):
 
 
 def _wheel(directory: Path, name: str, version: str, requires: tuple[str, ...] = (),
-           tag: str = "py3-none-any") -> Path:
-    """A minimal wheel (one module) with the given tag that pip installs for real."""
+           tag: str = "py3-none-any", says: str | None = None) -> Path:
+    """A minimal wheel (one module whose VERSION is `says`, default the version) with the given
+    tag that pip installs for real."""
     mod = name.replace("-", "_")
     dist = f"{mod}-{version}.dist-info"
     files = {
-        f"{mod}.py": f"VERSION = {version!r}\n",
+        f"{mod}.py": f"VERSION = {says or version!r}\n",
         f"{dist}/METADATA": "Metadata-Version: 2.1\n" + f"Name: {name}\nVersion: {version}\n"
         + "".join(f"Requires-Dist: {r}\n" for r in requires),
         f"{dist}/WHEEL": f"Wheel-Version: 1.0\nGenerator: slurm-gpu-tests\nRoot-Is-Purelib: true\nTag: {tag}\n",
@@ -114,8 +118,8 @@ def world(tmp_path, monkeypatch, venv_template):
     return {"run": run, "scripts": scripts, "cache": cache, "index": index, "venv": venv, "state": state, "facts": facts}
 
 
-def _installed(venv: Path) -> str:
-    res = subprocess.run([str(venv / "bin/python"), "-c", "import sgpu_tiny, sgpu_dep; print(sgpu_tiny.VERSION)"],
+def _installed(venv: Path, module: str = "sgpu_tiny") -> str:
+    res = subprocess.run([str(venv / "bin/python"), "-c", f"import sgpu_tiny, sgpu_dep; print({module}.VERSION)"],
                          capture_output=True, text=True)
     return res.stdout.strip()
 
@@ -127,8 +131,13 @@ def test_controller_fills_the_cache_once_for_the_gpu_platform(world):
     assert cache.parent == Path(world["facts"].scratch) / "wheels"
     assert cache.name.startswith(f"py{world['facts'].platform.python}-")
     assert sorted(p.name for p in cache.iterdir()) == [
-        ".complete", "sgpu_dep-2.0-py3-none-any.whl", "sgpu_tiny-1.0-py3-none-any.whl"]  # the dependency too
+        ".complete", render.WHEEL_MANIFEST, "sgpu_dep-2.0-py3-none-any.whl", "sgpu_tiny-1.0-py3-none-any.whl"]
     assert (cache / ".complete").read_text().strip() == WANT
+    # Every wheel (the dependency too) pinned to its bytes: what the nodes install --require-hashes.
+    assert (cache / render.WHEEL_MANIFEST).read_text().splitlines() == [
+        f"{name}=={version} --hash=sha256:{hashlib.sha256((cache / wheel).read_bytes()).hexdigest()}"
+        for name, version, wheel in (("sgpu_dep", "2.0", "sgpu_dep-2.0-py3-none-any.whl"),
+                                     ("sgpu_tiny", "1.0", "sgpu_tiny-1.0-py3-none-any.whl"))]
     assert not Path(f"{cache}.partial").exists() and not Path(f"{cache}.failed").exists()
     assert f"wheel cache {cache}:" in res.stdout
     # Complete: a second run downloads nothing (the index is gone, and it still succeeds).
@@ -208,6 +217,81 @@ def test_a_hostile_failed_record_reaches_the_console_as_one_line(world, tmp_path
     console = (f"{hostkeys.KEYS_BEGIN}\n{' '.join(real)}\n{hostkeys.KEYS_END}\n"
                "slurm-gpu-bootstrap(gpu): step training\n" + res.stdout)
     assert hostkeys.parse_console_output(console) == [tuple(real)]
+
+
+@pytest.mark.parametrize("attack", ["changed", "planted"])
+def test_gpu_node_installs_only_the_wheels_the_controller_hashed(world, attack):
+    """A wheel changed in place (same name, other bytes) fails its hash: the node falls back to the
+    index. A newer dependency planted beside the real one is never taken: the manifest pins each
+    wheel the controller downloaded (real pip, --require-hashes)."""
+    assert world["run"]("controller", "step_wheels").returncode == 0
+    cache = world["cache"]
+    if attack == "changed":
+        (cache / "sgpu_tiny-1.0-py3-none-any.whl").unlink()
+        _wheel(cache, "sgpu-tiny", "1.0", ("sgpu-dep>=2",), says="planted")
+    else:
+        _wheel(cache, "sgpu-dep", "3.0")
+    res = world["run"]("gpu", f'install_training_stack "{world["venv"]}" "{WANT}"')
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert (_installed(world["venv"]), _installed(world["venv"], "sgpu_dep")) == ("1.0", "2.0"), res.stdout + res.stderr
+    source = (world["state"] / "training-source").read_text()
+    if attack == "changed":
+        assert "THESE PACKAGES DO NOT MATCH THE HASHES" in res.stdout + res.stderr
+        assert source.startswith("index") and "pip could not install from" in source
+    else:
+        assert source.startswith(f"cache {cache}")
+
+
+@pytest.mark.parametrize("loosen", ["cache_not_roots", "wheels_dir_group_writable", "scratch_not_sticky"])
+def test_gpu_node_uses_no_cache_that_another_user_could_write(world, loosen):
+    """Root's alone, or not used at all: a cache someone else owns or may write, or a scratch where
+    anyone may rename it (writable, not sticky), sends the node to the index with the reason."""
+    assert world["run"]("controller", "step_wheels").returncode == 0
+    cache = world["cache"]
+    if loosen == "cache_not_roots":
+        os.chown(cache, 65534, 65534)
+    elif loosen == "wheels_dir_group_writable":
+        cache.parent.chmod(0o775)
+    else:
+        Path(world["facts"].scratch).chmod(0o777)
+    res = world["run"]("gpu", f'install_training_stack "{world["venv"]}" "{WANT}"')
+    assert res.returncode == 0, res.stdout + res.stderr
+    source = (world["state"] / "training-source").read_text()
+    assert source.startswith("index") and "not root's alone, so unused" in source, source
+    assert _installed(world["venv"]) == "1.0"  # from the index
+
+
+def test_a_user_cannot_rename_or_write_the_cache_the_controller_made(world):
+    """The controller's `scratch` and `wheels` steps as rendered, then a user (the admin's group,
+    as jobs are) tries what a job on any node could: rename the cache's directory, plant a wheel.
+    Both refused by the kernel (sticky, root-owned scratch; root's 0755 cache); the user still
+    makes its own directories on scratch."""
+    base = Path(tempfile.mkdtemp(prefix="sgpu-wheels-", dir="/var/tmp"))  # not under root's 0700 tmp
+    try:
+        base.chmod(0o755)
+        facts = replace(world["facts"], scratch=str(base / "scratch"), ssh_user="nobody")
+        world["scripts"]["controller"].write_text(
+            render.bootstrap_script(facts, "controller").rsplit("run_steps", 1)[0])
+        res = world["run"]("controller", "step_scratch; step_wheels")
+        assert res.returncode == 0, res.stdout + res.stderr
+        scratch = Path(facts.scratch)
+        cache = Path(render.wheel_cache(facts, [WANT]))
+        modes = {p: (p.stat().st_uid, p.stat().st_gid, stat.S_IMODE(p.stat().st_mode))
+                 for p in (scratch, cache.parent, cache, cache / render.WHEEL_MANIFEST)}
+        assert modes == {scratch: (0, 65534, 0o1775), cache.parent: (0, 0, 0o755), cache: (0, 0, 0o755),
+                         cache / render.WHEEL_MANIFEST: (0, 0, 0o644)}
+        as_user = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+        for attempt in ([f"mv {cache.parent} {scratch}/moved"], [f"mv {cache} {cache}.moved"],
+                        [f"cp {cache}/sgpu_dep-2.0-py3-none-any.whl {cache}/sgpu_dep-3.0-py3-none-any.whl"]):
+            res = subprocess.run([*as_user, "sh", "-c", *attempt], capture_output=True, text=True)
+            # EPERM from the sticky bit (rename out of scratch), EACCES from the cache's 0755.
+            assert res.returncode != 0 and re.search("Operation not permitted|Permission denied", res.stderr), (
+                attempt, res.stderr)
+        assert cache.is_dir() and not (cache / "sgpu_dep-3.0-py3-none-any.whl").exists()
+        res = subprocess.run([*as_user, "mkdir", f"{scratch}/a-job-dir"], capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr
+    finally:
+        shutil.rmtree(base)
 
 
 def test_controller_and_nodes_name_one_cache_per_pins_python_and_tags():

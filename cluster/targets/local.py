@@ -20,7 +20,7 @@ LOCAL_INVENTORY = LOCAL_STATE / "inventory.json"
 # stack is the repo's .venv. (hostname and hosts run: each host has its own UTS
 # namespace and bind-mounted /etc/hostname and /etc/hosts.)
 LOCAL_SKIP_STEPS = {
-    "controller": ("packages", "nfs", "wheels", "services"),
+    "controller": ("packages", "nfs", "imds", "wheels", "services"),
     "gpu": ("packages", "nfs", "training", "services"),
 }
 

@@ -1,0 +1,96 @@
+"""The controller's instance metadata guard (bootstrap/render.py IMDS_GUARD_*; its bootstrap's `imds`
+step): only root and SlurmUser reach the metadata service, whose answers hold the power role's
+credentials.
+
+The rendered rules are loaded with this machine's real nft into a private network namespace, with the
+stand-in metadata service (tests/imds_standin.py) on that namespace's loopback serving a role's
+credentials; then botocore's own credential chain (what the power program's boto3 runs) asks for them
+as each user. The boot test (tests/test_boot_cluster.py) does the same on a booted controller.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bootstrap import render
+from tests.test_bootstrap_render import FACTS
+
+REPO = Path(__file__).resolve().parent.parent
+PORT = 18169
+FAKE_KEY = "ASIASTANDINGUARDTEST"
+USERS = {"root": 0, "slurm": 64030, "admin (uid 1000)": 1000, "nobody": 65534}
+
+# Runs in its own network namespace (unshare -n): nothing outside it sees the rules or the stand-in.
+NETNS_SCRIPT = r"""
+set -euo pipefail
+ip link set lo up
+nft -f "$RULES"
+"$PY" "$STANDIN" "$PORT" "$STATE" & standin=$!
+trap 'kill $standin' EXIT
+for _ in $(seq 50); do (exec 3<>/dev/tcp/127.0.0.1/"$PORT") 2>/dev/null && break; sleep 0.1; done
+for uid in $UIDS; do
+  printf '%s ' "$uid"
+  setpriv --reuid="$uid" --regid="$uid" --clear-groups env -i HOME=/nonexistent PYTHONPATH="$SITE" \
+    AWS_EC2_METADATA_SERVICE_ENDPOINT="http://127.0.0.1:$PORT/" AWS_METADATA_SERVICE_NUM_ATTEMPTS=1 \
+    AWS_METADATA_SERVICE_TIMEOUT=2 /usr/bin/python3 -c "$PROBE"
+done
+"""
+PROBE = ("import botocore.session as s; c = s.get_session().get_credentials(); "
+         "print(c.get_frozen_credentials().access_key if c else 'none')")
+
+
+def test_only_the_controller_gets_the_guard_for_the_real_service():
+    facts = FACTS["l4x2"]
+    controller, gpu = (render.role_files(facts, role) for role in render.ROLES)
+    assert {render.IMDS_GUARD_RULES, render.IMDS_GUARD_UNIT_PATH} <= set(controller)
+    assert not {render.IMDS_GUARD_RULES, render.IMDS_GUARD_UNIT_PATH} & set(gpu)  # no role there
+    rules = [ln.strip() for ln in controller[render.IMDS_GUARD_RULES].splitlines() if "reject" in ln]
+    assert rules == [f"{ip} daddr {addr} tcp dport 80 meta skuid != {{ root, slurm }} reject with tcp reset"
+                     for ip, addr in (("ip", "169.254.169.254"), ("ip6", "fd00:ec2::254"))]
+    unit = controller[render.IMDS_GUARD_UNIT_PATH]
+    assert f"ExecStart=/usr/sbin/nft -f {render.IMDS_GUARD_RULES}" in unit
+    assert "Before=network-pre.target" in unit and "WantedBy=sysinit.target" in unit
+    script = render.bootstrap_script(facts, "controller")
+    assert f"systemctl enable {render.IMDS_GUARD_UNIT}" in script
+    assert "imds" in render.LOCAL_SKIP_STEPS["controller"]  # the local cluster's hosts share one machine
+
+
+@pytest.mark.parametrize("imds", ["http://metadata.local", "http://[fd00:ec2::254]", "http://1.2.3.4:80; x"])
+def test_a_guard_for_anything_but_an_ipv4_address_is_refused(imds):
+    with pytest.raises(ValueError, match="spot_imds must be http://IPV4"):
+        render.render_imds_guard(dataclasses.replace(FACTS["l4x2"], spot_imds=imds))
+
+
+@pytest.mark.root
+def test_only_root_and_slurm_take_the_role_credentials(tmp_path):
+    """Real nft, real sockets, botocore's real credential chain: root and slurm (the power programs'
+    user) get the role's key; the admin's uid and nobody get nothing (their connections are reset)."""
+    for tool in ("nft", "setpriv", "unshare"):
+        assert shutil.which(tool), f"{tool} is missing: apt-get install nftables util-linux"
+    assert os.geteuid() == 0, "loads nftables rules in a private network namespace: run as root"
+    assert subprocess.run(["id", "-u", "slurm"], capture_output=True, text=True).stdout.strip() == str(
+        USERS["slurm"]), "the slurm user (Debian's slurm-wlm, uid 64030) is missing"
+    facts = dataclasses.replace(FACTS["l4x2"], spot_imds=f"http://127.0.0.1:{PORT}")
+    rules = tmp_path / "imds-guard.nft"
+    rules.write_text(render.render_imds_guard(facts)[render.IMDS_GUARD_RULES])
+    state = tmp_path / "imds.json"
+    state.write_text(json.dumps({"credentials": {
+        "role": "slurm-gpu-power", "Code": "Success", "AccessKeyId": FAKE_KEY, "SecretAccessKey": "x" * 40,
+        "Token": "standin", "Expiration": "2099-01-01T00:00:00Z"}}))
+    site = next(p for p in sys.path if p.endswith("site-packages") and (Path(p) / "botocore").is_dir())
+    env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "RULES": str(rules), "PY": sys.executable,
+           "STANDIN": str(REPO / "tests" / "imds_standin.py"), "PORT": str(PORT), "STATE": str(state),
+           "UIDS": " ".join(str(u) for u in USERS.values()), "SITE": site, "PROBE": PROBE}
+    res = subprocess.run(["unshare", "--net", "bash", "-c", NETNS_SCRIPT], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    got = dict(line.split(" ", 1) for line in res.stdout.splitlines())
+    assert got == {"0": FAKE_KEY, "64030": FAKE_KEY, "1000": "none", "65534": "none"}, res.stderr
