@@ -45,6 +45,8 @@ from typing import Any
 import pulumi
 import pulumi.dynamic
 
+from cluster.aws_session import ec2_client
+
 # Spot request states (EC2 API Reference, SpotInstanceRequest.State) in which the request can still
 # launch or restart an instance: what cancelling is for.
 LIVE_STATES = ("open", "active", "disabled")
@@ -53,10 +55,6 @@ LIVE_STATES = ("open", "active", "disabled")
 IDENTITY = ("instance_id", "request_id", "region")
 
 
-def ec2_client(region: str | None, profile: str | None = None):
-    import boto3
-
-    return boto3.session.Session(profile_name=profile or None).client("ec2", region_name=region or None)
 
 
 def tag_request(ec2, request_id: str, tags: dict[str, str]) -> None:
