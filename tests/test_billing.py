@@ -114,7 +114,7 @@ def test_a_capacity_reservation_bills_stopped_nodes_and_outlives_the_stack():
     bill = still_bills.still_billing(cl, nodes_on=0, nodes_stopped=2, stack=None)
     reservation = [c for c in bill.steady if c.what.startswith("Capacity Reservation cr-0123456789abcdef0")]
     assert [c.usd for c in reservation] == [pytest.approx(2 * gpu)]
-    assert "running or not, until it is cancelled (pulumi destroy does not)" in reservation[0].what
+    assert "running or not, until it is cancelled (pulumi destroy does not;" in reservation[0].what
     after = still_bills.after_destroy("capacity-reservation", "cr-0123456789abcdef0")
     assert after[0].startswith("still billing: the On-Demand Capacity Reservation cr-0123456789abcdef0")
     assert "aws ec2 cancel-capacity-reservation --capacity-reservation-id cr-0123456789abcdef0" in after[0]

@@ -98,7 +98,8 @@ def still_billing(cl: est.PricedCluster, nodes_on: int, nodes_stopped: int, stac
     if cl.market == CAPACITY_RESERVATION:  # every reserved instance bills, on or stopped, until cancelled
         count = nodes_on + nodes_stopped
         steady.append(est.CostLine(f"Capacity Reservation{reserved}: {count} x {cl.gpu_type} at On-Demand, "
-                                   "running or not, until it is cancelled (pulumi destroy does not)",
+                                   "running or not, until it is cancelled (pulumi destroy does not; a "
+                                   "reservation larger than the stack's nodes bills more)",
                                    count * gpu_h))
         idle_per_h = 0.0
     elif cl.market == CAPACITY_BLOCK:  # paid up front: stopping a node saves nothing, running one adds ~0
