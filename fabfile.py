@@ -35,9 +35,10 @@ from ops.ssh.remote import open_cluster
     "healthy-only": "when the network check fails nodes, drain them and train on the others instead of stopping",
     "max-cost": "US dollars the run may cost: refused if the estimate is over; stops with a checkpoint before it",
     "down": "destroy the stack (pulumi destroy) once the adapters are home and verified, as `fab down`",
+    "drop-unfinished": "with --down: destroy even though unfinished runs keep checkpoints on /scratch (they are lost)",
 })
 def train(c, where, config=None, nodes=None, gpus_per_node=None, examples=None, model=None, data=None, raw=False,
-          estimate=False, skip_check=False, healthy_only=False, max_cost=None, down=False):
+          estimate=False, skip_check=False, healthy_only=False, max_cost=None, down=False, drop_unfinished=False):
     """Fine-tune with LoRA across the cluster and bring the adapters home to runs/<job-id>/.
 
     Waits for cloud-init, shares the controller's munge key, returns nodes to service, runs a
@@ -47,11 +48,13 @@ def train(c, where, config=None, nodes=None, gpus_per_node=None, examples=None, 
     Ctrl-C stops following; the job keeps running (`fab logs --job JOB` reattaches).
     --max-cost USD: refused when the estimate is over it; the job stops with a checkpoint before it passes it.
     Without --down the summary ends with what the stack still bills and the command that stops it;
-    --down destroys the stack once this and every finished run is home (refused while another run is in flight).
+    --down destroys the stack once this and every finished run is home (checked before the run and after it;
+    refused while another run is in flight, or while an unfinished run keeps checkpoints: --drop-unfinished).
     """
     opts = options.parse_train(where, config=config, nodes=nodes, gpus_per_node=gpus_per_node,
                                examples=examples, model=model, data=data, skip_check=skip_check,
-                               healthy_only=healthy_only, max_cost=max_cost, down=down)
+                               healthy_only=healthy_only, max_cost=max_cost, down=down,
+                               drop_unfinished=drop_unfinished)
     finetune.train(opts, raw=raw, estimate=estimate)
 
 
@@ -112,18 +115,22 @@ def status(c, where):
             billing_status.show(cl, where)
 
 
-@cluster_task()
-def down(c, where):
+@cluster_task(help={
+    "drop-unfinished": "destroy even though unfinished runs (failed, cancelled) keep checkpoints on /scratch",
+})
+def down(c, where, drop_unfinished=False):
     """Destroy the stack (`pulumi destroy`) so nothing bills, once nothing on it is left to lose.
 
-    Refused, naming why, while a job is queued or running, or while a finished run is not home in runs/
-    with adapters equal (sha256) to the controller's (`fab logs --job N` brings one home). Then runs
-    `pulumi destroy --yes --skip-preview` on the stack and lists what it removed. `pulumi destroy` alone
-    checks none of this. The local cluster has `fab local.down`. `fab train --down` does the same after its run.
+    The stack is --stack, else the selected one, settled once: the checks and the destroy name it.
+    Refused, naming why, while a job is queued or running, while a finished run is not home in runs/
+    with its adapters (adapter_config.json, adapter_model.*) equal (sha256) to the controller's
+    (`fab logs --job N` brings one home), or while an unfinished run keeps checkpoints (--drop-unfinished
+    accepts losing them). Then runs `pulumi destroy --yes --skip-preview` on the stack, shows its progress,
+    lists what it removed and what may still bill. `pulumi destroy` alone checks none of this. The local
+    cluster has `fab local.down`. `fab train --down` does the same after its run.
     """
     options.check_down(where.target)
-    with open_cluster(where) as cl:
-        stack_down.down(cl, finetune.RUNS, where.stack)
+    stack_down.down(where, finetune.RUNS, drop_unfinished=bool(drop_unfinished))
 
 
 @cluster_task(help={"job": "job id (default: our latest fine-tune job)",

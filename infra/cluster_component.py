@@ -44,6 +44,7 @@ POWER_UP_TIME = "~2-4 minutes"
 
 def _extra(facts: ClusterFacts, region: str | None, instance_ids: dict[str, str]) -> dict:
     extra: dict = {"region": region} if region else {}
+    extra["stack"] = stack_name()  # the STACK_TAG value: `fab status` finds the stack's own resources by it
     if instance_ids:  # fab reads each host's SSH host keys from its console output by id
         extra["instance_ids"] = instance_ids
     if facts.power_save is not None:

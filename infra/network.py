@@ -9,7 +9,10 @@ for the GPU nodes, both in the AZ of the placement group.
 
 Fixed private IPs come from cluster.facts (NAT gateway .4 and controller .10 of the public
 subnet, gpu-node-NN .10+NN of the private one), so nothing takes another's address.
-docs/NETWORK.md explains the design and its cost.
+docs/NETWORK.md explains the design and its cost. The NAT gateway and its Elastic IP, which bill per
+hour, carry the owning stack's STACK_TAG as the instances do (`fab status` counts a stack's spend by it);
+a tag change is an in-place update (terraform-provider-aws's `tags` is the shared tftags.TagsSchema, never
+ForceNew), so adding it to an existing stack replaces nothing: `pulumi preview` shows an update.
 
 The zone is kept per stack as the images are (infra/ami.py): the zone chosen at the stack's first
 `pulumi up` (the first that offers both instance types) goes into a `pulumi.Stash`, and the subnets
@@ -29,7 +32,8 @@ from __future__ import annotations
 import pulumi
 import pulumi_aws as aws
 
-from cluster.facts import nat_gateway_ip
+from cluster.facts import STACK_TAG, nat_gateway_ip
+from infra.quotas import stack_name
 
 
 class NetworkComponent(pulumi.ComponentResource):
@@ -46,6 +50,11 @@ class NetworkComponent(pulumi.ComponentResource):
 
         def tags(what: str) -> dict[str, str]:
             return {"Cluster": cluster_name, "Name": f"{cluster_name}-{what}"}
+
+        def billed_tags(what: str) -> dict[str, str]:
+            """A billed resource's: also the owning stack (STACK_TAG), unique per stack unlike Cluster,
+            which `fab status` finds the stack's spend by (ops/cost/spend.py)."""
+            return {**tags(what), STACK_TAG: stack_name()}
 
         self.vpc = aws.ec2.Vpc(
             f"{name}-vpc",
@@ -72,7 +81,7 @@ class NetworkComponent(pulumi.ComponentResource):
         # its address (and the Elastic IP) free. Not ignore_changes: Pulumi would then carry the
         # old address into a replacement in another subnet (pulumi/pulumi#2657).
         self.nat_eip = aws.ec2.Eip(
-            f"{name}-nat-eip", domain="vpc", tags=tags("nat"),
+            f"{name}-nat-eip", domain="vpc", tags=billed_tags("nat"),
             opts=pulumi.ResourceOptions(parent=self, depends_on=[self.internet_gateway]),
         )
         self.nat_gateway = aws.ec2.NatGateway(
@@ -81,7 +90,7 @@ class NetworkComponent(pulumi.ComponentResource):
             subnet_id=self.public_subnet.id,
             connectivity_type="public",
             private_ip=nat_gateway_ip(public_subnet_cidr),
-            tags=tags("nat"),
+            tags=billed_tags("nat"),
             opts=pulumi.ResourceOptions(parent=self, depends_on=[self.internet_gateway],
                                         delete_before_replace=True),
         )

@@ -59,6 +59,8 @@ from typing import Any
 import pulumi
 import pulumi.dynamic
 
+from cluster.aws_session import ec2_client, session
+
 # Spot request states (EC2 API Reference, SpotInstanceRequest.State) in which the request can still
 # launch or restart an instance: what cancelling is for.
 LIVE_STATES = ("open", "active", "disabled")
@@ -98,16 +100,6 @@ def provider_account() -> str:
     import pulumi_aws as aws
 
     return aws.get_caller_identity().account_id
-
-
-def session(region: str | None, profile: str | None = None):
-    import boto3
-
-    return boto3.session.Session(profile_name=profile or None, region_name=region or None)
-
-
-def ec2_client(region: str | None, profile: str | None = None):
-    return session(region, profile).client("ec2")
 
 
 def caller_account(region: str | None, profile: str | None = None) -> str:

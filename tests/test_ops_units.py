@@ -227,7 +227,7 @@ def test_fab_tasks_share_the_cluster_flags_and_keep_their_menu():
     assert fabfile.ns["spot-requests"].__doc__.strip()
     assert {a.name for a in fabfile.ns["spot-requests"].get_arguments()} == {"region", "stack"}
     own = {"train": {"config", "nodes", "gpus_per_node", "examples", "model", "data", "raw", "estimate", "skip_check",
-                     "healthy_only", "max_cost", "down"}, "check": set(), "down": set(),
+                     "healthy_only", "max_cost", "down", "drop_unfinished"}, "check": set(), "down": {"drop_unfinished"},
            "estimate": {"config", "nodes", "gpus_per_node", "examples", "model", "data", "gpu_instance_type",
                         "region", "model_gb", "tokens_per_row", "scratch_mbps"},
            "status": set(), "logs": {"job", "progress"}, "cancel": {"job"}, "reconfigure": {"force"},

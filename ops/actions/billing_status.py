@@ -13,6 +13,8 @@ from paramiko.ssh_exception import SSHException
 
 from cluster import targets
 from cluster.errors import UserError
+from cluster.facts import STACK_TAG
+from cluster.inventory import Inventory
 from ops.actions import node_power as power
 from ops.actions.options import ClusterOptions
 from ops.cost import estimate as est
@@ -42,6 +44,12 @@ def node_counts(cl: Cluster) -> tuple[int, int]:
     return len(names) - stopped, stopped
 
 
+def stack_tag(inv: Inventory) -> str | None:
+    """The stack's STACK_TAG value (organization/project/stack) as its inventory records it (infra/
+    cluster_component.py), or the power programs' copy in inventories made before that."""
+    return inv.extra.get("stack") or ((inv.facts or {}).get("power_save") or {}).get("stack")
+
+
 def show(cl: Cluster, where: ClusterOptions, say: Say = print, ec2=None) -> None:
     """The money lines of `fab status`. `ec2`: an EC2 client (default: boto3's in the stack's region)."""
     inv = cl.inventory
@@ -56,10 +64,15 @@ def show(cl: Cluster, where: ClusterOptions, say: Say = print, ec2=None) -> None
     on, stopped = node_counts(cl)
     for line in still_bills.lines(still_bills.still_billing(priced, on, stopped, where.stack)):
         say(line)
+    stack = stack_tag(inv)
+    if not stack:
+        say(f"  spent so far: unknown (this stack's inventory does not name its {STACK_TAG} tag, which the "
+            "spend is looked up by: `pulumi up` adds it)")
+        return
     log = power_log(cl)
     try:
-        client = ec2 or spend.ec2_client(priced.region)
-        so_far = spend.so_far(client, inv.cluster_name, priced.region, log)
+        client = ec2 or spend.ec2_client(priced.region, priced.profile)
+        so_far = spend.so_far(client, stack, priced.region, log)
     except Exception as exc:  # noqa: BLE001 - botocore's many errors (no credentials, denied): said, not raised
         say(f"  spent so far: unknown ({type(exc).__name__}: {exc}); it needs ec2:DescribeInstances, "
             "DescribeVolumes and DescribeNatGateways with the credentials `pulumi` uses")

@@ -54,6 +54,8 @@ class TrainOptions:
     max_cost: float | None = None
     # --down: `pulumi destroy` once the run is home and verified (ops/actions/stack_down.py).
     down: bool = False
+    # --drop-unfinished (with --down): unfinished runs' checkpoints may go with the stack.
+    drop_unfinished: bool = False
 
     @property
     def model_path(self) -> str | None:
@@ -175,11 +177,12 @@ def parse_host(host) -> str:
 
 def parse(target=None, stack=None, config=None, nodes=None, gpus_per_node=None, examples=None,
           model=None, data=None, identity=None, skip_check=False, healthy_only=False,
-          max_cost=None, down=False) -> TrainOptions:
+          max_cost=None, down=False, drop_unfinished=False) -> TrainOptions:
     """Check `fab train`'s flags on their own (no inventory needed)."""
     return parse_train(parse_cluster(target=target, stack=stack, identity=identity), config=config,
                        nodes=nodes, gpus_per_node=gpus_per_node, examples=examples, model=model, data=data,
-                       skip_check=skip_check, healthy_only=healthy_only, max_cost=max_cost, down=down)
+                       skip_check=skip_check, healthy_only=healthy_only, max_cost=max_cost, down=down,
+                       drop_unfinished=drop_unfinished)
 
 
 def parse_check_flags(skip_check, healthy_only) -> tuple[bool, bool]:
@@ -192,8 +195,11 @@ def parse_check_flags(skip_check, healthy_only) -> tuple[bool, bool]:
 
 def parse_train(where: ClusterOptions, config=None, nodes=None, gpus_per_node=None, examples=None,
                 model=None, data=None, skip_check=False, healthy_only=False, max_cost=None,
-                down=False) -> TrainOptions:
+                down=False, drop_unfinished=False) -> TrainOptions:
     """`fab train`'s own flags, for the cluster `where` names (already checked by `parse_cluster`)."""
+    if drop_unfinished and not down:
+        raise OptionError("--drop-unfinished lets --down destroy the stack with unfinished runs' checkpoints: "
+                          "pass it with --down (or `fab down --drop-unfinished`)")
     if down:  # before the config: the fix does not depend on it
         check_down(where.target, "--down")
     skip_check, healthy_only = parse_check_flags(skip_check, healthy_only)  # before the config: no TRL import
@@ -218,6 +224,7 @@ def parse_train(where: ClusterOptions, config=None, nodes=None, gpus_per_node=No
         nodes=_int("nodes", nodes), gpus_per_node=_int("gpus-per-node", gpus_per_node),
         examples=_int("examples", examples), model=model, data=data, identity=identity,
         skip_check=skip_check, healthy_only=healthy_only, max_cost=cap, down=bool(down),
+        drop_unfinished=bool(drop_unfinished),
         config_model=None if model else from_config("model_name_or_path", "model"),
         config_data=None if data else from_config("dataset_name", "data"),
     )

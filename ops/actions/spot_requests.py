@@ -19,6 +19,7 @@ import re
 import shlex
 from dataclasses import dataclass
 
+from cluster import aws_session
 from cluster.errors import UserError
 from ops.say import Say
 
@@ -131,12 +132,13 @@ def report(ec2, region: str | None, stack: str | None, say: Say = print) -> None
 
 
 def ec2_client(region: str | None):
-    import boto3
+    """EC2 in `region` with the caller's credentials (cluster/aws_session.py); no region anywhere: refused."""
+    from botocore.exceptions import NoRegionError
 
-    session = boto3.session.Session(region_name=region or None)
-    if not session.region_name:
-        raise UserError("no AWS region: pass --region REGION (the stack's aws:region)")
-    return session.client("ec2")
+    try:
+        return aws_session.ec2_client(region)
+    except NoRegionError:
+        raise UserError("no AWS region: pass --region REGION (the stack's aws:region)") from None
 
 
 def run(region: str | None, stack: str | None, say: Say = print) -> None:

@@ -57,13 +57,10 @@ def rate_per_h(cl: est.PricedCluster) -> float:
     if cl.calibrated:
         return cl.billed_nodes * est._json("local.json")["standin_price_per_node_h"]
     p = est.prices(cl.region)
-    vol_gb = (cl.billed_nodes + 1) * cl.root_volume_gib
-    month_h = est.MONTH_S / 3600
-    extras = (max(0.0, cl.scratch_mbps - est.GP3_BASE_MBPS) * p["gp3_per_mbps_month"]
-              + max(0, cl.scratch_iops - est.GP3_BASE_IOPS) * p["gp3_per_iops_month"])
+    volumes = est.gp3_per_month(p, (cl.billed_nodes + 1) * cl.root_volume_gib, cl.scratch_mbps, cl.scratch_iops)
     return (cl.billed_nodes * gpu_rate_per_h(cl)
             + est.price_per_h(cl.region, cl.controller_type) + p["nat_per_h"]
-            + (vol_gb * p["gp3_per_gb_month"] + extras) / month_h)
+            + est.per_h_of_month(volumes))
 
 
 def run_cost(e: est.Estimate, scenario: str) -> float:

@@ -84,6 +84,8 @@ class PricedCluster:
     # No real GPUs (the local cluster): phase times calibrated on the CI machine, nothing billed.
     calibrated: bool = False
     market: str = "on-demand"  # slurm-gpu:gpuMarket: ops/cost/market_prices.py prices spot and Capacity Blocks
+    reservation_id: str = ""  # slurm-gpu:capacityReservationId (capacity-reservation, capacity-block)
+    profile: str | None = None  # aws:profile: the credentials `pulumi` uses for the stack
 
     @property
     def billed_nodes(self) -> int:
@@ -368,6 +370,24 @@ class CostLine:
     usd: float
 
 
+def gp3_per_month(p: dict, gb: float, mbps: float = GP3_BASE_MBPS, iops: float = GP3_BASE_IOPS) -> float:
+    """USD per month of one gp3 volume: its GB, plus the throughput and IOPS provisioned above gp3's
+    baseline (https://aws.amazon.com/ebs/pricing/). `p`: prices(region). The one gp3 formula of the
+    estimate, the cap, what still bills and the spend so far."""
+    return (gb * p["gp3_per_gb_month"] + max(0.0, mbps - GP3_BASE_MBPS) * p["gp3_per_mbps_month"]
+            + max(0.0, iops - GP3_BASE_IOPS) * p["gp3_per_iops_month"])
+
+
+def per_h_of_month(usd_per_month: float) -> float:
+    """A monthly price per hour: AWS prorates per second over a 730-hour month."""
+    return usd_per_month * 3600 / MONTH_S
+
+
+def idle_cost(per_h: float, idle_stop_min: int) -> float:
+    """What nodes billing `per_h` cost while they wait idle for power saving to stop them."""
+    return per_h * idle_stop_min / 60
+
+
 def storage_per_h(cl: PricedCluster, volumes: int | None = None) -> list[CostLine]:
     """The EBS bill per hour: `volumes` gp3 root volumes of cl.root_volume_gib (default: every node's and
     the controller's) and the shared volume's throughput and IOPS above gp3's baseline (the controller's).
@@ -376,15 +396,15 @@ def storage_per_h(cl: PricedCluster, volumes: int | None = None) -> list[CostLin
     count = cl.billed_nodes + 1 if volumes is None else volumes
     vol_gb = count * cl.root_volume_gib
     lines = [CostLine(f"EBS gp3 {vol_gb} GB at ${p['gp3_per_gb_month']}/GB-month",
-                      vol_gb * p["gp3_per_gb_month"] * 3600 / MONTH_S)] if count else []
+                      per_h_of_month(gp3_per_month(p, vol_gb)))] if count else []
     if cl.scratch_mbps > GP3_BASE_MBPS:
         extra = cl.scratch_mbps - GP3_BASE_MBPS
         lines.append(CostLine(f"gp3 throughput +{extra:.0f} MB/s at ${p['gp3_per_mbps_month']}/MB/s-month",
-                              extra * p["gp3_per_mbps_month"] * 3600 / MONTH_S))
+                              per_h_of_month(gp3_per_month(p, 0, mbps=cl.scratch_mbps))))
     if cl.scratch_iops > GP3_BASE_IOPS:
         extra_iops = cl.scratch_iops - GP3_BASE_IOPS
         lines.append(CostLine(f"gp3 IOPS +{extra_iops} at ${p['gp3_per_iops_month']}/IOPS-month",
-                              extra_iops * p["gp3_per_iops_month"] * 3600 / MONTH_S))
+                              per_h_of_month(gp3_per_month(p, 0, iops=cl.scratch_iops))))
     return lines
 
 
@@ -427,7 +447,7 @@ def idle_tail(est: Estimate) -> CostLine | None:
         return None
     h = price_per_h(cl.region, cl.gpu_type)
     return CostLine(f"then {cl.billed_nodes} idle node(s) until power saving stops them ({cl.idle_stop_min} min, "
-                    "slurm-gpu:idleStopMinutes)", cl.billed_nodes * h * cl.idle_stop_min / 60)
+                    "slurm-gpu:idleStopMinutes)", idle_cost(cl.billed_nodes * h, cl.idle_stop_min))
 
 
 # ---------------------------------------------------------------- what the user sees
@@ -503,6 +523,7 @@ def stack_settings(stack: str | None, repo: Path = REPO) -> tuple[dict, str]:
     out = dict(STACK_DEFAULTS)
     out.update({k.split(":", 1)[1]: v for k, v in cfg.items() if k.startswith("slurm-gpu:")})
     out["region"] = cfg.get("aws:region")
+    out["profile"] = cfg.get("aws:profile")  # the credentials the stack's AWS provider uses
     return out, path.name
 
 
@@ -549,7 +570,8 @@ def cluster_for(target: str, stack: str | None, inv=None, nodes: int | None = No
                  root_volume_gib=int(settings["rootVolumeGiB"]), idle_stop_min=idle, scratch_mbps=scratch,
                  scratch_iops=iops, scratch_from=scratch_from,
                  source=source + (" + inventory" if inv else ""), stack_nodes=stack_nodes,
-                 market=str(settings.get("gpuMarket") or "on-demand"))
+                 market=str(settings.get("gpuMarket") or "on-demand"),
+                 reservation_id=str(settings.get("capacityReservationId") or ""), profile=settings.get("profile"))
     prices(reg)  # an unknown region or type fails here, naming the price table
     price_per_h(reg, cl.gpu_type)
     price_per_h(reg, cl.controller_type)

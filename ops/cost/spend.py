@@ -6,8 +6,15 @@ own record of its GPU nodes' stops and starts: the power programs' log on the co
 `TIME slurm-gpu-resume: i-... stopped -> pending`).
 
 The basis, and its error:
-- An instance's life starts when its root volume was attached (DescribeInstances' BlockDeviceMappings
-  AttachTime: the volume stays attached across stop and start, unlike LaunchTime, which is the last start).
+- An instance's life starts when its primary network interface (device index 0) was attached
+  (DescribeInstances' NetworkInterfaces[].Attachment.AttachTime): it stays attached across stop and start,
+  unlike LaunchTime, which is the last start (botocore's ec2 service model, Instance.LaunchTime: "to find
+  the original launch time, see the attachment time for the primary network interface"), and unlike a
+  root volume's AttachTime, which a replaced root volume resets. Without it: LaunchTime.
+- Only the stack's own resources are counted: instances and the NAT gateway tagged slurm-gpu:stack with the
+  stack's name (cluster/facts.py STACK_TAG; the Cluster tag is shared by every stack of a cluster name),
+  volumes attached to those instances. What no longer exists (terminated instances, replaced volumes,
+  deleted NAT gateways) is not counted: EC2 forgets it within the hour.
 - DescribeInstances tells only the last state transition (LaunchTime, StateTransitionReason), so the
   stops and starts before it come from the power log. EC2 bills `running` only (EC2 User Guide,
   "Instance state changes": pending, stopping and stopped are not billed,
@@ -34,6 +41,8 @@ import re
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
+from cluster import aws_session
+from cluster.facts import STACK_TAG
 from ops.cost import estimate as est
 
 # One state change the power programs logged: bootstrap/scripts/power-ec2.py.j2 act(): log(f"{id} {prev} -> {cur}").
@@ -42,8 +51,6 @@ _EVENT = re.compile(r"^(?P<t>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ) slurm-gpu-(?:suspe
 # DescribeInstances' StateTransitionReason of a stop, e.g. "User initiated (2026-12-07 03:00:00 GMT)".
 _TRANSITION = re.compile(r"\((\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) GMT\)")
 STOPPED = ("stopping", "stopped")
-# The tag every instance and the NAT gateway of a stack carry with its cluster name (infra/nodes.py, infra/network.py).
-CLUSTER_TAG = "Cluster"
 
 
 @dataclass
@@ -113,28 +120,30 @@ def _tag(resource: dict, key: str) -> str:
     return next((t["Value"] for t in resource.get("Tags", []) if t["Key"] == key), "")
 
 
-def _root_attach(inst: dict) -> datetime:
-    root = inst.get("RootDeviceName")
-    for bdm in inst.get("BlockDeviceMappings", []):
-        if bdm.get("DeviceName") == root and bdm.get("Ebs", {}).get("AttachTime"):
-            return bdm["Ebs"]["AttachTime"]
+def first_start(inst: dict) -> datetime:
+    """When the instance was first launched: its primary interface's attach time (module doc)."""
+    for eni in inst.get("NetworkInterfaces", []):
+        attachment = eni.get("Attachment") or {}
+        if attachment.get("DeviceIndex") == 0 and attachment.get("AttachTime"):
+            return attachment["AttachTime"]
     return inst["LaunchTime"]
 
 
-def so_far(ec2, cluster: str, region: str, power_log: str | None, now: datetime | None = None) -> Spend:
-    """The stack's spend at list prices (ops/data/prices.json) from EC2's answers (an EC2 client: boto3's,
-    or one under botocore's Stubber) and the power log's text (None: not readable)."""
+def so_far(ec2, stack: str, region: str, power_log: str | None, now: datetime | None = None) -> Spend:
+    """The spend at list prices (ops/data/prices.json) of the resources tagged STACK_TAG `stack` (the
+    stack's organization/project/stack) from EC2's answers (an EC2 client: boto3's, or one under botocore's
+    Stubber) and the power log's text (None: not readable)."""
     now = now or datetime.now(UTC)
     p = est.prices(region)
     events = power_events(power_log or "")
     spend = Spend(since=None)
-    tagged = [{"Name": f"tag:{CLUSTER_TAG}", "Values": [cluster]}]
+    tagged = [{"Name": f"tag:{STACK_TAG}", "Values": [stack]}]
     alive = {"Name": "instance-state-name", "Values": ["pending", "running", "stopping", "stopped"]}
     ids = []
     for page in ec2.get_paginator("describe_instances").paginate(Filters=[*tagged, alive]):
         for inst in (i for r in page["Reservations"] for i in r["Instances"]):
             ids.append(inst["InstanceId"])
-            first = _root_attach(inst)
+            first = first_start(inst)
             spend.since = min(spend.since or first, first)
             secs, basis = running_seconds(first, now, events.get(inst["InstanceId"], []), inst["State"]["Name"],
                                           inst.get("LaunchTime"),
@@ -170,11 +179,9 @@ def _volume(vol: dict, p: dict, now: datetime) -> Item:
     name = _tag(vol, "Name") or vol["VolumeId"]
     if vol.get("VolumeType") != "gp3":
         return Item(f"volume {name} ({vol.get('VolumeType')}, {vol['Size']} GB): not priced (gp3 only)", 0.0)
-    months = age / est.MONTH_S
-    mbps = max(0, (vol.get("Throughput") or est.GP3_BASE_MBPS) - est.GP3_BASE_MBPS)
-    iops = max(0, (vol.get("Iops") or est.GP3_BASE_IOPS) - est.GP3_BASE_IOPS)
-    usd = (vol["Size"] * p["gp3_per_gb_month"] + mbps * p["gp3_per_mbps_month"] + iops * p["gp3_per_iops_month"]) \
-        * months
+    throughput, iops_total = vol.get("Throughput") or est.GP3_BASE_MBPS, vol.get("Iops") or est.GP3_BASE_IOPS
+    usd = est.gp3_per_month(p, vol["Size"], throughput, iops_total) * age / est.MONTH_S
+    mbps, iops = max(0.0, throughput - est.GP3_BASE_MBPS), max(0, iops_total - est.GP3_BASE_IOPS)
     extra = (f" +{mbps:.0f} MB/s" if mbps else "") + (f" +{iops} IOPS" if iops else "")
     return Item(f"volume {name} gp3 {vol['Size']} GB{extra} for {age / 86400:.2f} d", usd, "CreateTime")
 
@@ -184,11 +191,14 @@ DIFFERS = ("credits and the free tier, Savings Plans and Reserved Instances lowe
            "spot nodes pay the spot price, not the list price counted here",
            "data transfer is not counted: NAT gateway GB, traffic out to the internet",
            "public IPv4 addresses (the controller's, the NAT gateway's) bill per hour and are not counted",
-           "the account's own EBS key, snapshots and taxes are not counted")
+           "the account's own EBS key, snapshots and taxes are not counted",
+           "what no longer exists is not counted: terminated or replaced instances, replaced volumes, "
+           "deleted NAT gateways (EC2 lists them for an hour at most)")
 
 
-BASIS = ("instances from their root volume's attach time, less the stops the power log shows (a start counts "
-         "from `pending`, tens of seconds before EC2 bills `running`); volumes and the NAT gateway from CreateTime")
+BASIS = ("the resources tagged with this stack that exist now; instances from their primary network interface's "
+         "attach time, less the stops the power log shows (a start counts from `pending`, tens of seconds before "
+         "EC2 bills `running`); volumes and the NAT gateway from CreateTime")
 
 
 def lines(spend: Spend) -> list[str]:
@@ -203,8 +213,7 @@ def lines(spend: Spend) -> list[str]:
     return out
 
 
-def ec2_client(region: str):
-    """boto3's EC2 client in the stack's region, with the credentials `pulumi` uses (the AWS SDK's chain)."""
-    import boto3
-
-    return boto3.client("ec2", region_name=region)
+def ec2_client(region: str, profile: str | None = None):
+    """EC2 in the stack's region with the credentials `pulumi` uses for it (aws:profile, else the AWS SDK's
+    chain): cluster/aws_session.py, as infra/spot_guard.py."""
+    return aws_session.ec2_client(region, profile)

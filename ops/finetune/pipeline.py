@@ -6,6 +6,7 @@ fabfile.py only parses flags and calls `run`.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -566,6 +567,8 @@ def train(opts: TrainOptions, say: Say = print, raw: bool = False,
                 cost = _check_cap(opts, plan, est.scenario_for(RUNS, inv.cluster_name) if inv else "first")
                 say(f"  fits --max-cost ${opts.max_cost:.2f}: estimated at ${cost:.2f}")
             return None
+        if opts.down:  # one stack for the inventory, the checks and the destroy (stack_down's module doc)
+            opts = dataclasses.replace(opts, stack=stack_down.stack_name(opts.stack))
         inv = targets.load(opts.target, opts.stack)
         nodes, gpus = check_against(opts, inv)
         say(f"fab train: {inv.target} cluster {inv.cluster_name!r}, {nodes} node(s) x {gpus} GPU(s) "
@@ -590,20 +593,25 @@ def train(opts: TrainOptions, say: Say = print, raw: bool = False,
     with tl.phase("setup"):
         cl = connect(inv, opts.identity)
     try:
-        if opts.down:  # another run in flight: refused before anything but squeue touched the cluster
-            stack_down.refuse_busy(cl.controller, "--down", f" --stack {opts.stack}" if opts.stack else "")
+        if opts.down:  # before any training: another run in flight, or one not home, refuses here already
+            stack_down.check_ready(cl, RUNS, "--down", opts.stack, drop_unfinished=opts.drop_unfinished)
         result = run(cl, opts, nodes, gpus, say=say, raw=raw, tl=tl, predicted=predicted, cost_per_h=cost_per_h,
                      closing=closing)
+        if result.dest is not None:
+            write_run_record(result.dest, opts, inv, nodes, gpus, tl.wall_s, plan)
         if opts.down:  # this run and every earlier finished one home, their adapters verified
-            checked = stack_down.check_ready(cl, RUNS, "--down", opts.stack, done_job=result.job_id)
+            try:
+                ready = stack_down.check_ready(cl, RUNS, "--down", opts.stack, done_job=result.job_id,
+                                               drop_unfinished=opts.drop_unfinished)
+            except stack_down.DownRefused:  # the stack stays up: say what it bills
+                for line in closing_lines(dataclasses.replace(opts, down=False), plan):
+                    say(line)
+                raise
     finally:
         cl.close()
-    if result.dest is not None:
-        write_run_record(result.dest, opts, inv, nodes, gpus, tl.wall_s, plan)
     if opts.down:
-        say(f"--down: no job on the cluster; {checked} finished run(s), all home in {RUNS} with their adapters "
-            "verified")
-        stack_down.destroy(opts.stack, say)
+        say("--down: " + stack_down.ready_line(ready, RUNS))
+        stack_down.destroy(opts.stack, inv, say)
     return result
 
 
