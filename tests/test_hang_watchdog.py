@@ -83,6 +83,16 @@ def test_the_clock_runs_between_steps_and_pauses_for_saves_and_evaluations(monke
     clock.now += 100
     dog.on_prediction_step(None, state, go)  # each evaluation batch is progress
     assert dog.paused and dog._since == clock.now
+    dog.on_step_begin(None, state, go)
+    # An evaluation from a callback inside the step (EvalEveryCallback): paused, and not part of the step's time.
+    clock.now += 1
+    with dog.pause(state):
+        assert dog.paused and dog.deadline() == 1800
+        clock.now += 700
+    assert not dog.paused and dog._since == clock.now
+    clock.now += 1
+    dog.on_step_end(None, state, go)
+    assert dog.step_times[-1] == 2 and dog.deadline() == 20
 
 
 def test_off_with_factor_0():

@@ -30,9 +30,11 @@ its last complete checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import shutil
 import socket
 import statistics
 import sys
@@ -132,7 +134,9 @@ class HangWatchdog(TrainerCallback):
         self._heartbeat, self._trigger = local / "heartbeat.json", local / "dump-now"
         self._stacks = open(local / "stacks.txt", "w")  # noqa: SIM115 (open while faulthandler may write)
         faulthandler.register(SIGNAL, file=self._stacks, all_threads=True, chain=False)
-        self._since, self._first, self.paused = time.time(), True, False
+        self._local = local
+        self._since = self._step_start = time.time()
+        self._first, self.paused, self._paused_s = True, False, 0.0
         self._beat(state, "running")
         stacks, recorder = hang_files(self.output_dir, rank, attempt())
         self._fr_thread = threading.Thread(target=self._dump_flight_recorder_when_asked, args=(recorder,),
@@ -154,6 +158,7 @@ class HangWatchdog(TrainerCallback):
     def on_step_begin(self, args, state, control, **kwargs):
         if self.enabled and self.paused:
             self.paused, self._since = False, time.time()
+            self._step_start, self._paused_s = self._since, 0.0
             self._beat(state, "running")
         if self._stall and _rank() == self._stall[0] and state.global_step == self._stall[1]:
             _stall(self._stall[2])  # test-only (STALL_ENV): inside the step, its clock running
@@ -165,11 +170,29 @@ class HangWatchdog(TrainerCallback):
         if self._first:  # compilation and warm-up: not the run's step time
             self._first = False
         elif not self.paused:
-            self.step_times.append(now - self._since)
+            self.step_times.append(now - self._step_start - self._paused_s)
             del self.step_times[:-WINDOW]
-        self._since = now
+        self._since = self._step_start = now
+        self._paused_s = 0.0
         self.paused = bool(control.should_save or control.should_evaluate)
         self._beat(state, "running")
+
+    @contextlib.contextmanager
+    def pause(self, state):
+        """Work inside the training loop that is not a step (an evaluation from a callback): the clock gets the
+        first step's allowance meanwhile, and the time is not counted in the step's."""
+        if not self.enabled:
+            yield
+            return
+        was, start = self.paused, time.time()
+        self.paused, self._since = True, start
+        self._beat(state, "running")
+        try:
+            yield
+        finally:
+            self.paused, self._since = was, time.time()
+            self._paused_s += self._since - start
+            self._beat(state, "running")
 
     def _progress(self, state) -> None:
         if self.enabled:
@@ -200,6 +223,13 @@ class HangWatchdog(TrainerCallback):
             self._watcher.terminate()
             self._watcher.wait(timeout=10)
         self._stacks.close()
+        shutil.rmtree(self._local, ignore_errors=True)
+
+
+def paused(trainer, state):
+    """`trainer`'s HangWatchdog.pause(state), or nothing to do where it has none."""
+    dog = next((c for c in trainer.callback_handler.callbacks if isinstance(c, HangWatchdog)), None)
+    return dog.pause(state) if dog is not None else contextlib.nullcontext()
 
 
 def write_flight_recorder(path: Path) -> bool:
