@@ -139,6 +139,39 @@ def test_the_watcher_dumps_the_stuck_process_stack_claims_the_marker_and_ends_it
     assert (local / "dump-now").exists()  # the rank's flight recorder thread is asked too
 
 
+def test_a_rank_that_moves_again_within_the_grace_is_not_ended(tmp_path):
+    """Slow, not hung: past its deadline the watcher dumps the rank, but the rank's next heartbeat comes within
+    the grace: the marker is withdrawn, the rank lives, the watch goes on until the rank is done."""
+    import threading
+
+    local = tmp_path / "local"
+    local.mkdir()
+    child = subprocess.Popen([sys.executable, "-c", _STUCK, str(local / "stacks.txt")], stdout=subprocess.PIPE,
+                             text=True)
+    marker = tmp_path / hangs.MARKER
+    beat = {"rank": 1, "pid": child.pid, "step": 0, "since": time.time() - 100, "deadline_s": 20.0,
+            "phase": "running"}
+    (local / "heartbeat.json").write_text(json.dumps(beat))
+
+    def move_on():
+        while not (tmp_path / "s.txt").exists():  # the watcher fired and dumped
+            time.sleep(0.05)
+        (local / "heartbeat.json").write_text(json.dumps({**beat, "step": 1, "since": time.time()}))
+        while marker.exists():
+            time.sleep(0.05)
+        (local / "heartbeat.json").write_text(json.dumps({**beat, "step": 1, "since": time.time(), "phase": "done"}))
+
+    mover = threading.Thread(target=move_on, daemon=True)
+    try:
+        assert child.stdout.readline() == "ready\n"
+        mover.start()
+        assert hangs.watch(child.pid, local, marker, tmp_path / "s.txt", poll_s=0.1, grace_s=30) == "done"
+        assert child.poll() is None and not marker.exists()
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_the_watcher_leaves_a_moving_or_finished_rank_alone(tmp_path):
     local = tmp_path / "local"
     local.mkdir()

@@ -53,32 +53,54 @@ def _read_json(path: Path) -> dict | None:
 def _dump(pid: int, local: Path, beat: dict, idle_s: float, stacks: Path) -> None:
     """Have the rank write its stacks (and flight recorder), then copy them, with a header, to `stacks`."""
     (local / "dump-now").touch()
-    before = -1
+    written = local / "stacks.txt"
+    start = written.stat().st_size if written.exists() else 0  # an earlier dump's text stays before it
     try:
         os.kill(pid, SIGNAL)
     except ProcessLookupError:
         return
+    before = -1
     for _ in range(20):  # the handler writes synchronously; wait until the file stops growing
         time.sleep(0.25)
-        size = (local / "stacks.txt").stat().st_size
-        if size == before and size > 0:
+        size = written.stat().st_size
+        if size == before and size > start:
             break
         before = size
+    with open(written, "rb") as f:
+        f.seek(start)
+        text = f.read().decode(errors="replace")
     header = {key: beat.get(key) for key in ("rank", "host", "pid", "step", "deadline_s", "step_s")}
     header["idle_s"] = round(idle_s, 1)
     stacks.parent.mkdir(parents=True, exist_ok=True)
-    stacks.write_text("# " + json.dumps(header) + "\n" + (local / "stacks.txt").read_text())
+    stacks.write_text("# " + json.dumps(header) + "\n" + text)
+
+
+def _moved(local: Path, since: float) -> bool:
+    """Whether the rank made progress after `since` (or finished)."""
+    beat = _read_json(local / "heartbeat.json") or {}
+    return beat.get("phase") == "done" or beat.get("since", since) > since
 
 
 def watch(pid: int, local: Path, marker: Path, stacks: Path, poll_s: float = POLL_S, grace_s: float = GRACE_S) -> str:
-    """Watch rank `pid`'s heartbeat until it is done or gone ("done", "gone"), dumps on another rank's marker
-    ("dumped"), or fires: claims the marker, dumps, waits `grace_s` and kills the rank ("fired")."""
-    dumped = [False]
+    """Watch rank `pid`'s heartbeat until it is done or gone ("done", "gone") or this watcher fires ("fired"):
+    past the deadline it claims the marker, dumps the rank, and kills it unless it moves again within `grace_s`
+    (then the marker is withdrawn and the watch goes on). Another rank's marker: dump this rank once for it."""
+    dumped_for = [None]  # the marker's text this rank was dumped for
+    claimed: list[float] = []  # the heartbeat's `since` when this watcher claimed the marker
+
+    def claim_text() -> str | None:
+        try:
+            return marker.read_text()
+        except OSError:
+            return None
 
     def on_term(_signum, _frame):  # the step ends (srun -K1, scancel): dump too if a hang is being handled
         beat = _read_json(local / "heartbeat.json") or {}
-        if not dumped[0] and marker.exists() and _alive(pid):
+        text = claim_text()
+        if text and text != dumped_for[0] and _alive(pid):
             _dump(pid, local, beat, time.time() - beat.get("since", time.time()), stacks)
+        if claimed and _moved(local, claimed[0]):  # ended in its grace by the rank finishing: no hang
+            marker.unlink(missing_ok=True)
         sys.exit(0)
 
     signal.signal(signal.SIGTERM, on_term)
@@ -92,11 +114,11 @@ def watch(pid: int, local: Path, marker: Path, stacks: Path, poll_s: float = POL
         if beat.get("phase") == "done":
             return "done"
         idle = time.time() - beat["since"]
-        if marker.exists():
+        text = claim_text()
+        if text and text != dumped_for[0]:  # another rank's watcher fired: this rank's stack too
             _dump(pid, local, beat, idle, stacks)
-            dumped[0] = True
-            return "dumped"
-        if idle > beat["deadline_s"]:
+            dumped_for[0] = text
+        elif not text and idle > beat["deadline_s"]:
             claim = {key: beat.get(key) for key in ("rank", "host", "step", "deadline_s", "step_s")}
             claim.update(idle_s=round(idle, 1), attempt=attempt(), t=time.time())
             try:
@@ -104,13 +126,22 @@ def watch(pid: int, local: Path, marker: Path, stacks: Path, poll_s: float = POL
                 with open(marker, "x") as f:  # the first rank's watcher to fire writes it
                     f.write(json.dumps(claim) + "\n")
             except FileExistsError:
-                pass
+                continue  # another rank's watcher was first: dump for its marker
+            dumped_for[0] = claim_text()
+            claimed.append(beat["since"])
             _dump(pid, local, beat, idle, stacks)
-            dumped[0] = True
             print(f"slurm-gpu: hang watchdog: rank {beat.get('rank')} made no progress for {idle:.0f} s "
                   f"(deadline {beat['deadline_s']:.0f} s) after step {beat.get('step')}; stacks in "
-                  f"{stacks.parent}; ending the rank so the job requeues", file=sys.stderr, flush=True)
-            time.sleep(grace_s)
+                  f"{stacks.parent}; ending the rank in {grace_s:.0f} s unless it moves", file=sys.stderr, flush=True)
+            end = time.monotonic() + grace_s
+            while time.monotonic() < end and not _moved(local, beat["since"]):
+                time.sleep(poll_s)
+            if _moved(local, beat["since"]):  # slow, not hung: never end a moving run
+                marker.unlink(missing_ok=True)
+                claimed.clear()
+                print(f"slurm-gpu: hang watchdog: rank {beat.get('rank')} moved again after "
+                      f"{time.time() - beat['since']:.0f} s; not ended", file=sys.stderr, flush=True)
+                continue
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

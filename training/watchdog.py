@@ -21,7 +21,8 @@ thread's Python stack (faulthandler registered on SIGNAL: a C-level handler that
 thread is stuck in C code, GIL held or not) and the flight recorder's record of its collectives (torch's
 TORCH_FR_BUFFER_SIZE, on gloo and NCCL; a thread in the rank writes it, so only where the stuck thread left
 the GIL free), copies them into output_dir/hangs/, waits GRACE_S for the other ranks' watchers (which see the
-marker, or get SIGTERM when the step ends, and dump theirs) and kills its rank. torchrun then stops the
+marker, or get SIGTERM when the step ends, and dump theirs) and kills its rank, unless the rank moved
+again meanwhile (then it withdraws the marker and watches on: a slow run is never ended). torchrun then stops the
 node's other ranks, srun -K1 ends the step on every node, and the job script (jobs/finetune.sbatch.j2) finds
 the marker, prints `python -m training.hangs report`'s SLURM_GPU_HANG line (which rank hung and where,
 for `fab train`) and requeues the job like a lost node, within the same restart limit; training resumes from
