@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import sys
 import time
@@ -214,7 +215,8 @@ def report(output_dir: str | Path, attempt: int) -> dict:
 
 def cli(argv: list[str]) -> int:
     if argv[:1] == ["watch"] and len(argv) == 5:
-        watch(int(argv[1]), Path(argv[2]), Path(argv[3]), Path(argv[4]))
+        if watch(int(argv[1]), Path(argv[2]), Path(argv[3]), Path(argv[4])) in ("fired", "gone"):
+            shutil.rmtree(argv[2], ignore_errors=True)  # the rank's own files (in /dev/shm): it cannot
         return 0
     if argv[:1] == ["report"] and len(argv) == 3:
         print(PREFIX + json.dumps(report(argv[1], int(argv[2]))), flush=True)

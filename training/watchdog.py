@@ -69,6 +69,9 @@ def deadline_s(step_times: list[float], k: float, floor_s: float, first_step_s: 
 
 # ---------------------------------------------------------------- in the rank
 
+_HOST = socket.gethostname()
+
+
 def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
@@ -114,7 +117,7 @@ class HangWatchdog(TrainerCallback):
         if self._heartbeat is None or (not force and now - self._last_write < 0.5):
             return
         self._last_write = now
-        body = {"rank": _rank(), "pid": os.getpid(), "host": socket.gethostname(), "step": state.global_step,
+        body = {"rank": _rank(), "pid": os.getpid(), "host": _HOST, "step": state.global_step,
                 "since": self._since, "deadline_s": self.deadline(), "paused": self.paused, "phase": phase,
                 "step_s": statistics.median(self.step_times[-WINDOW:]) if self.step_times else None}
         tmp = self._heartbeat.with_suffix(".tmp")
@@ -131,7 +134,9 @@ class HangWatchdog(TrainerCallback):
         import threading
 
         rank = _rank()
-        local = Path(tempfile.mkdtemp(prefix=f"slurm-gpu-watchdog-rank{rank}-"))
+        # Memory-backed where the node has it: the heartbeat is rewritten every step.
+        shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+        local = Path(tempfile.mkdtemp(prefix=f"slurm-gpu-watchdog-rank{rank}-", dir=shm))
         self._heartbeat, self._trigger = local / "heartbeat.json", local / "dump-now"
         self._stacks = open(local / "stacks.txt", "w")  # noqa: SIM115 (open while faulthandler may write)
         faulthandler.register(SIGNAL, file=self._stacks, all_threads=True, chain=False)
