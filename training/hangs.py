@@ -216,7 +216,7 @@ def report(output_dir: str | Path, attempt: int) -> dict:
 def cli(argv: list[str]) -> int:
     if argv[:1] == ["watch"] and len(argv) == 5:
         if watch(int(argv[1]), Path(argv[2]), Path(argv[3]), Path(argv[4])) in ("fired", "gone"):
-            shutil.rmtree(argv[2], ignore_errors=True)  # the rank's own files (in /dev/shm): it cannot
+            shutil.rmtree(argv[2], ignore_errors=True)  # the dead rank's heartbeat and stacks (/dev/shm)
         return 0
     if argv[:1] == ["report"] and len(argv) == 3:
         print(PREFIX + json.dumps(report(argv[1], int(argv[2]))), flush=True)
