@@ -68,7 +68,7 @@ def test_a_blocked_rank_is_named_and_the_run_requeues_and_completes(local_cluste
         out = Streamed(proc)
         try:
             said = wait_for("fab to say which rank hung", lambda: re.search(
-                r"^hang: no training progress for (\d+) s \(deadline (\d+) s\) after step (\d+); "
+                r"^\s*hang: no training progress for (\d+) s \(deadline (\d+) s\) after step (\d+); "
                 r"rank 3 on (\S+) hung at (\S+) in (\S+);.*$", out.text, re.M) or proc.poll() is not None, 400, 0.2)
             assert proc.poll() is None, out.text
             rc = proc.wait(timeout=400)
@@ -87,7 +87,7 @@ def test_a_blocked_rank_is_named_and_the_run_requeues_and_completes(local_cluste
     assert rc == 0, text
     print("\n" + said[0])
     idle, deadline, step = int(said[1]), int(said[2]), int(said[3])
-    assert step == 6 and 15 <= deadline < idle, said[0]  # measured steps: the floor, not the first step's 120 s
+    assert step == 6 and 15 <= deadline <= idle, said[0]  # measured steps: the floor, not the first step's 120 s
     assert said[4] in ("gpu-node-01", "gpu-node-02") and said[5].startswith("training/watchdog.py:") \
         and said[6] == "_stall", said[0]
     assert re.search(r"ranks 0, 1, 2 waiting for it \(torch/", said[0]), said[0]
