@@ -105,6 +105,10 @@ def watch(pid: int, local: Path, marker: Path, stacks: Path, poll_s: float = POL
         sys.exit(0)
 
     signal.signal(signal.SIGTERM, on_term)
+    # The spot watcher's signals are for the ranks; should they reach every process of the step
+    # (`scancel --signal`), they must not end this one (their default action).
+    for sig in (signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)
     while True:
         if not _alive(pid):
             return "gone"
