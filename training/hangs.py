@@ -82,10 +82,12 @@ def _moved(local: Path, since: float) -> bool:
     return beat.get("phase") == "done" or beat.get("since", since) > since
 
 
-def watch(pid: int, local: Path, marker: Path, stacks: Path, poll_s: float = POLL_S, grace_s: float = GRACE_S) -> str:
+def watch(pid: int, local: Path, marker: Path, stacks: Path, poll_s: float = POLL_S, grace_s: float = GRACE_S,
+          own_process: bool = False) -> str:
     """Watch rank `pid`'s heartbeat until it is done or gone ("done", "gone") or this watcher fires ("fired"):
     past the deadline it claims the marker, dumps the rank, and kills it unless it moves again within `grace_s`
-    (then the marker is withdrawn and the watch goes on). Another rank's marker: dump this rank once for it."""
+    (then the marker is withdrawn and the watch goes on). Another rank's marker: dump this rank once for it.
+    `own_process`: this is the watcher process (it takes SIGTERM, SIGUSR1 and SIGUSR2 for itself)."""
     dumped_for = [None]  # the marker's text this rank was dumped for
     claimed: list[float] = []  # the heartbeat's `since` when this watcher claimed the marker
 
@@ -104,11 +106,12 @@ def watch(pid: int, local: Path, marker: Path, stacks: Path, poll_s: float = POL
             marker.unlink(missing_ok=True)
         sys.exit(0)
 
-    signal.signal(signal.SIGTERM, on_term)
-    # The spot watcher's signals are for the ranks; should they reach every process of the step
-    # (`scancel --signal`), they must not end this one (their default action).
-    for sig in (signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(sig, signal.SIG_IGN)
+    if own_process:
+        signal.signal(signal.SIGTERM, on_term)
+        # The spot watcher's signals are for the ranks; should they reach every process of the step
+        # (`scancel --signal`), they must not end this one (their default action).
+        for sig in (signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(sig, signal.SIG_IGN)
     while True:
         if not _alive(pid):
             return "gone"
@@ -219,7 +222,7 @@ def report(output_dir: str | Path, attempt: int) -> dict:
 
 def cli(argv: list[str]) -> int:
     if argv[:1] == ["watch"] and len(argv) == 5:
-        if watch(int(argv[1]), Path(argv[2]), Path(argv[3]), Path(argv[4])) in ("fired", "gone"):
+        if watch(int(argv[1]), Path(argv[2]), Path(argv[3]), Path(argv[4]), own_process=True) in ("fired", "gone"):
             shutil.rmtree(argv[2], ignore_errors=True)  # the dead rank's heartbeat and stacks (/dev/shm)
         return 0
     if argv[:1] == ["report"] and len(argv) == 3:
