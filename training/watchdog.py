@@ -8,11 +8,12 @@ and only where the backend checks it (a rank stuck outside a collective, in a re
 times out). Slurm sees live processes: it ends a job only at its --time limit (unset by `fab train`) or when
 a node stops answering (SlurmdTimeout); then it sends SIGTERM and SIGKILL after KillWait (default 30 s).
 
-So each rank (HangWatchdog, a TrainerCallback) keeps a heartbeat: a small JSON file in the node's temp
-directory, rewritten as training moves. Moving is an optimizer step ending, a checkpoint saved, an
-evaluation or prediction step. The clock runs only between steps of training: after a step that saves or
-evaluates it is paused (the pause gets the first step's allowance, progressing on every save/eval callback)
-until the next step begins. The deadline (deadline_s) is max(k x the run's own measured step time, a floor);
+So each rank (HangWatchdog, a TrainerCallback) keeps a heartbeat: a small JSON file in the node's /dev/shm
+(else its temp directory), rewritten as training moves. Moving is an optimizer step ending, a checkpoint
+saved, an evaluation or prediction step. The clock runs only between steps of training: after a step that
+saves or evaluates it is paused (the pause gets the first step's allowance, progressing on every save/eval
+callback) until the next step begins, and so is an evaluation a callback runs (`paused`: EvalEveryCallback).
+The deadline (deadline_s) is max(k x the run's own measured step time, a floor);
 the first step after the start or a resume (compilation, CUDA warm-up) gets `hang_first_step_s`.
 
 A watcher process per rank (`python -m training.hangs watch`, stdlib only, started by the rank) reads the
