@@ -3,6 +3,7 @@ real stuck process, and real 2-rank gloo runs where one rank blocks (every rank'
 blocking frame) or takes long over its first step (left alone)."""
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -185,6 +186,18 @@ def test_the_watcher_leaves_a_moving_or_finished_rank_alone(tmp_path):
         child.kill()
         child.wait()
     assert hangs.watch(child.pid, local, tmp_path / hangs.MARKER, tmp_path / "s.txt", poll_s=0.1) == "gone"
+
+
+def test_files_of_dead_ranks_are_swept_live_ones_kept(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    gone = tmp_path / f"{watchdog.LOCAL_PREFIX}{dead.pid}-rank0-x"
+    live = tmp_path / f"{watchdog.LOCAL_PREFIX}{os.getpid()}-rank1-y"
+    for d in (gone, live):
+        d.mkdir()
+        (d / "heartbeat.json").write_text("{}")
+    watchdog.sweep_dead(tmp_path)
+    assert not gone.exists() and live.exists()
 
 
 # ---------------------------------------------------------------- fab train's line

@@ -53,6 +53,7 @@ WINDOW = 20  # the measured step time: the median of the last WINDOW steps
 # STEP+1 begins (0: inside the first step), in a job's first attempt only (a requeued job runs clean).
 # Inert unless set; no config or flag sets it.
 STALL_ENV = "SLURM_GPU_STALL"
+LOCAL_PREFIX = "slurm-gpu-watchdog-pid"  # + PID-rankR-: a rank's heartbeat and stacks on its node
 
 
 def deadline_s(step_times: list[float], k: float, floor_s: float, first_step_s: float, paused: bool = False) -> float:
@@ -137,7 +138,8 @@ class HangWatchdog(TrainerCallback):
         rank = _rank()
         # Memory-backed where the node has it: the heartbeat is rewritten every step.
         shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-        local = Path(tempfile.mkdtemp(prefix=f"slurm-gpu-watchdog-rank{rank}-", dir=shm))
+        sweep_dead(Path(shm or tempfile.gettempdir()))
+        local = Path(tempfile.mkdtemp(prefix=f"{LOCAL_PREFIX}{os.getpid()}-rank{rank}-", dir=shm))
         self._heartbeat, self._trigger = local / "heartbeat.json", local / "dump-now"
         self._stacks = open(local / "stacks.txt", "w")  # noqa: SIM115 (open while faulthandler may write)
         faulthandler.register(SIGNAL, file=self._stacks, all_threads=True, chain=False)
@@ -231,6 +233,24 @@ class HangWatchdog(TrainerCallback):
             self._watcher.wait(timeout=10)
         self._stacks.close()
         shutil.rmtree(self._local, ignore_errors=True)
+
+
+def sweep_dead(directory: Path) -> None:
+    """Remove the files of ranks that died without cleaning up (killed: a hang, a lost step)."""
+    for d in directory.glob(LOCAL_PREFIX + "*"):
+        m = re.match(re.escape(LOCAL_PREFIX) + r"(\d+)-", d.name)
+        if m and not _pid_alive(int(m[1])):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def paused(trainer, state):
