@@ -44,6 +44,8 @@ CONFIGS = [
     ({"gradient_accumulation_steps": 0}, ["gradient_accumulation_steps: 0 is out of range", "at least 1"]),
     ({"n_examples": -5}, ["n_examples: -5 is out of range", "0 (all rows) or more"]),
     ({"save_total_limit": 0}, ["save_total_limit: 0 is out of range", "at least 1"]),
+    ({"hang_timeout_factor": 1}, ["hang_timeout_factor: 1 is out of range", "0 (no hang watchdog) or at least 2"]),
+    ({"hang_timeout_floor_s": 0}, ["hang_timeout_floor_s: 0 is out of range", "at least 5 seconds"]),
     ({"model_name_or_path": "Qwen/Qwen3-4B"},
      ["model_name_or_path in --config", "'Qwen/Qwen3-4B'", "runs offline",
       "pass --config training/configs/local-tiny.yaml"]),

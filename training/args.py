@@ -153,6 +153,20 @@ class TrainConfig(SFTConfig):
         metadata={"help": "Also evaluate the held-out rows every N optimizer steps (0 = only before and after "
                           "training)."},
     )
+    hang_timeout_factor: float = field(
+        default=10.0,
+        metadata={"help": "Hang watchdog (training/watchdog.py): a rank that completes no optimizer step within "
+                          "max(this x the run's measured step time, hang_timeout_floor_s) writes every rank's "
+                          "stack to output_dir/hangs/ and the job requeues from its last checkpoint. 0 = off."},
+    )
+    hang_timeout_floor_s: float = field(
+        default=600.0, metadata={"help": "Hang watchdog: the shortest deadline, in seconds."}
+    )
+    hang_first_step_s: float = field(
+        default=1800.0,
+        metadata={"help": "Hang watchdog: the deadline of the first step after a start or resume (compilation, "
+                          "warm-up) and of a checkpoint save or evaluation, in seconds."},
+    )
     ddp_find_unused_parameters: bool | None = field(
         default=False, metadata={"help": "False: frozen base weights are not searched for every step."}
     )

@@ -19,6 +19,7 @@ import random
 import torch
 from transformers import Trainer, TrainerCallback
 
+from training import watchdog
 from training.fastpath.batches import split_by_token_budget
 
 log = logging.getLogger("training.train")
@@ -181,7 +182,8 @@ class EvalEveryCallback(TrainerCallback):
         step = state.global_step
         if self.trainer is None or not self.every or step % self.every or step >= state.max_steps:
             return
-        result = evaluate(self.trainer)
+        with watchdog.paused(self.trainer, state):  # the hang watchdog: evaluating is moving, not a slow step
+            result = evaluate(self.trainer)
         if result is not None:
             # A deferred log (training/fastpath/deferred_logs.py) of an earlier step goes first: a step
             # logged after a later one makes TensorBoard's reader drop the later steps as orphaned.

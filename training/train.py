@@ -52,6 +52,7 @@ from training.outputs import (
     write_metrics,
 )
 from training.phases import RankPhases, process_start
+from training.watchdog import HangWatchdog
 
 # Names other modules and tests read from here.
 __all__ = ["COMPLETED_MARKER", "FAULT_RANK_ENV", "FAULT_STEP_ENV", "LOG_PREFIX", "METRICS_PREFIX", "cli", "main"]
@@ -200,10 +201,13 @@ def main(argv: list[str] | None = None) -> dict | None:
     cap = cost_cap.make(train_args)  # None without --max-cost
     if tensorboard_events.enabled(train_args):
         tensorboard_events.use_log_dir(train_args)
+    # Last: it reads whether a step saves or evaluates from what the callbacks before it decided.
+    hangs = HangWatchdog(train_args.output_dir, train_args.hang_timeout_factor, train_args.hang_timeout_floor_s,
+                         train_args.hang_first_step_s)
     with phases.phase("trainer"):
         trainer = build_trainer(model, tokenizer, dataset, model_args, train_args, flex_packing,
                                 [*make_callbacks(train_args.final_checkpoint), clock, every, on_signal,
-                                 *([cap] if cap else [])], eval_rows)
+                                 *([cap] if cap else []), hangs], eval_rows)
     every.trainer = trainer
     timing["trainer_built"] = time.time()
     if trainer.is_world_process_zero():

@@ -36,6 +36,9 @@ RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
     "lora_dropout": (lambda v: 0 <= v < 1, "from 0 up to (not including) 1"),
     "seed": (lambda v: v >= 0, "0 or more"),
     "dataloader_num_workers": (lambda v: v >= 0, "0 or more"),
+    "hang_timeout_factor": (lambda v: v == 0 or v >= 2, "0 (no hang watchdog) or at least 2 (e.g. 10)"),
+    "hang_timeout_floor_s": (lambda v: v >= 5, "at least 5 seconds (e.g. 600)"),
+    "hang_first_step_s": (lambda v: v >= 5, "at least 5 seconds (e.g. 1800)"),
 }
 
 

@@ -6,6 +6,7 @@ The log holds every rank's output with srun's "N: " labels. The lines that matte
     SLURM_GPU_LOG {...}        rank 0, one per logged optimizer step (step, max_steps, loss, ...)
     SLURM_GPU_RESUMED {...}    rank 0 resumed from a checkpoint
     SLURM_GPU_SPOT {...}       rank 0: a checkpoint now, on the spot watcher's signal (training/interrupts.py)
+    SLURM_GPU_HANG {...}       the batch script: the hang watchdog's report, which rank hung, where (training/hangs.py)
     SLURM_GPU_METRICS {...}    rank 0, the final metrics
     {'loss': '2.1', ...}       the HF Trainer's own per-step dict (used when the above is absent)
     ... NCCL INFO ...          NCCL's connection lines (ops/actions/nccl.py)
@@ -31,7 +32,8 @@ from dataclasses import dataclass, field
 from ops.actions import slurm
 
 _LABEL = re.compile(r"^\s*\d+: ")
-_TAGS = ("SLURM_GPU_JOB", "SLURM_GPU_LOG", "SLURM_GPU_RESUMED", "SLURM_GPU_METRICS", "SLURM_GPU_SPOT")
+_TAGS = ("SLURM_GPU_JOB", "SLURM_GPU_LOG", "SLURM_GPU_RESUMED", "SLURM_GPU_METRICS", "SLURM_GPU_SPOT",
+         "SLURM_GPU_HANG")
 _TAGGED = re.compile(r"^(?P<tag>" + "|".join(_TAGS) + r") (?P<body>\{.*\})\s*$")
 _HF_DICT = re.compile(r"^\{'(?:loss|train_runtime)'.*\}$")
 _BAR = re.compile(r"(?P<step>\d+)/(?P<total>\d+) \[")
@@ -45,7 +47,7 @@ MAX_ERRORS = 12
 
 @dataclass
 class Event:
-    kind: str  # "start", "step", "resumed", "metrics", "spot"
+    kind: str  # "start", "step", "resumed", "metrics", "spot", "hang"
     data: dict
 
 
@@ -92,6 +94,7 @@ class JobLog:
     nodes: str | None = None  # the current attempt's node list (Slurm's hostlist)
     max_steps: int | None = None
     started: bool = False  # a SLURM_GPU_JOB line was seen
+    hangs: list[dict] = field(default_factory=list)  # the hang watchdog's reports, one per hung attempt
     _partial: str = ""
     _tokens_t0: tuple[float, float] | None = None  # (arrival time, num_tokens) of the first step
 
@@ -156,6 +159,9 @@ class JobLog:
             return Event("start", body)
         if tag == "SLURM_GPU_SPOT":
             return Event("spot", body)
+        if tag == "SLURM_GPU_HANG":
+            self.hangs.append(body)
+            return Event("hang", body)
         if tag == "SLURM_GPU_RESUMED":
             self.resumed_from = int(body.get("step", 0))
             return Event("resumed", body)
@@ -207,7 +213,42 @@ class JobLog:
             return "training finished; final metrics written"
         if ev.kind == "spot":
             return spot_line(ev.data)
+        if ev.kind == "hang":
+            return hang_line(ev.data)
         return None
+
+
+def _ranks(numbers: list[int]) -> str:
+    return ("rank " if len(numbers) == 1 else "ranks ") + ", ".join(map(str, numbers))
+
+
+def hang_line(data: dict) -> str:
+    """What `fab train` says of a SLURM_GPU_HANG line: which rank hung and where, what the others were doing."""
+    ranks = data.get("ranks") or {}
+
+    def on(rank) -> str:
+        host = ranks.get(str(rank), {}).get("host")
+        return f" on {host}" if host else ""
+
+    idle, deadline, step = data.get("idle_s"), data.get("deadline_s"), data.get("step")
+    timed = isinstance(idle, (int, float)) and isinstance(deadline, (int, float))
+    head = (f"hang: no training progress for {idle:.0f} s (deadline {deadline:.0f} s) after step {step}"
+            if timed else "hang: training stopped moving")
+    hung = data.get("hung") or []
+    if len(hung) == 1:
+        head += f"; rank {hung[0]}{on(hung[0])} hung at {ranks[str(hung[0])]['where']}"
+    elif hung:
+        head += "; no single rank stands out: " + "; ".join(f"rank {r}{on(r)} at {ranks[str(r)]['where']}"
+                                                            for r in hung)
+    elif ranks:
+        head += "; every rank waits in a collective (a peer or the network stopped answering)"
+    waiting = [int(r) for r, info in ranks.items() if info.get("waiting")]
+    if waiting:
+        first = ranks[str(waiting[0])]["where"]
+        head += f"; {_ranks(waiting)} waiting for it ({first})" if len(hung) == 1 else f"; {_ranks(waiting)} at {first}"
+    missing = "" if ranks else " (no rank's stack was written)"
+    return head + (f"; every rank's stack in {data.get('stacks_dir', 'output_dir/hangs')}{missing} (brought home "
+                   "with the run)")
 
 
 def spot_line(data: dict, node: str | None = None, reason: str | None = None) -> str:

@@ -358,8 +358,9 @@ def reattach_hint(job_id: str, target: str) -> str:
 # ---------------------------------------------------------------- 6-7: summary and artifacts
 
 
-# Subdirectories of output_dir brought home with its files: TensorBoard's events (training/tensorboard_events.py).
-HOME_DIRS = ("tensorboard",)
+# Subdirectories of output_dir brought home with its files: TensorBoard's events (training/tensorboard_events.py),
+# the hang watchdog's stacks and flight recorder dumps (training/hangs.py).
+HOME_DIRS = ("tensorboard", "hangs")
 
 
 def download(ctl: Connection, output_dir: str, dest: Path, say: Say = print) -> list[str]:
