@@ -34,7 +34,7 @@ def hang_files(output_dir: str | Path, rank: int, attempt: int) -> tuple[Path, P
 
 # ---------------------------------------------------------------- the watcher process (stdlib only)
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -100,7 +100,7 @@ def watch(pid: int, local: Path, marker: Path, stacks: Path, poll_s: float = POL
     def on_term(_signum, _frame):  # the step ends (srun -K1, scancel): dump too if a hang is being handled
         beat = _read_json(local / "heartbeat.json") or {}
         text = claim_text()
-        if text and text != dumped_for[0] and _alive(pid):
+        if text and text != dumped_for[0] and alive(pid):
             _dump(pid, local, beat, time.time() - beat.get("since", time.time()), stacks)
         if claimed and _moved(local, claimed[0]):  # ended in its grace by the rank finishing: no hang
             marker.unlink(missing_ok=True)
@@ -113,7 +113,7 @@ def watch(pid: int, local: Path, marker: Path, stacks: Path, poll_s: float = POL
         for sig in (signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, signal.SIG_IGN)
     while True:
-        if not _alive(pid):
+        if not alive(pid):
             return "gone"
         beat = _read_json(local / "heartbeat.json")
         if beat is None:

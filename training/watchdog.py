@@ -46,7 +46,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from training.hangs import MARKER, POLL_S, SIGNAL, attempt, hang_files
+from training.hangs import MARKER, POLL_S, SIGNAL, alive, attempt, hang_files
 
 WINDOW = 20  # the measured step time: the median of the last WINDOW steps
 # Test-only: "RANK:STEP:SECONDS" makes rank RANK sleep SECONDS ("inf": for ever) when optimizer step
@@ -239,18 +239,8 @@ def sweep_dead(directory: Path) -> None:
     """Remove the files of ranks that died without cleaning up (killed: a hang, a lost step)."""
     for d in directory.glob(LOCAL_PREFIX + "*"):
         m = re.match(re.escape(LOCAL_PREFIX) + r"(\d+)-", d.name)
-        if m and not _pid_alive(int(m[1])):
+        if m and not alive(int(m[1])):
             shutil.rmtree(d, ignore_errors=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def paused(trainer, state):
