@@ -32,7 +32,7 @@ from ops.cost import estimate as est
 from ops.cost import still_bills
 from ops.finetune import gpu_events, stream, summary, timeline
 from ops.finetune import sbatch as jobs
-from ops.say import Say
+from ops.say import Say, shown
 from ops.ssh.remote import Cluster, HostError, connect, each, service
 
 # Where runs come home; SLURM_GPU_RUNS moves it (the tests keep the repo clean with it).
@@ -524,7 +524,7 @@ def finish(cl: Cluster, job_id: str, followed: stream.Followed, say: Say,
         netcheck.save(dest / "network.json", checked.verdict, checked.result, checked.job_id, checked.drained)
     step(say, 6, "summary")
     for line in run.lines(expect_efa=targets.of(cl.inventory).expects_efa(cl.inventory)):
-        say(line)
+        say(shown(line))  # values the job wrote (metrics.json, checkpoint names)
     png = summary.plot_loss(run.losses, dest / "loss.png", f"job {job_id} ({cl.inventory.cluster_name})") \
         if got or run.losses else None
     adapters = [f for f in got if f.startswith("adapter_")]
@@ -563,7 +563,7 @@ def outcome(cl: Cluster, job_id: str, followed: stream.Followed, job_dir: str | 
         return True
     if training_completed(cl.controller, job_dir):
         job = followed.job
-        state = f"{job.state} ({job.reason})" if job else "gone from Slurm"
+        state = f"{job.state} ({shown(job.reason)})" if job else "gone from Slurm"
         say(f"job {job_id} ended {state}, but its training had completed ({job_dir}/output/"
             f"{COMPLETED_MARKER} is there): the finished run is downloaded")
         return True
@@ -572,11 +572,11 @@ def outcome(cl: Cluster, job_id: str, followed: stream.Followed, job_dir: str | 
 
 def failure(job_id: str, followed: stream.Followed, log_path: str) -> TrainError:
     job = followed.job
-    state = f"{job.state} (exit {job.exit_code}, {job.reason})" if job else "gone from Slurm"
+    state = f"{job.state} (exit {job.exit_code}, {shown(job.reason)})" if job else "gone from Slurm"
     errors = followed.log.errors
-    cause = ("; the job log's error lines:\n" + "\n".join(f"  {line}" for line in errors)) if errors \
+    cause = ("; the job log's error lines:\n" + "\n".join(f"  {shown(line)}" for line in errors)) if errors \
         else "; the job log has no error line (see its last lines)"
-    tail = "\n".join(f"  {line}" for line in list(followed.log.tail)[-15:])
+    tail = "\n".join(f"  {shown(line)}" for line in list(followed.log.tail)[-15:])
     return TrainError(f"job {job_id} {state}{cause}\nlast lines of {log_path}:\n{tail}")
 
 
