@@ -187,15 +187,19 @@ def test_a_hostile_listing_writes_nothing_outside_the_run_folder(tmp_path, capsy
 def test_a_download_never_writes_over_fabs_own_records(tmp_path, capsys):
     out = f"{JOB_DIR}/output"
     own = sorted(pipeline.OWN_RECORDS)
-    sftp = FakeSFTP({out: [_attr("adapter_model.safetensors", REG), *(_attr(n, REG) for n in own)]})
+    sftp = FakeSFTP({out: [_attr("adapter_model.safetensors", REG), *(_attr(n, REG) for n in own),
+                           _attr("tensorboard", DIR)],
+                     f"{out}/tensorboard": [_attr("events.1", REG), _attr("gpus", REG)]})
     dest = tmp_path / "runs" / "7"
     dest.mkdir(parents=True)
     (dest / "job_dir").write_text(JOB_DIR + "\n")  # fab's record, written before the download
     got = pipeline.download(SimpleNamespace(sftp=lambda: sftp), out, dest)
     said = capsys.readouterr().out
-    assert got == ["adapter_model.safetensors"]
+    assert got == ["adapter_model.safetensors", "tensorboard/"]
     assert (dest / "job_dir").read_text() == JOB_DIR + "\n"
-    assert sorted(p.name for p in dest.iterdir()) == ["adapter_model.safetensors", "job_dir"]
+    assert sorted(p.name for p in dest.iterdir()) == ["adapter_model.safetensors", "job_dir", "tensorboard"]
+    assert [p.name for p in (dest / "tensorboard").iterdir()] == ["events.1"]  # gpus/ is fab's (gpu_events)
+    assert "'gpus' is the name of fab's own record" in said
     for name in ["run.json", "network.json", "job.log", "job_dir", "timeline.json"]:
         assert f"{name!r} is the name of fab's own record" in said, (name, said)
 

@@ -473,7 +473,10 @@ def download(ctl: Connection, output_dir: str, dest: Path, say: Say = print) -> 
             (dest / name).mkdir(exist_ok=True)
             remote = posixpath.join(output_dir, name)
             for inner in sftp.listdir_attr(remote):
-                if stat.S_ISREG(inner.st_mode or 0) and _single(inner.filename, remote, say):
+                if (name, inner.filename) == ("tensorboard", gpu_events.SUBDIR):  # fab writes it (finish)
+                    say(f"      not downloaded from {remote}: {inner.filename!r} is the name of fab's own "
+                        f"record in {dest / name}")
+                elif stat.S_ISREG(inner.st_mode or 0) and _single(inner.filename, remote, say):
                     fetch(remote, inner.filename, f"{name}/{inner.filename}")
             got.append(name + "/")
     return sorted(got)
