@@ -10,6 +10,7 @@ real Hub manifest and controller-side fetch (ops/actions/prefetch.py, fetch_file
 from __future__ import annotations
 
 import http.server
+import io
 import json
 import os
 import stat
@@ -120,16 +121,42 @@ def _attr(name: str, mode: int) -> paramiko.SFTPAttributes:
 
 
 class FakeSFTP:
-    """An SFTP listing as a compromised controller could answer it; `get` writes what it serves."""
+    """An SFTP listing as a compromised controller could answer it. A listed file serves "from PATH";
+    `now` holds what a path is when lstat'ed or opened (after the listing), as (mode, size, bytes served)."""
 
-    def __init__(self, listing: dict[str, list[paramiko.SFTPAttributes]]) -> None:
-        self.listing = listing
+    def __init__(self, listing: dict[str, list[paramiko.SFTPAttributes]],
+                 now: dict[str, tuple[int, int, bytes]] | None = None) -> None:
+        self.listing, self.now, self.read = listing, now or {}, 0
 
     def listdir_attr(self, path: str) -> list[paramiko.SFTPAttributes]:
         return self.listing[path]
 
-    def get(self, remote: str, local: str) -> None:
-        Path(local).write_bytes(f"from {remote}".encode())
+    def _now(self, path: str) -> tuple[int, int, bytes]:
+        body = f"from {path}".encode()
+        return self.now.get(path, (REG, len(body), body))
+
+    def lstat(self, path: str) -> paramiko.SFTPAttributes:
+        a = paramiko.SFTPAttributes()
+        a.st_mode, a.st_size, _ = self._now(path)
+        return a
+
+    def open(self, path: str, mode: str = "r"):
+        sftp = self
+        (fmode, fsize, body), at = self._now(path), [0]
+
+        class Handle(io.RawIOBase):
+            def stat(self):
+                a = paramiko.SFTPAttributes()
+                a.st_mode, a.st_size = fmode, fsize
+                return a
+
+            def read(self, n=-1):  # a body of b"\0" stands for an endless device (/dev/zero)
+                chunk = b"\0" * n if body == b"\0" else body[at[0]:at[0] + n]
+                at[0] += len(chunk)
+                sftp.read += len(chunk)
+                return chunk
+
+        return Handle()
 
 
 REG, DIR = stat.S_IFREG | 0o644, stat.S_IFDIR | 0o755
@@ -155,6 +182,65 @@ def test_a_hostile_listing_writes_nothing_outside_the_run_folder(tmp_path, capsy
                       dest / "tensorboard", dest / "tensorboard" / "events.1"}, sorted(map(str, inside))
     for name in [*hostile, "metrics.json.part", "../../../escaped-tb"]:
         assert any(repr(name) in s for s in said), (name, said)
+
+
+def test_a_download_never_writes_over_fabs_own_records(tmp_path, capsys):
+    out = f"{JOB_DIR}/output"
+    own = sorted(pipeline.OWN_RECORDS)
+    sftp = FakeSFTP({out: [_attr("adapter_model.safetensors", REG), *(_attr(n, REG) for n in own),
+                           _attr("tensorboard", DIR)],
+                     f"{out}/tensorboard": [_attr("events.1", REG), _attr("gpus", REG)]})
+    dest = tmp_path / "runs" / "7"
+    dest.mkdir(parents=True)
+    (dest / "job_dir").write_text(JOB_DIR + "\n")  # fab's record, written before the download
+    got = pipeline.download(SimpleNamespace(sftp=lambda: sftp), out, dest)
+    said = capsys.readouterr().out
+    assert got == ["adapter_model.safetensors", "tensorboard/"]
+    assert (dest / "job_dir").read_text() == JOB_DIR + "\n"
+    assert sorted(p.name for p in dest.iterdir()) == ["adapter_model.safetensors", "job_dir", "tensorboard"]
+    assert [p.name for p in (dest / "tensorboard").iterdir()] == ["events.1"]  # gpus/ is fab's (gpu_events)
+    assert "'gpus' is the name of fab's own record" in said
+    for name in ["run.json", "network.json", "job.log", "job_dir", "timeline.json"]:
+        assert f"{name!r} is the name of fab's own record" in said, (name, said)
+
+
+def test_a_download_stops_at_its_size_caps(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(pipeline, "MAX_FILE_BYTES", 1000)
+    monkeypatch.setattr(pipeline, "MAX_RUN_BYTES", 1500)
+    out = f"{JOB_DIR}/output"
+    names = ["a_huge", "b_grows", "c_ok", "d_ok", "e_over_total"]
+    sftp = FakeSFTP({out: [_attr(n, REG) for n in names]},
+                    now={f"{out}/a_huge": (REG, 2**40, b"\0"),  # a 1 TB (sparse) file
+                         f"{out}/b_grows": (REG, 10, b"x" * 5000),  # small when stat'ed, grows while read
+                         f"{out}/c_ok": (REG, 800, b"c" * 800),
+                         f"{out}/d_ok": (REG, 600, b"d" * 600),
+                         f"{out}/e_over_total": (REG, 200, b"e" * 200)})
+    dest = tmp_path / "run"
+    got = pipeline.download(SimpleNamespace(sftp=lambda: sftp), out, dest)
+    said = capsys.readouterr().out
+    assert got == ["c_ok", "d_ok"]
+    assert sorted(p.name for p in dest.iterdir()) == ["c_ok", "d_ok"]  # no left-over .part
+    assert sftp.read <= 800 + 600 + 1001 + 100, sftp.read  # what was read stops at the caps
+    assert "'a_huge': 1024.0 GiB, over the cap" in said
+    assert "'b_grows': grew past the cap" in said
+    assert "'e_over_total'" in said and "over the cap" in said.split("'e_over_total'")[1]
+
+
+def test_a_file_swapped_for_a_link_after_the_listing_is_not_followed(tmp_path, capsys):
+    out = f"{JOB_DIR}/output"
+    sftp = FakeSFTP({out: [_attr("adapter_model.safetensors", REG), _attr("metrics.json", REG),
+                           _attr("samples.md", REG)]},
+                    now={f"{out}/metrics.json": (stat.S_IFLNK | 0o777, 9, b"\0"),  # lstat: now a link
+                         # lstat said a file, open (which follows links) reaches a device: /dev/zero
+                         f"{out}/samples.md": (stat.S_IFCHR | 0o666, 0, b"\0")})
+    real_lstat = sftp.lstat
+    sftp.lstat = lambda p: real_lstat(p) if not p.endswith("samples.md") else _attr("samples.md", REG)
+    got = pipeline.download(SimpleNamespace(sftp=lambda: sftp), out, tmp_path / "run")
+    said = capsys.readouterr().out
+    assert got == ["adapter_model.safetensors"]
+    assert sftp.read == len(f"from {out}/adapter_model.safetensors")
+    assert "'metrics.json': no longer a regular file" in said
+    assert "'samples.md': not a regular file when opened" in said
 
 
 # ------------------------------------------------------------------ the Hub prefetch

@@ -16,6 +16,7 @@ from fabric import Connection
 
 from bootstrap.render import BOOTSTRAP_PATH, STEPS_DIR
 from cluster.errors import UserError
+from ops.say import shown
 from ops.ssh.remote import HostError, each
 
 STATUS_CMD = "cloud-init status --format json"
@@ -56,7 +57,7 @@ def bootstrap_failure(c: Connection) -> str | None:
     step, status = failed[0]
     log = f"{STEPS_DIR}/{step}.log"
     tail = c.run(f"tail -n {TAIL_LINES} {shlex.quote(log)}", hide=True, warn=True).stdout.rstrip()
-    lines = "\n".join(f"      | {ln}" for ln in tail.splitlines()) or "      | (the log is empty)"
+    lines = "\n".join(f"      | {shown(ln)}" for ln in tail.splitlines()) or "      | (the log is empty)"
     when = status.removeprefix("failed").strip()
     return (f"bootstrap step {step!r} failed ({when}); last lines of {log}:\n{lines}\n"
             f"    fix the cause, then re-run it on the host: sudo {BOOTSTRAP_PATH}")

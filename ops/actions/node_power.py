@@ -18,7 +18,7 @@ import time
 
 from bootstrap import render
 from ops.actions import slurm
-from ops.say import Say
+from ops.say import Say, shown
 from ops.ssh.remote import Cluster, sudo
 
 SUFFIXES = {"~": "stopped", "#": "starting", "%": "stopping", "!": "stopping soon"}
@@ -144,7 +144,7 @@ def wake(cl: Cluster, say: Say, poll_s: float = 2.0, timeout_s: float | None = N
     for n in waking:
         say("      " + describe(n, power[n], eta))
         if start_failure(nodes[n]):
-            say(f"      (its last start failed: {nodes[n].reason}; trying again)")
+            say(f"      (its last start failed: {shown(nodes[n].reason)}; trying again)")
     timeout_s = timeout_s or float(inv.extra.get("resume_timeout_s", DEFAULT_WAKE_TIMEOUT_S))
     deadline = time.monotonic() + timeout_s
     requested: set[str] = set()
@@ -161,8 +161,8 @@ def wake(cl: Cluster, say: Say, poll_s: float = 2.0, timeout_s: float | None = N
                   and seen[n] != before[n]}
         if failed:
             raise slurm.SlurmError(
-                "could not start " + "; ".join(f"{n} ({why})" for n, why in failed.items())
-                + ": " + advice(next(iter(failed.values()))))
+                "could not start " + "; ".join(f"{n} ({shown(why)})" for n, why in failed.items())
+                + ": " + shown(advice(next(iter(failed.values())))))
         if time.monotonic() >= deadline:
             raise slurm.SlurmError(
                 f"nodes not started after {timeout_s:.0f} s: "

@@ -30,7 +30,7 @@ from cluster.errors import UserError
 from cluster.facts import ClusterFacts
 from ops.actions import slurm
 from ops.actions.reconfigure import ReconfigureError, facts_of, install_text, read_text
-from ops.say import Say
+from ops.say import Say, shown
 from ops.ssh.remote import Cluster, each, sudo
 
 REASON = "slurm-gpu bootstrap update"
@@ -162,7 +162,8 @@ def _skip_reason(ctl: Connection, name: str, state: slurm.NodeState | None) -> s
     if "~" in state.state or "#" in state.state or "%" in state.state:
         return (f"is {state.state} (power saving): run this again while it is up and idle "
                 "(it stays up for the idle-stop time after a job)")
-    return f"is {state.state}" + (f" ({state.reason})" if state.reason else "") + ": bring it back into service first"
+    why = f" ({shown(state.reason)})" if state.reason else ""
+    return f"is {state.state}{why}: bring it back into service first"
 
 
 def _drain(ctl: Connection, name: str) -> str | None:
@@ -240,7 +241,8 @@ def _return(ctl: Connection, name: str) -> str | None:
     reason) leave it drained. None: resumed; else why it is still drained."""
     state = slurm.node_states(ctl).get(name)
     if state is not None and "drain" in state.state and state.reason != REASON:
-        return f"drained meanwhile ({state.reason or state.state}), left drained: fix it, then {_resume_cmd(name)}"
+        why = shown(state.reason or state.state)
+        return f"drained meanwhile ({why}), left drained: fix it, then {_resume_cmd(name)}"
     failed = _resume(ctl, name)
     return None if failed is None else f"resuming it failed ({failed}): {_resume_cmd(name)}"
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from cluster.errors import UserError
 from ops.actions.fetch_files import UnsafeName, safe_name
-from ops.say import Say
+from ops.say import Say, shown
 
 SCRIPT = Path(__file__).resolve().parent / "fetch_files.py"
 # A Hub commit: the revision API's "sha" is the commit's 40 hex digits
@@ -127,7 +127,7 @@ def on_line(line: str, what: str, say: Say, result: dict) -> None:
     if line.startswith("FETCH_DONE "):
         result.update(json.loads(line[len("FETCH_DONE "):]))
     elif line.startswith("FETCH "):
-        say(describe(json.loads(line[len("FETCH "):]), what))
+        say(shown(describe(json.loads(line[len("FETCH "):]), what)))  # the controller's words
 
 
 def run(conn, python: str, manifest: dict, what: str, say: Say) -> dict:
@@ -144,7 +144,7 @@ def run(conn, python: str, manifest: dict, what: str, say: Say) -> dict:
     if not res.ok or not result:
         why = [ln for ln in (res.stderr or "").splitlines() if ln.startswith("fetch error:")]
         raise PrefetchError(f"fetching {what} into {manifest['dest']} failed: "
-                            f"{why[-1] if why else (res.stderr or '').strip()[-400:]}")
+                            f"{shown(why[-1] if why else (res.stderr or '').strip()[-400:])}")
     say(f"{what}: already complete in {manifest['dest']}" if result.get("skipped") else
         f"{what}: {result['bytes'] / 1e9:.2f} GB fetched into {manifest['dest']}, verified")
     return result

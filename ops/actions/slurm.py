@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from fabric import Connection
 
 from cluster.errors import UserError
+from ops.say import shown
 from ops.ssh.remote import Cluster, sudo
 
 # Nodes drained with a reason that says "health" were drained by the GPU health check
@@ -135,7 +136,7 @@ def jobs_on(ctl: Connection, names: list[str]) -> list[QueuedJob]:
 
 def _busy_text(busy: list[QueuedJob]) -> str:
     ids = " ".join(j.id for j in busy)
-    return (", ".join(j.describe() for j in busy) + " to free the nodes; cancel with "
+    return (", ".join(shown(j.describe()) for j in busy) + " to free the nodes; cancel with "
             f"`fab cancel --job {busy[0].id}` (ours) or `scancel {ids}` on the controller, or wait")
 
 
@@ -159,7 +160,7 @@ def wait_idle(ctl: Connection, names: list[str], timeout_s: float = 120, poll_s:
         sick = [states[n] for n in names if states[n].health_drained]
         if sick:
             raise SlurmError("drained by the GPU health check: " + "; ".join(
-                f"{s.name} ({s.reason})" for s in sick) + ". Fix the node, then "
+                f"{s.name} ({shown(s.reason)})" for s in sick) + ". Fix the node, then "
                 "`scontrol update nodename=NODE state=resume` on the controller.")
         if resume_down:
             todo = [n for n in names if states[n].needs_resume and n not in resumed]
@@ -175,7 +176,7 @@ def wait_idle(ctl: Connection, names: list[str], timeout_s: float = 120, poll_s:
         if time.monotonic() >= deadline:
             bad = [states[n] for n in names if not states[n].idle]
             raise SlurmError(f"nodes not idle after {timeout_s:.0f} s: " + "; ".join(
-                f"{s.name} is {s.state}" + (f" ({s.reason})" if s.reason else "") for s in bad)
+                f"{s.name} is {s.state}" + (f" ({shown(s.reason)})" if s.reason else "") for s in bad)
                 + (f". Waited for {_busy_text(busy)}" if busy else ""))
         time.sleep(poll_s)
 
@@ -272,7 +273,7 @@ def wait_job(ctl: Connection, job_id: str, timeout_s: float, poll_s: float = 1.0
             return j
         if time.monotonic() >= deadline:
             raise SlurmError(f"job {job_id} still {j.state} after {timeout_s:.0f} s "
-                             f"(reason: {j.reason}); cancel it with `fab cancel --job {job_id}`")
+                             f"(reason: {shown(j.reason)}); cancel it with `fab cancel --job {job_id}`")
         time.sleep(poll_s)
 
 

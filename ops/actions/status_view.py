@@ -14,7 +14,7 @@ from cluster.errors import UserError
 from cluster.inventory import Inventory
 from ops.actions import cloudinit, node_update, slurm
 from ops.actions import node_power as power
-from ops.say import Say
+from ops.say import Say, shown
 from ops.ssh.remote import Cluster, HostError, each
 
 SINFO = "sinfo -N -o '%N %9T %G %E'"
@@ -119,15 +119,16 @@ def show(cl: Cluster, say: Say = print) -> None:
         raise StatusProblem("slurmctld is DOWN on the controller (`scontrol ping`); jobs may still run on the "
                             f"nodes. Restart it there (`{restart}`) and check its log "
                             "(/var/log/slurm/slurmctld.log)")
-    say(cl.controller.run(SINFO, hide=True, warn=True).stdout.rstrip())
-    say(cl.controller.run(SQUEUE, hide=True, warn=True).stdout.rstrip())
+    # Reasons (%E) and job names (%j) are anyone's text: shown escaped.
+    say(shown(cl.controller.run(SINFO, hide=True, warn=True).stdout.rstrip(), block=True))
+    say(shown(cl.controller.run(SQUEUE, hide=True, warn=True).stdout.rstrip(), block=True))
     nodes = slurm.node_states(cl.controller).values()
     sick = [n for n in nodes if n.needs_resume or n.health_drained or n.state.endswith("*")]
     for n in sick:
-        say(f"note: {n.name} is {n.state}" + (f" ({n.reason})" if n.reason else "") + f": {node_fix(n)}")
+        say(f"note: {n.name} is {n.state}" + (f" ({shown(n.reason)})" if n.reason else "") + f": {node_fix(n)}")
     # Powered down again at once after its start failed (EC2 capacity, say): the error and what to do.
     no_start = [n for n in nodes if n not in sick and power.start_failure(n)]
     for n in no_start:
-        say(f"note: {n.name} could not start ({n.reason}): {power.advice(n.reason)}")
+        say(f"note: {n.name} could not start ({shown(n.reason)}): {shown(power.advice(n.reason))}")
     if sick or no_start:
         raise StatusProblem(f"{len(sick) + len(no_start)} of {len(inv.gpu_nodes)} GPU node(s) not in service")

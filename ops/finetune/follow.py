@@ -13,7 +13,7 @@ from ops.actions import slurm
 from ops.finetune import pipeline as flow
 from ops.finetune import sbatch as jobs
 from ops.finetune import stream
-from ops.say import Say
+from ops.say import Say, shown
 from ops.ssh.remote import Cluster
 
 _LOG_NAME = re.compile(rf"^{re.escape(jobs.FINETUNE_NAME)}-(\d+)\.out$")
@@ -57,7 +57,7 @@ def follow(cl: Cluster, job: str | None, progress: bool = False, say: Say = prin
                               f"log {path}; `fab status` lists the queue")
     if known is not None and not known.name.startswith(jobs.FINETUNE_NAME):
         raise flow.TrainError(f"job {job} is {known.name!r}, not a fine-tune job of `fab train`; "
-                              f"its output is {known.stdout or 'unknown'}")
+                              f"its output is {shown(known.stdout or 'unknown')}")
     try:
         followed = stream.follow(cl.controller, job, path, raw=not progress)
     except KeyboardInterrupt:

@@ -32,7 +32,7 @@ from ops.cost import estimate as est
 from ops.cost import still_bills
 from ops.finetune import gpu_events, stream, summary, timeline
 from ops.finetune import sbatch as jobs
-from ops.say import Say
+from ops.say import Say, shown
 from ops.ssh.remote import Cluster, HostError, connect, each, service
 
 # Where runs come home; SLURM_GPU_RUNS moves it (the tests keep the repo clean with it).
@@ -361,17 +361,75 @@ def reattach_hint(job_id: str, target: str) -> str:
 # Subdirectories of output_dir brought home with its files: TensorBoard's events (training/tensorboard_events.py),
 # the hang watchdog's stacks and flight recorder dumps (training/hangs.py).
 HOME_DIRS = ("tensorboard", "hangs")
+# The files fab itself writes into runs/<job>/ beside the download (run_dir, finish, record_run,
+# record_timeline, summary.plot_loss/plot_gpus): a job's file of the same name is not downloaded, so
+# nothing the job wrote can overwrite or pre-fill fab's own records.
+OWN_RECORDS = frozenset({"job_dir", "job.log", "run.json", "network.json", "timeline.json", "loss.png", "gpus.png"})
+# What one run may bring home. Today's files: a LoRA's adapters (a 70B Llama's at rank 64 on every
+# linear layer: 161,792 x 64 x 80 layers = 0.83 G parameters, 3.3 GB in fp32), the tokenizer,
+# trainer_state.json, metrics.json, samples.md, the GPU samples, TensorBoard events and hang dumps
+# (kilobytes to megabytes). 16 GiB a file holds such adapters up to rank ~300 in fp32; the caps stop
+# a job's 1 TB file (sparse, or a link to /dev/zero swapped in) from filling this machine's disk.
+# docs/AWS.md says so.
+MAX_FILE_BYTES = 16 * 2**30
+MAX_RUN_BYTES = 20 * 2**30
+_CHUNK = 1 << 20
+
+
+class _Budget:
+    """The bytes a download may still take (MAX_RUN_BYTES in all)."""
+
+    def __init__(self, total: int) -> None:
+        self.left = total
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def _copy_capped(sftp, remote: str, tmp: str, cap: int) -> str | None:
+    """Copy `remote` to `tmp`, reading at most `cap` bytes; None when copied, else why not.
+
+    The remote file is checked as it is opened (fstat of the open handle: a regular file within
+    `cap`), so a listed file swapped for a link to a device or a larger file after the listing is
+    refused, and the read stops at `cap` whatever the file grows to. `tmp` is created afresh, never
+    through a symbolic link (O_NOFOLLOW, O_EXCL after removing a left-over)."""
+    with sftp.open(remote, "rb") as f:
+        st = f.stat()
+        if not stat.S_ISREG(st.st_mode or 0):
+            return "not a regular file when opened (replaced after the listing?)"
+        if (st.st_size or 0) > cap:
+            return f"{_gib(st.st_size)} when opened, over the cap of {_gib(cap)}"
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        done = 0
+        with os.fdopen(fd, "wb") as out:
+            while chunk := f.read(min(_CHUNK, cap + 1 - done)):
+                done += len(chunk)
+                if done > cap:
+                    break
+                out.write(chunk)
+    if done > cap:
+        os.unlink(tmp)
+        return f"grew past the cap of {_gib(cap)} while read"
+    return None
 
 
 def download(ctl: Connection, output_dir: str, dest: Path, say: Say = print) -> list[str]:
     """Top-level files of the run's output_dir (adapters, tokenizer, state, metrics, samples.md, GPU
     samples) and the files of HOME_DIRS (TensorBoard events); no checkpoints. A listed name that
-    would leave `dest` (fetch_files.inside: "..", a separator, a symbolic link) is not downloaded:
-    `say` names it. The listing holds what the job wrote; symbolic links there are skipped (the SFTP
-    server lists each entry's lstat: OpenSSH sftp-server.c process_readdir)."""
+    would leave `dest` (fetch_files.inside: "..", a separator, a symbolic link), or that is one of
+    fab's own records (OWN_RECORDS), is not downloaded: `say` names it. The listing holds what the
+    job wrote; symbolic links there are skipped (the SFTP server lists each entry's lstat: OpenSSH
+    sftp-server.c process_readdir), and each file is lstat'ed again right before it is read and read
+    with a byte cap (MAX_FILE_BYTES each, MAX_RUN_BYTES in all): a file over the cap is skipped."""
     sftp = ctl.sftp()
     dest.mkdir(parents=True, exist_ok=True)
     got = []
+    budget = _Budget(MAX_RUN_BYTES)
 
     def fetch(remote_dir: str, name: str, rel: str) -> bool:
         try:
@@ -379,7 +437,24 @@ def download(ctl: Connection, output_dir: str, dest: Path, say: Say = print) -> 
         except fetch_files.UnsafeName as exc:
             say(f"      not downloaded from {remote_dir}: {exc}")
             return False
-        sftp.get(posixpath.join(remote_dir, name), tmp)
+        remote = posixpath.join(remote_dir, name)
+        cap = min(MAX_FILE_BYTES, budget.left)
+        try:
+            st = sftp.lstat(remote)  # the listing is old news: the job may have swapped the file since
+        except FileNotFoundError:
+            say(f"      not downloaded from {remote_dir}: {name!r}: removed after the listing")
+            return False
+        if not stat.S_ISREG(st.st_mode or 0):
+            why = "no longer a regular file (replaced after the listing)"
+        elif (st.st_size or 0) > cap:
+            why = f"{_gib(st.st_size)}, over the cap of {_gib(cap)} ({_gib(MAX_FILE_BYTES)} a file, " \
+                  f"{_gib(MAX_RUN_BYTES)} a run)"
+        else:
+            why = _copy_capped(sftp, remote, tmp, cap)
+        if why:
+            say(f"      not downloaded from {remote_dir}: {name!r}: {why}")
+            return False
+        budget.left -= os.path.getsize(tmp)
         os.replace(tmp, local)
         return True
 
@@ -389,14 +464,19 @@ def download(ctl: Connection, output_dir: str, dest: Path, say: Say = print) -> 
         raise TrainError(f"{output_dir} is not on the cluster (removed?): nothing to download") from None
     for entry in entries:
         name = entry.filename
-        if stat.S_ISREG(entry.st_mode or 0):
+        if name in OWN_RECORDS:
+            say(f"      not downloaded from {output_dir}: {name!r} is the name of fab's own record in {dest}")
+        elif stat.S_ISREG(entry.st_mode or 0):
             if _single(name, output_dir, say) and fetch(output_dir, name, name):
                 got.append(name)
         elif stat.S_ISDIR(entry.st_mode or 0) and name in HOME_DIRS:
             (dest / name).mkdir(exist_ok=True)
             remote = posixpath.join(output_dir, name)
             for inner in sftp.listdir_attr(remote):
-                if stat.S_ISREG(inner.st_mode or 0) and _single(inner.filename, remote, say):
+                if (name, inner.filename) == ("tensorboard", gpu_events.SUBDIR):  # fab writes it (finish)
+                    say(f"      not downloaded from {remote}: {inner.filename!r} is the name of fab's own "
+                        f"record in {dest / name}")
+                elif stat.S_ISREG(inner.st_mode or 0) and _single(inner.filename, remote, say):
                     fetch(remote, inner.filename, f"{name}/{inner.filename}")
             got.append(name + "/")
     return sorted(got)
@@ -447,7 +527,7 @@ def finish(cl: Cluster, job_id: str, followed: stream.Followed, say: Say,
         netcheck.save(dest / "network.json", checked.verdict, checked.result, checked.job_id, checked.drained)
     step(say, 6, "summary")
     for line in run.lines(expect_efa=targets.of(cl.inventory).expects_efa(cl.inventory)):
-        say(line)
+        say(shown(line))  # values the job wrote (metrics.json, checkpoint names)
     png = summary.plot_loss(run.losses, dest / "loss.png", f"job {job_id} ({cl.inventory.cluster_name})") \
         if got or run.losses else None
     adapters = [f for f in got if f.startswith("adapter_")]
@@ -486,7 +566,7 @@ def outcome(cl: Cluster, job_id: str, followed: stream.Followed, job_dir: str | 
         return True
     if training_completed(cl.controller, job_dir):
         job = followed.job
-        state = f"{job.state} ({job.reason})" if job else "gone from Slurm"
+        state = f"{job.state} ({shown(job.reason)})" if job else "gone from Slurm"
         say(f"job {job_id} ended {state}, but its training had completed ({job_dir}/output/"
             f"{COMPLETED_MARKER} is there): the finished run is downloaded")
         return True
@@ -495,11 +575,11 @@ def outcome(cl: Cluster, job_id: str, followed: stream.Followed, job_dir: str | 
 
 def failure(job_id: str, followed: stream.Followed, log_path: str) -> TrainError:
     job = followed.job
-    state = f"{job.state} (exit {job.exit_code}, {job.reason})" if job else "gone from Slurm"
+    state = f"{job.state} (exit {job.exit_code}, {shown(job.reason)})" if job else "gone from Slurm"
     errors = followed.log.errors
-    cause = ("; the job log's error lines:\n" + "\n".join(f"  {line}" for line in errors)) if errors \
+    cause = ("; the job log's error lines:\n" + "\n".join(f"  {shown(line)}" for line in errors)) if errors \
         else "; the job log has no error line (see its last lines)"
-    tail = "\n".join(f"  {line}" for line in list(followed.log.tail)[-15:])
+    tail = "\n".join(f"  {shown(line)}" for line in list(followed.log.tail)[-15:])
     return TrainError(f"job {job_id} {state}{cause}\nlast lines of {log_path}:\n{tail}")
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ops.finetune import summary
 from ops.finetune.joblog import JobLog
+from ops.say import shown
 
 COLUMNS = ("job", "date", "model", "rows", "nodes x GPUs", "train loss", "eval loss base -> tuned", "tokens/s",
            "wall", "cost")
@@ -91,7 +92,7 @@ def table(runs: Path) -> list[str]:
         return [f"no runs under {runs} yet: `fab train` brings each run home there"]
     rows = [list(COLUMNS)] + [row(d) for d in dirs]
     widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
-    return ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    return [shown("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip()) for r in rows]
 
 
 def show(runs: Path, job: str) -> list[str]:
@@ -114,4 +115,4 @@ def show(runs: Path, job: str) -> list[str]:
         lines.append(f"  samples       {d / 'samples.md'}")
     if (d / "tensorboard").is_dir():
         lines.append(f"  TensorBoard   tensorboard --logdir {runs}")
-    return lines
+    return [shown(line) for line in lines]  # values the job wrote (metrics.json, its log)

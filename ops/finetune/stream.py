@@ -16,6 +16,7 @@ from fabric import Connection
 from ops.actions import slurm
 from ops.finetune import spot_notice
 from ops.finetune.joblog import Event, JobLog
+from ops.say import shown
 
 
 @dataclass
@@ -45,19 +46,20 @@ def read_from(sftp, path: str, offset: int) -> tuple[bytes, int]:
 def _report(log: JobLog, data: bytes, say: Callable[[str], None], raw: bool, final: bool = False,
             explain: Callable[[Event], str] | None = None) -> None:
     """Feed new log bytes to the parser and say them (raw, or as compact progress lines); `explain`
-    gives the line of a spot event (it asks Slurm which node was drained)."""
+    gives the line of a spot event (it asks Slurm which node was drained). What the job wrote is
+    `shown`: its control characters reach the terminal escaped, never as escape sequences."""
     if not data:
         return
     text = data.decode("utf-8", errors="replace")
     events = log.feed(text + "\n" if final else text)  # the last read may end mid-line
     if raw:
-        say(text.rstrip("\n"))
+        say(shown(text.rstrip("\n"), block=True))
         return
     for ev in events:
         if ev.kind == "spot" and explain is not None:
-            say(explain(ev))
+            say(shown(explain(ev)))
         elif line := log.describe(ev):
-            say(line)
+            say(shown(line))
 
 
 # How long to keep following while slurmctld does not answer (a restart, an upgrade): the job
@@ -110,11 +112,11 @@ def follow(ctl: Connection, job_id: str, log_path: str, say: Callable[[str], Non
         _report(log, data, say, raw, explain=explain)
         if job is not None:
             if job.restarts > last_restarts:
-                say(f"job {job_id} was requeued by Slurm (restart {job.restarts}): {job.reason}; "
+                say(f"job {job_id} was requeued by Slurm (restart {job.restarts}): {shown(job.reason)}; "
                     "it resumes from its last checkpoint when nodes are back")
                 last_restarts = job.restarts
             if job.state != last_state and job.state not in ("RUNNING", "COMPLETING") and not job.finished:
-                why = f" ({job.reason})" if job.reason and job.reason != "None" else ""
+                why = f" ({shown(job.reason)})" if job.reason and job.reason != "None" else ""
                 say(f"job {job_id} is {job.state}{why}")
             last_state = job.state
         if job is None or job.finished:

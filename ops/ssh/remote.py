@@ -25,6 +25,7 @@ from paramiko.ssh_exception import BadHostKeyException, SSHException
 from cluster import targets
 from cluster.errors import UserError
 from cluster.inventory import Inventory
+from ops.say import shown
 from ops.ssh import hostkeys
 
 if TYPE_CHECKING:
@@ -199,7 +200,7 @@ def reason(exc: BaseException) -> str:
     if result is not None:
         err = (result.stderr or result.stdout or "").strip().splitlines()
         tail = err[-1] if err else ""
-        return f"`{result.command}` exited {result.exited}" + (f": {tail}" if tail else "")
+        return f"`{result.command}` exited {result.exited}" + (f": {shown(tail)}" if tail else "")
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
