@@ -182,6 +182,7 @@ def test_render_files_paths():
         "/etc/slurm-gpu/slurmd.env", "/etc/systemd/system/slurmd.service.d/slurm-gpu.conf",
         "/etc/slurm/cgroup.conf",  # the AWS platform has cgroups
         render.IMDS_GUARD_RULES, render.IMDS_GUARD_UNIT_PATH,  # the controller's metadata guard
+        render.SLURMCTLD_DROPIN,  # slurmctld requires the guard
     }
     assert all(p.startswith("/") and text.endswith("\n") for p, text in files.items())
     # The local platform has none: no cgroup.conf, and slurm.conf asks for no cgroup plugin.
