@@ -62,6 +62,8 @@ IMDS_GUARD_UNIT_PATH = f"/etc/systemd/system/{IMDS_GUARD_UNIT}"
 IMDS_GUARD_RULES = "/etc/slurm-gpu/imds-guard.nft"
 IMDS_GUARD_TABLE = "slurm_gpu_imds"
 IMDS_GUARD_USERS = ("root", "slurm")  # slurm: slurm.conf's SlurmUser, who runs the power programs
+# slurmctld's drop-in: Requires= and After= the guard's unit (fails closed: no guard, no slurmctld).
+SLURMCTLD_DROPIN = "/etc/systemd/system/slurmctld.service.d/slurm-gpu-imds-guard.conf"
 # The metadata service's IPv6 address on Nitro instances (EC2 User Guide, "Access instance metadata":
 # [fd00:ec2::254], when its IPv6 endpoint is on): guarded too, with the IPv4 one.
 IMDS_IPV6 = "fd00:ec2::254"
@@ -470,15 +472,17 @@ def imds_address(facts: ClusterFacts) -> tuple[str, int]:
 
 
 def render_imds_guard(facts: ClusterFacts) -> dict[str, str]:
-    """The controller's metadata guard: its nftables rules and the unit that loads them at boot."""
+    """The controller's metadata guard: its nftables rules, the unit that loads them at boot, and
+    slurmctld's drop-in that requires that unit."""
     host, port = imds_address(facts)
     guard = {"unit": IMDS_GUARD_UNIT, "rules": IMDS_GUARD_RULES, "table": IMDS_GUARD_TABLE,
-             "users": IMDS_GUARD_USERS, "host": host, "port": port,
+             "users": IMDS_GUARD_USERS, "host": host, "port": port, "slurmctld_dropin": SLURMCTLD_DROPIN,
              "host6": IMDS_IPV6 if f"http://{host}" == DEFAULT_IMDS else None}
     ctx = {**_context(facts), "imds_guard": guard}
     return {
         IMDS_GUARD_RULES: _TEMPLATES.get_template("imds-guard.nft.j2").render(**ctx),
         IMDS_GUARD_UNIT_PATH: _TEMPLATES.get_template("imds-guard.service.j2").render(**ctx),
+        SLURMCTLD_DROPIN: _TEMPLATES.get_template("slurmctld-dropin.conf.j2").render(**ctx),
     }
 
 
@@ -521,7 +525,7 @@ NOT_FOR_ROLE = {
     # slurmctld runs the power programs: only the controller has them.
     # GPU nodes have no instance role (infra/nodes.py): no credentials in their metadata to guard.
     "gpu": (EXPORTS_FILE, SLURM_CONF, GRES_CONF, CGROUP_CONF, SUSPEND_PATH, RESUME_PATH, POWER_PATH,
-            IMDS_GUARD_RULES, IMDS_GUARD_UNIT_PATH),
+            IMDS_GUARD_RULES, IMDS_GUARD_UNIT_PATH, SLURMCTLD_DROPIN),
 }
 
 

@@ -613,7 +613,15 @@ def check_efa_self_rules(args: StackValidationArgs, report: ReportViolation) -> 
 
 # The EC2 actions that stop and start instances (what Slurm's power programs need).
 STOP_START_ACTIONS = ("ec2:stopinstances", "ec2:startinstances")
-TAG_CONDITION_KEY = re.compile(r"^(aws|ec2):resourcetag/.+", re.IGNORECASE)
+# The tags that name one cluster's instances: Cluster (infra/power_role.py conditions on it always) and
+# the stack's own tag (cluster/facts.py STACK_TAG, added where the stack is known). Role=gpu or any other
+# tag is on the GPU nodes of every stack: it scopes nothing. Compared without case: whether IAM then
+# matches the instance's Cluster tag or no tag at all, the statement allows no instance outside the scope.
+SCOPING_TAG_KEYS = ("cluster", "slurm-gpu:stack")
+_SCOPING_KEYS_RE = "|".join(map(re.escape, SCOPING_TAG_KEYS))
+TAG_CONDITION_KEY = re.compile(rf"^(?:aws|ec2):resourcetag/({_SCOPING_KEYS_RE})$", re.IGNORECASE)
+# A StringLike value made only of wildcards ("*", "?*", "**"...) matches any tag value of its length.
+_WILDCARDS_ONLY = re.compile(r"^[*?]+$")
 
 
 def _policy_documents(resource_type: str, props: Mapping[str, Any]) -> list[tuple[str, Any]]:
@@ -645,17 +653,20 @@ TAG_MATCH_OPERATORS = ("stringequals", "stringequalsignorecase", "stringlike")
 
 
 def _tag_scoped(statement: Mapping[str, Any]) -> bool:
-    """Does the statement's Condition require a resource tag to be present and equal a value (not a
-    wildcard)?"""
+    """Does the statement's Condition require the Cluster or the stack tag (SCOPING_TAG_KEYS) to be
+    present and equal a value (not "*", nor under StringLike a value of wildcards only)?"""
     conditions = _get(statement, "Condition")
     if not isinstance(conditions, Mapping):
         return False
     for operator, tests in conditions.items():
-        if str(operator).lower() not in TAG_MATCH_OPERATORS or not isinstance(tests, Mapping):
+        op = str(operator).lower()
+        if op not in TAG_MATCH_OPERATORS or not isinstance(tests, Mapping):
             continue
         for key, value in tests.items():
             values = [str(v) for v in _list(value)]
-            if TAG_CONDITION_KEY.match(str(key)) and values and all(v and v != "*" for v in values):
+            if not TAG_CONDITION_KEY.match(str(key)) or not values:
+                continue
+            if all(v and v != "*" and not (op == "stringlike" and _WILDCARDS_ONLY.match(v)) for v in values):
                 return True
     return False
 
@@ -759,8 +770,8 @@ def policies() -> list:
                   "The EC2 key pair is given an OpenSSH public key, nothing else.",
                   check_key_pair_public),
         _resource("power-save-role-is-tag-scoped",
-                  "IAM policies allow ec2:StopInstances/StartInstances only with a resource-tag condition, "
-                  "and no wildcard actions.",
+                  "IAM policies allow ec2:StopInstances/StartInstances only with a resource-tag condition on "
+                  "the Cluster or slurm-gpu:stack tag (a value, not wildcards), and no wildcard actions.",
                   check_power_role_tag_scoped),
         _resource("kms-use-names-its-key",
                   "IAM policies allow KMS actions only on named key ARNs, and kms:CreateGrant only with "

@@ -382,6 +382,8 @@ def test_only_root_and_slurm_reach_the_controllers_metadata(booted):
     c = bc.containers[bc.facts.controller.name]
     assert c.run(f"systemctl is-enabled {IMDS_GUARD_UNIT}; systemctl is-active {IMDS_GUARD_UNIT}",
                  check=False).stdout.split() == ["enabled", "active"]
+    # Fails closed: the running slurmctld requires the guard (its drop-in).
+    assert IMDS_GUARD_UNIT in c.run("systemctl show -p Requires --value slurmctld", check=False).stdout.split()
     got = _metadata_as_each_user(bc)
     assert got["root"] == GUARD_KEY and got["slurm"] == GUARD_KEY, got
     assert got[bc.facts.ssh_user].startswith("refused: "), got

@@ -167,7 +167,9 @@ def test_exports_subnet_only_with_root_squash(case):
     assert len(lines) == 1
     path, client = lines[0].split()
     assert path == facts.scratch
-    assert client == f"{facts.subnet_cidr}(rw,sync,no_subtree_check,root_squash)"
+    # subtree_check: /scratch is a folder of the controller's root file system, and without the
+    # check nfsd takes a file handle of any file on it (a node's root could forge one for /).
+    assert client == f"{facts.subnet_cidr}(rw,sync,subtree_check,root_squash)"
     assert "*" not in render.render_exports(facts)
     assert "no_root_squash" not in render.render_exports(facts)
 
@@ -180,6 +182,7 @@ def test_render_files_paths():
         "/etc/slurm-gpu/slurmd.env", "/etc/systemd/system/slurmd.service.d/slurm-gpu.conf",
         "/etc/slurm/cgroup.conf",  # the AWS platform has cgroups
         render.IMDS_GUARD_RULES, render.IMDS_GUARD_UNIT_PATH,  # the controller's metadata guard
+        render.SLURMCTLD_DROPIN,  # slurmctld requires the guard
     }
     assert all(p.startswith("/") and text.endswith("\n") for p, text in files.items())
     # The local platform has none: no cgroup.conf, and slurm.conf asks for no cgroup plugin.

@@ -63,6 +63,65 @@ def test_only_the_controller_gets_the_guard_for_the_real_service():
     assert "imds" in render.LOCAL_SKIP_STEPS["controller"]  # the local cluster's hosts share one machine
 
 
+# Where systemd reads a drop-in of slurmctld.service (systemd.unit(5), "<unit>.d/*.conf").
+SLURMCTLD_DROPINS = "/etc/systemd/system/slurmctld.service.d/"
+GUARD_DEPS = ("Requires", "After")
+
+
+def _unit_values(text: str) -> dict[str, list[str]]:
+    """systemd unit text -> key -> each space-separated value, over all its lines."""
+    found: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        key, eq, value = line.partition("=")
+        if eq and not line.startswith("#"):
+            found.setdefault(key.strip(), []).extend(value.split())
+    return found
+
+
+def test_slurmctld_runs_only_with_the_guard_loaded_after_nftables():
+    """Fails closed: slurmctld (and so the power programs) requires the guard's unit and starts after
+    it; the guard loads after nftables.service (whose /etc/nftables.conf flushes every table) and
+    before slurmctld. GPU nodes get neither."""
+    controller, gpu = (render.role_files(FACTS["l4x2"], role) for role in render.ROLES)
+    dropins = {p: t for p, t in controller.items() if p.startswith(SLURMCTLD_DROPINS) and p.endswith(".conf")}
+    required = [p for p, t in dropins.items()
+                if all(render.IMDS_GUARD_UNIT in _unit_values(t).get(k, []) for k in GUARD_DEPS)]
+    assert len(required) == 1, sorted(dropins)
+    assert not any(p.startswith(SLURMCTLD_DROPINS) for p in gpu)
+    unit = _unit_values(controller[render.IMDS_GUARD_UNIT_PATH])
+    assert "nftables.service" in unit["After"] and "slurmctld.service" in unit["Before"]
+    assert "network-pre.target" in unit["Before"] and unit["DefaultDependencies"] == ["no"]
+
+
+def _systemd_verify(units_dir: Path, unit: str) -> subprocess.CompletedProcess:
+    """systemd's own reading of `unit` with `units_dir` first on its unit path (SYSTEMD_UNIT_PATH,
+    ending in ":" for the system's own directories after it: Debian's slurmctld.service, nftables.service):
+    `systemd-analyze verify` loads it and its drop-ins and builds its start transaction."""
+    return subprocess.run(["systemd-analyze", "verify", "--man=no", unit], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "SYSTEMD_UNIT_PATH": f"{units_dir}:"})
+
+
+def test_systemd_starts_slurmctld_with_the_guard_and_no_cycle(tmp_path):
+    """The rendered units under this machine's real systemd and Debian's slurmctld.service: starting
+    slurmctld pulls in the guard with no ordering cycle; the drop-in is read (the same drop-in naming a
+    missing unit makes that start fail)."""
+    assert shutil.which("systemd-analyze"), "systemd-analyze is missing: apt-get install systemd"
+    assert Path("/lib/systemd/system/slurmctld.service").exists(), "apt-get install slurmctld (Debian's unit)"
+    units = tmp_path / "units"
+    controller = render.role_files(FACTS["l4x2"], "controller")
+    for path, text in controller.items():
+        if path.startswith("/etc/systemd/system/"):
+            (units / path.removeprefix("/etc/systemd/system/")).parent.mkdir(parents=True, exist_ok=True)
+            (units / path.removeprefix("/etc/systemd/system/")).write_text(text)
+    for unit in ("slurmctld.service", render.IMDS_GUARD_UNIT):
+        res = _systemd_verify(units, unit)
+        assert res.returncode == 0 and not res.stderr.strip(), res.stderr
+    dropin = next((units / "slurmctld.service.d").iterdir())
+    dropin.write_text(dropin.read_text().replace(render.IMDS_GUARD_UNIT, "slurm-gpu-missing.service"))
+    res = _systemd_verify(units, "slurmctld.service")
+    assert res.returncode != 0 and "slurm-gpu-missing.service" in res.stderr, res.stderr
+
+
 @pytest.mark.parametrize("imds", ["http://metadata.local", "http://[fd00:ec2::254]", "http://1.2.3.4:80; x"])
 def test_a_guard_for_anything_but_an_ipv4_address_is_refused(imds):
     with pytest.raises(ValueError, match="spot_imds must be http://IPV4"):
@@ -94,3 +153,30 @@ def test_only_root_and_slurm_take_the_role_credentials(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     got = dict(line.split(" ", 1) for line in res.stdout.splitlines())
     assert got == {"0": FAKE_KEY, "64030": FAKE_KEY, "1000": "none", "65534": "none"}, res.stderr
+
+
+APT_STANDIN = '#!/bin/bash\necho "$*" >> "$T/apt-calls"\n'
+
+
+def test_first_boot_has_nft_before_the_slurm_package_starts_slurmctld(tmp_path):
+    """The slurm package starts slurmctld when apt configures it, and slurmctld now requires the guard,
+    which nft loads: the controller's packages step installs nftables before the rest (else that start,
+    and so the package's configuration, fails). The `imds` step (enables the guard) runs before
+    `services` (starts slurmctld). Run for real with stand-ins for apt-get and dpkg-query on PATH."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for tool, text in (("apt-get", APT_STANDIN), ("dpkg-query", "#!/bin/sh\nexit 1\n")):  # nothing installed
+        (bindir / tool).write_text(text)
+        (bindir / tool).chmod(0o755)
+    facts = FACTS["l4x2"]
+    script = render.bootstrap_script(facts, "controller").rsplit("run_steps", 1)[0]
+    (tmp_path / "controller.sh").write_text(script)
+    res = subprocess.run(["bash", "-c", f'source "{tmp_path}/controller.sh"; step_packages'],
+                         env={"PATH": f"{bindir}:/usr/bin:/bin", "T": str(tmp_path)}, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    installs = [c.split(" install -y ", 1)[1].split() for c in (tmp_path / "apt-calls").read_text().splitlines()
+                if " install -y " in c]
+    assert installs[0] == ["nftables"] and "slurm-wlm" in installs[-1], installs
+    order = render.STEPS["controller"]
+    assert order.index("packages") < order.index("imds") < order.index("services")

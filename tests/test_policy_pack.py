@@ -384,6 +384,23 @@ RESOURCE_CASES = [
     ("stop-start-tag-wildcard", "power-stop-start",
      _policy_doc(lambda st: st.update(Condition={"StringLike": {"aws:ResourceTag/Cluster": "*"}})),
      {"power-save-role-is-tag-scoped"}, r"without a resource-tag condition"),
+    # Under StringLike, a value made only of wildcards matches any tag value: no scope.
+    *[(f"stop-start-tag-like-{name}", "power-stop-start",
+       _policy_doc(lambda st, v=v: st.update(Condition={"StringLike": {"aws:ResourceTag/Cluster": v}})),
+       {"power-save-role-is-tag-scoped"}, r"without a resource-tag condition")
+      for name, v in (("any-nonempty", "?*"), ("double-star", "**"), ("three-marks", "???"),
+                      ("list", ["slurm-gpu", "*?"]))],
+    ("stop-start-stack-tag-like-wildcards", "power-stop-start",
+     _policy_doc(lambda st: st.update(Condition={"StringLike": {"ec2:ResourceTag/slurm-gpu:stack": "*?*"}})),
+     {"power-save-role-is-tag-scoped"}, r"without a resource-tag condition"),
+    # Only the Cluster or the stack tag scopes: Role=gpu is on every stack's GPU nodes.
+    ("stop-start-role-tag-only", "power-stop-start",
+     _policy_doc(lambda st: st.update(Condition={"StringEquals": {"aws:ResourceTag/Role": "gpu"}})),
+     {"power-save-role-is-tag-scoped"}, r"without a resource-tag condition"),
+    ("stop-start-other-tag-only", "power-stop-start",
+     _policy_doc(lambda st: st.update(Condition={"StringEquals": {"ec2:ResourceTag/Name": "x",
+                                                                  "aws:ResourceTag/Clusters": "x"}})),
+     {"power-save-role-is-tag-scoped"}, r"without a resource-tag condition"),
     # ...IfExists holds for a request without the tag (an untagged instance): not a tag scope.
     ("stop-start-tag-if-exists", "power-stop-start",
      _policy_doc(lambda st: st.update(Condition={"StringEqualsIfExists": st["Condition"]["StringEquals"]})),
@@ -706,3 +723,19 @@ def test_the_wide_source_override_allows_wide_ranges_but_never_loopback_or_link_
         assert {f.policy for f in _findings(_configured(override).Analyze(request, None))} == unset
     found = {f.policy for f in _findings(_configured(True).Analyze(request, None))}
     assert found == (set() if wide_ok else {"ssh-source-is-narrow"})
+
+
+@pytest.mark.parametrize("condition", [
+    {"StringEquals": {"aws:ResourceTag/Cluster": "demo"}},
+    {"StringEquals": {"ec2:ResourceTag/slurm-gpu:stack": "org/slurm-gpu/dev"}},
+    {"StringLike": {"aws:ResourceTag/slurm-gpu:stack": "org/slurm-gpu/*"}},
+    {"StringLike": {"aws:ResourceTag/Cluster": "demo-?"}},
+])
+def test_the_cluster_or_stack_tag_with_a_real_value_scopes(condition):
+    """The other side of the refused cases above: the tags that name this cluster's instances, with a
+    value that is more than wildcards, count as a scope (as the stack's own policy uses them)."""
+    from policy import rules
+
+    assert rules._tag_scoped({"Effect": "Allow", "Condition": condition})
+    wild = {op: {k: "*?" for k in tests} for op, tests in condition.items()}
+    assert rules._tag_scoped({"Effect": "Allow", "Condition": wild}) is ("StringEquals" in condition)

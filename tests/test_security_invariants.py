@@ -2,7 +2,7 @@
 mocks and on the files bootstrap/ renders:
 
 - SSH only from adminCidr, by key only; IMDSv2; encrypted volumes;
-- /scratch exported to the subnet CIDR only, with root_squash;
+- /scratch exported to the subnet CIDR only, with root_squash and subtree_check;
 - the munge key made munge:munge 0400 in a 0700 /etc/munge (the controller's bootstrap
   step really run, in a private mount namespace), and absent from user-data, stack
   outputs, resource properties and the repository.
@@ -132,6 +132,8 @@ def test_scratch_exported_to_the_subnet_only_with_root_squash(subnet):
     assert m and m.group(1) == subnet, clients
     options = m.group(2).split(",")
     assert "root_squash" in options and "no_root_squash" not in options
+    # Only files under /scratch, not any file of the file system it is a folder of (exports(5)).
+    assert "subtree_check" in options and "no_subtree_check" not in options
     assert "insecure" not in options and "*" not in lines[0]
     # The controller's user-data installs exactly this file; GPU nodes get none.
     ctrl = _write_files(render.user_data(facts, "controller"))

@@ -4,7 +4,8 @@ A real ssh config file that turns on every forwarding (agent, X11, ports) for ev
 - fab's own connections (ops/ssh/remote.py, Fabric/paramiko) are built under it, as Fabric loads
   ~/.ssh/config (from $HOME), and must not forward the agent;
 - `fab ssh` (ops/ssh/sshcmd.py) is resolved by OpenSSH itself under it (`ssh -G -F FILE`, which
-  applies the file and the command line without connecting), for the host and for the jump.
+  applies the file and the command line without connecting), for the host and for the jump; the file
+  also shares connections (ControlMaster auto), which fab ssh must neither open nor reuse.
 Each test first shows the file does turn forwarding on for a connection built without our options.
 """
 
@@ -28,6 +29,9 @@ Host *
     RemoteForward 52698 localhost:52698
     LocalForward 8080 localhost:80
     DynamicForward 1080
+    ControlMaster auto
+    ControlPath ~/.ssh/cm-%r@%h:%p
+    ControlPersist 10m
 """
 
 
@@ -74,6 +78,10 @@ def _forwards_nothing(cfg: dict[str, list[str]]) -> None:
     assert cfg["forwardagent"] == ["no"] and cfg["forwardx11"] == ["no"] and cfg["forwardx11trusted"] == ["no"]
     assert cfg["clearallforwardings"] == ["yes"]
     assert not {"remoteforward", "localforward", "dynamicforward"} & set(cfg), cfg
+    # No shared connection: neither a master of its own nor one the admin opened before (whose
+    # session, made without these options, may forward the agent). OpenSSH's -G prints
+    # ControlMaster=no as "false" and leaves out a ControlPath of "none".
+    assert cfg["controlmaster"] == ["false"] and "controlpath" not in cfg, cfg
 
 
 @pytest.mark.skipif(not shutil.which("ssh"), reason="OpenSSH client not installed")
@@ -81,6 +89,7 @@ def _forwards_nothing(cfg: dict[str, list[str]]) -> None:
 def test_fab_ssh_forwards_nothing_to_the_host_or_the_jump(ssh_config, tmp_path, host):
     plain = _resolved(ssh_config, ["ssh", "ubuntu@198.51.100.7"])
     assert plain["forwardagent"] == ["yes"] and "remoteforward" in plain  # what the file asks for
+    assert plain["controlmaster"] == ["auto"] and "controlpath" in plain
     argv = sshcmd.ssh_argv(aws_inventory(), host, tmp_path / "kh", identity="/home/me/.ssh/id_ed25519",
                            command="hostname")
     cfg = _resolved(ssh_config, argv)

@@ -12,6 +12,12 @@ open), no X11 (ForwardX11=no) and no port forwarding (ClearAllForwardings=yes dr
 config's LocalForward/RemoteForward/DynamicForward). Options on the command line win over the
 config files ("the first obtained value will be used", ssh_config(5)); `-W`, the jump, clears
 forwardings itself (OpenSSH ssh.c, case 'W': options.clear_forwardings = 1).
+
+Nor is a connection shared (ControlMaster=no, ControlPath=none): under a config's ControlMaster
+and ControlPath, ssh runs its session over a master the admin opened earlier without these options,
+one that may forward the agent. ControlMaster=no alone still joins an existing master ("Additional
+sessions can connect to this socket using the same ControlPath with ControlMaster set to no",
+ssh_config(5)); ControlPath "none" disables connection sharing.
 """
 
 from __future__ import annotations
@@ -33,9 +39,9 @@ class SshFailed(UserError, RuntimeError):
     """ssh itself failed (its own error is above, on the terminal)."""
 
 
-# Forward nothing of this machine to a cluster host (see the module's docstring).
+# Forward nothing of this machine to a cluster host, share no connection (see the module's docstring).
 NO_FORWARDING = ["-a", "-x", "-o", "ForwardAgent=no", "-o", "ForwardX11=no", "-o", "ForwardX11Trusted=no",
-                 "-o", "ClearAllForwardings=yes"]
+                 "-o", "ClearAllForwardings=yes", "-o", "ControlMaster=no", "-o", "ControlPath=none"]
 
 
 def _common(known_hosts: Path, identity: str | None) -> list[str]:
