@@ -456,10 +456,15 @@ def shipped_shell(script: str, where: str = "script") -> str:
 
 
 def shipped(files: dict[str, str]) -> dict[str, str]:
-    """Path -> text as user-data carries them: bash scripts without their comments (shipped_shell).
-    fab's copies (`fab update-nodes`) and the version hash (bootstrap_version) keep the comments."""
-    return {path: shipped_shell(text, path) if text.startswith("#!/bin/bash\n") else text
-            for path, text in files.items()}
+    """Path -> text as user-data carries them: bash scripts without their comments (shipped_shell), the
+    power program without its comments and docstrings (shipped_python). fab's copies (`fab update-nodes`)
+    and the version hash (bootstrap_version) keep the comments."""
+    def one(path: str, text: str) -> str:
+        if text.startswith("#!/bin/bash\n"):
+            return shipped_shell(text, path)
+        return shipped_python(text) if path == POWER_PATH else text
+
+    return {path: one(path, text) for path, text in files.items()}
 
 
 def imds_address(facts: ClusterFacts) -> tuple[str, int]:

@@ -40,7 +40,7 @@ MAX_ROOT_VOLUME_GIB = 16384
 # lines, the hosts block: about 18 bytes each, gzip-compressed) and must stay within EC2's 16 KiB
 # with room to spare (tests/test_user_data_size.py: at this count every host's user-data is at
 # most 12 KiB, three quarters of the limit).
-MAX_GPU_NODES = 128
+MAX_GPU_NODES = 96
 
 # A Slurm ClusterName that is also safe in hostnames, AWS tags and key-pair
 # names: lower case (slurmdbd lower-cases it anyway), starts with a letter.

@@ -105,3 +105,20 @@ def test_two_here_documents_on_a_line_and_a_multi_line_string_keep_their_data():
 def test_what_shipped_shell_cannot_follow_fails_the_render(script, why):
     with pytest.raises(render.UnsafeShell, match=why):
         render.shipped_shell(script)
+
+
+def test_the_power_program_ships_as_the_same_code_without_its_comments():
+    """The controller's power program goes into user-data without comments and docstrings (shipped_python):
+    the same AST, less text; fab's copy (`fab update-nodes`) keeps them."""
+    import ast
+
+    from tests.test_power_save import EC2
+    from tests.test_spot_watch import _code
+
+    facts = replace(FACTS["l4x2"], power_save=EC2)
+    source = render.bootstrap_files(facts, "controller")[render.POWER_PATH]
+    files = yaml.safe_load(render.user_data(facts, "controller"))["write_files"]
+    shipped = next(f["content"] for f in files if f["path"] == render.POWER_PATH)
+    assert shipped.splitlines()[0] == source.splitlines()[0]  # the interpreter line
+    assert len(shipped) < 0.9 * len(source)
+    assert _code(ast.parse(shipped)) == _code(ast.parse(source))
