@@ -317,6 +317,20 @@ def test_the_controller_side_never_follows_a_link_planted_between_the_fetch_area
     assert prefetch.manifest_of_dir(str(src), manifest["dest"], {"config.json": 3}, root=manifest["root"]) == manifest
 
 
+def test_the_controller_side_never_follows_a_link_planted_at_the_fetch_areas_root(tmp_path):
+    """/scratch/hub belongs to the admin user: a job can replace it with a link to a folder of its choice."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_bytes(b"abc")
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (tmp_path / "hub").symlink_to(victim)
+    res = _fetch({"source": str(src), "dest": f"{tmp_path}/hub/models/org/m@{SHA}", "root": f"{tmp_path}/hub",
+                  "files": [{"path": "config.json", "size": 3}]})
+    assert res.returncode == 1 and "hub on its way is a symbolic link" in res.stderr, res.stderr
+    assert list(victim.iterdir()) == []
+
+
 def test_tagged_lines_of_the_wrong_shape_are_text_and_never_stop_fab(capsys):
     """A forged line with values of the wrong type (or a nesting bomb) is dropped; what was known stays."""
     lines = [f"SLURM_GPU_JOB {REAL_JOB}",
