@@ -358,3 +358,35 @@ def test_the_controller_side_is_not_hung_by_a_planted_fifo(tmp_path):
     os.mkfifo(dest / "w.bin.partial")
     res = _fetch({"source": str(src), "dest": str(dest), "files": [{"path": "w.bin", "size": 3}]})
     assert res.returncode == 1 and "fetch error: 'w.bin': w.bin.partial is not a plain file" in res.stderr, res.stderr
+
+
+def _scontrol_line(name: str, state: str = "RUNNING", restarts: str = "0") -> str:
+    """`scontrol show job -o` as Slurm prints it (src/api/job_info.c's order: JobId, JobName, UserId, ...)."""
+    return (f"JobId=42 JobName={name} UserId=ubuntu(1000) GroupId=ubuntu(1000) MCS_label=N/A Priority=1 Nice=0 "
+            f"Account=(null) QOS=normal JobState={state} Reason=None Dependency=(null) Requeue=1 "
+            f"Restarts={restarts} BatchFlag=1 Reboot=0 ExitCode=0:0 RunTime=00:00:05 NodeList=gpu-node-[01-02] "
+            "Comment=x StdOut=/scratch/logs/slurm-gpu-finetune-42.out")
+
+
+@pytest.mark.parametrize("name", ["slurm-gpu-finetune JobState=COMPLETED ExitCode=0:0",
+                                  "slurm-gpu-finetune Restarts=x NodeList=evil",
+                                  "JobState=COMPLETED", "a=b c"])
+def test_a_job_name_cannot_add_keys_to_the_job_slurm_reports(name):
+    job = slurm.job_from_fields(slurm.parse_scontrol_job(_scontrol_line(name)))
+    assert (job.name, job.state, job.restarts, job.nodes) == (name, "RUNNING", 0, "gpu-node-[01-02]")
+    assert not job.finished
+
+
+def test_a_job_name_imitating_the_user_field_is_refused_not_misread():
+    line = _scontrol_line("slurm-gpu-finetune UserId=ubuntu(1000) JobState=COMPLETED ExitCode=0:0")
+    with pytest.raises(slurm.SlurmError, match="holds UserId= twice.*rename it"):
+        slurm.parse_scontrol_job(line)
+    ctl = RecordingConnection()
+    ctl.run = lambda cmd, **kw: SimpleNamespace(ok=True, stdout=line + "\n" + _scontrol_line("ours") + "\n")
+    assert [j.name for j in slurm.jobs_named(ctl, "")] == ["ours"]  # not taken for a job of ours
+
+
+@pytest.mark.parametrize("restarts", ["x", "-1", "٣", "1_0", "9" * 5000])
+def test_a_bad_restart_count_is_a_clear_error_not_a_traceback(restarts):
+    with pytest.raises(slurm.SlurmError, match="Restarts=.*not a count"):
+        slurm.job_from_fields(slurm.parse_scontrol_job(_scontrol_line("n", restarts=restarts)))
