@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import paramiko
 import pytest
 
-from ops.actions import fetch_files, prefetch, slurm
+from ops.actions import fetch_files, netcheck, prefetch, slurm
 from ops.finetune import pipeline, spot_notice, stream
 from ops.finetune.joblog import JobLog
 
@@ -390,3 +390,63 @@ def test_a_job_name_imitating_the_user_field_is_refused_not_misread():
 def test_a_bad_restart_count_is_a_clear_error_not_a_traceback(restarts):
     with pytest.raises(slurm.SlurmError, match="Restarts=.*not a count"):
         slurm.job_from_fields(slurm.parse_scontrol_job(_scontrol_line("n", restarts=restarts)))
+
+
+JOB_NODES = slurm.hostnames("gpu-node-[01-03]")  # the check job's NodeList, as Slurm gave it to fab
+RESULT = "/scratch/slurm-gpu/netcheck/x/result.json"
+
+
+def _sweep(bw):
+    return [{"bytes": 4096, "time_us": 500.0, "busbw_gbps": bw / 100}, {"bytes": 4 << 20, "time_us": 9.0e3,
+                                                                         "busbw_gbps": bw}]
+
+
+def _netcheck_result(**change) -> dict:
+    a, b = JOB_NODES[:2]
+    res = {"nodes": [a, b], "all": _sweep(9.0), "seconds": 2.5, "backend": "gloo",
+           "pairs": [{"nodes": [a, b], "results": _sweep(9.0)}],
+           "node_info": {n: {"host": n, "transport": "gloo over eth0"} for n in (a, b)}}
+    return {**res, **change}
+
+
+@pytest.mark.parametrize("change", [
+    {"nodes": ["gpu-[1-64]", "ALL"]},  # the reviewer's probe: one drain for every node
+    {"nodes": ["gpu-node-01", "gpu-node-09"]},  # a real-looking name outside the job
+    {"nodes": ["gpu-node-01", "gpu-node-01"]}, {"nodes": "gpu-node-01"}, {"nodes": [1, 2]}, {"nodes": []},
+    {"pairs": [{"nodes": ["gpu-node-01", "gpu-[1-64]"], "results": _sweep(1.0)}]},
+    {"pairs": [{"nodes": ["gpu-node-01", "gpu-node-02"], "results": []}]},  # was a ValueError in max()
+    {"pairs": [{"nodes": ["gpu-node-01", "gpu-node-02"],
+                "results": [{"bytes": 1, "busbw_gbps": "x", "time_us": 1}]}]},  # was a TypeError
+    {"pairs": [{"nodes": ["gpu-node-01", "gpu-node-02"],
+                "results": [{"bytes": 1, "busbw_gbps": float("nan"), "time_us": 1}]}]},
+    {"pairs": "x"}, {"pairs": [7]}, {"all": [{"bytes": True}]}, {"seconds": "x"},
+    {"node_info": {"gpu-[1-64]": {"transport": "x"}}}, {"node_info": {"gpu-node-01": {"transport": 3}}},
+])
+def test_a_result_file_a_job_wrote_is_refused_naming_it_and_nothing_is_drained(change):
+    with pytest.raises(netcheck.NetCheckError) as err:
+        netcheck.checked_result(_netcheck_result(**change), JOB_NODES, RESULT)
+    assert str(err.value).startswith(f"{RESULT}: ") and "\n" not in str(err.value)
+    assert "Run `fab check` again" in str(err.value)
+
+
+def test_a_real_result_is_judged_and_only_its_single_failed_names_are_drained():
+    exp = netcheck.Expected(10.0, "gloo over eth0", 0.5, "test")
+    res = netcheck.checked_result(_netcheck_result(), JOB_NODES, RESULT)
+    res["node_info"]["gpu-node-02"]["transport"] = "sockets"
+    v = netcheck.judge(res, exp, netcheck.transports_of(res, "", backend_nccl=False))
+    ctl = RecordingConnection()
+    ctl.user = "root"
+    assert netcheck.drain(ctl, v.failed) == ["gpu-node-02"]
+    assert len(ctl.ran) == 1 and ctl.ran[0].startswith("scontrol update nodename=gpu-node-02 state=drain")
+    for odd in ("gpu-[1-64]", "a,b", "ALL x", "'a'"):
+        with pytest.raises(netcheck.NetCheckError, match="not a single node name"):
+            netcheck.drain(ctl, {odd: "slow"})
+    assert len(ctl.ran) == 1
+
+
+def test_slurms_hostlist_expands_to_single_names_and_bounds_the_count():
+    assert slurm.hostnames("gpu-node-[01-02,7],ctl,a[1-2]b") == ["gpu-node-01", "gpu-node-02", "gpu-node-7", "ctl",
+                                                                 "a1b", "a2b"]
+    for bad in ("gpu-[1-99999999]", "a[1-99]b[1-99]", "x;y", "gpu-[1-64]'"):
+        with pytest.raises(slurm.SlurmError):
+            slurm.hostnames(bad)

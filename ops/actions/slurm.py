@@ -52,6 +52,37 @@ def hostlist(text: object) -> str | None:
     return text if isinstance(text, str) and len(text) <= 4096 and HOSTLIST.fullmatch(text) else None
 
 
+MAX_HOSTNAMES = 4096  # a hostlist expands to at most this many names (a cluster's nodes, with room)
+
+
+def hostnames(text: str) -> list[str]:
+    """A Slurm hostlist (HOSTLIST) as single names: 'gpu-node-[01-02],ctl' -> gpu-node-01, gpu-node-02, ctl
+    (a range's zero padding kept, as Slurm does). SlurmError for text that is no hostlist or too many names."""
+    if hostlist(text) is None:
+        raise SlurmError(f"{text!r} is not a Slurm hostlist")
+    names: list[str] = []
+    for part in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", text):  # commas outside brackets separate hosts
+        expanded = [""]
+        for piece in re.split(r"(\[[^\]]*\])", part):
+            if not piece.startswith("["):
+                expanded = [e + piece for e in expanded]
+                continue
+            options = []
+            for span in piece[1:-1].split(","):
+                lo, _, hi = span.partition("-")
+                hi = hi or lo
+                if len(lo) > 9 or len(hi) > 9 or int(hi) - int(lo) >= MAX_HOSTNAMES:
+                    raise SlurmError(f"{text!r}: more than {MAX_HOSTNAMES} hosts")
+                options += [str(i).zfill(len(lo)) for i in range(int(lo), int(hi) + 1)]
+            expanded = [e + o for e in expanded for o in options]
+            if len(expanded) > MAX_HOSTNAMES:
+                raise SlurmError(f"{text!r}: more than {MAX_HOSTNAMES} hosts")
+        names += expanded
+        if len(names) > MAX_HOSTNAMES:
+            raise SlurmError(f"{text!r}: more than {MAX_HOSTNAMES} hosts")
+    return names
+
+
 def controller_up(ctl: Connection) -> bool:
     """`scontrol ping`: answers at once, also when slurmctld is down (other queries retry ~1 min)."""
     res = ctl.run("scontrol ping", hide=True, warn=True)
