@@ -207,6 +207,24 @@ def test_a_hostile_hub_commit_is_refused(hub, sha, tmp_path):
         prefetch.hub_manifest("org/m", str(tmp_path / "hub"), endpoint=hub)
 
 
+@pytest.mark.parametrize("answer,named", [
+    ({"sha": SHA, "siblings": [{"rfilename": "a", "size": 1e400}]}, "size inf"),  # JSON's 1e400: float inf
+    ({"sha": SHA, "siblings": [{"rfilename": "a", "size": "zz"}]}, "size 'zz'"),
+    ({"sha": SHA, "siblings": [{"rfilename": "a", "size": -5}]}, "size -5"),
+    ({"sha": SHA, "siblings": [{"rfilename": "a", "size": 2.5}]}, "size 2.5"),
+    ({"sha": SHA, "siblings": [{"rfilename": "a", "size": True}]}, "size True"),
+    ({"sha": SHA, "siblings": [{"rfilename": "a", "size": 1, "lfs": "x"}]}, "lfs 'x'"),
+    ({"sha": SHA, "siblings": [{"rfilename": "a", "size": 1, "lfs": {"sha256": 7}}]}, "lfs {'sha256': 7}"),
+    ({"sha": SHA, "siblings": [{"rfilename": "a", "size": 1, "lfs": {"sha256": "../x"}}]}, "lfs {'sha256': '../x'}"),
+    ([1, 2], "is a list"), ("x", "is a str"),
+])
+def test_a_malformed_hub_answer_is_a_prefetch_error_naming_the_value(hub, answer, named, tmp_path):
+    HubAPI.answer = answer
+    with pytest.raises(prefetch.PrefetchError) as err:
+        prefetch.hub_manifest("org/m", str(tmp_path / "hub"), endpoint=hub)
+    assert named in str(err.value) and "nothing is fetched" in str(err.value)
+
+
 def test_a_real_hub_answer_still_makes_its_manifest(hub, tmp_path):
     HubAPI.answer = {"sha": SHA, "siblings": [_sibling("config.json"), _sibling("data/train-0.parquet")]}
     m = prefetch.hub_manifest("org/m", str(tmp_path / "hub"), endpoint=hub)
