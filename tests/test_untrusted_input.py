@@ -468,3 +468,47 @@ def test_slurms_hostlist_expands_to_single_names_and_bounds_the_count():
     for bad in ("gpu-[1-99999999]", "a[1-99]b[1-99]", "x;y", "gpu-[1-64]'"):
         with pytest.raises(slurm.SlurmError):
             slurm.hostnames(bad)
+
+
+HOSTILE_RECORDS = [  # the reviewer's probes (4 of 5 were tracebacks in `fab runs --job`), and more
+    ({"metrics.json": {"samples": [{"prompt": 1}], "eval": {"tuned": {"loss": 1.0}}}}, "metrics.json samples[0]"),
+    ({"metrics.json": {"samples": [{"prompt": "p"}], "eval": {"tuned": {"loss": 1.0}}}}, "samples[0] has no base"),
+    ({"metrics.json": {"log_history": [{"loss": "x"}]}}, "log_history[0]: loss must be a finite number"),
+    ({"metrics.json": {}, "trainer_state.json": [1, 2]}, "trainer_state.json must be a JSON object"),
+    ({"metrics.json": {}, "trainer_state.json": {"log_history": [{"loss": 1.0, "step": "7"}]}}, "step must be"),
+    ({"metrics.json": {}, "trainer_state.json": {"global_step": 1e400}}, "global_step must be a count"),
+    ({"metrics.json": {"cost": "abc"}}, "cost must be an object"),
+    ({"metrics.json": {"cost": {"max_usd": "1"}}}, "cost: max_usd must be a finite number"),
+    ({"metrics.json": {"train_steps": "\x1b]52;c;ZWNobyBoaQ==\x07"}}, "train_steps must be a count"),
+    ({"metrics.json": {"train_runtime": float("nan")}}, "train_runtime must be a finite number"),
+    ({"metrics.json": {"eval": {"tuned": {"loss": float("inf")}}}}, "eval tuned: loss must be a finite number"),
+    ({"metrics.json": {"eval": {"tuned": "x"}}}, "tuned must be"),
+]
+
+
+@pytest.mark.parametrize("files,named", HOSTILE_RECORDS)
+def test_fab_runs_job_names_a_malformed_record_in_one_line(tmp_path, files, named):
+    from ops.finetune import runs
+
+    d = tmp_path / "12"
+    d.mkdir()
+    for name, value in files.items():
+        (d / name).write_text(json.dumps(value))
+    with pytest.raises(runs.RunsError) as err:
+        runs.show(tmp_path, "12")
+    assert named in str(err.value) and str(d) in str(err.value) and "\n" not in str(err.value)
+    assert "\x1b" not in str(err.value)  # repr: the escape is shown, not sent to the terminal
+
+
+def test_fab_trains_finish_summarises_a_run_whose_metrics_line_is_malformed(tmp_path, monkeypatch):
+    from tests.test_jobs_render import inventory
+
+    monkeypatch.setattr(pipeline, "RUNS", tmp_path)
+    log = JobLog()
+    log.feed('SLURM_GPU_METRICS {"cost": "abc", "train_steps": "x"}\n')  # was AttributeError in the summary
+    said: list[str] = []
+    cl = SimpleNamespace(controller=None, inventory=inventory(target="local", gpus=1))
+    with pytest.raises(pipeline.TrainError, match="holds no adapters"):  # the usual end of a run without output
+        pipeline.finish(cl, "12", stream.Followed(None, log), said.append)
+    assert any("warning: the job log's SLURM_GPU_METRICS line: train_steps must be a count" in s for s in said)
+    assert any(s.startswith("job 12: completed") for s in said)  # the summary is printed all the same
