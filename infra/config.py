@@ -337,9 +337,11 @@ def _int(key: str, v: Any) -> int:
         raise _fail(key, f"must be a whole number, not {v!r}", SETTINGS[key][1])
     if isinstance(v, int):
         return v
-    if isinstance(v, str) and re.fullmatch(r"[+-]?[0-9]+", v):  # ASCII: \d and int() also take '٣'
+    # ASCII: \d and int() also take '٣'; at most 18 digits: int() refuses over 4300 (ValueError)
+    if isinstance(v, str) and re.fullmatch(r"[+-]?[0-9]{1,18}", v):
         return int(v)
-    raise _fail(key, f"must be a whole number, not {v!r}", SETTINGS[key][1])
+    shown = repr(v) if len(repr(v)) <= 40 else f"a value of {len(str(v))} characters"
+    raise _fail(key, f"must be a whole number, not {shown}", SETTINGS[key][1])
 
 
 def _bool(key: str, v: Any) -> bool:

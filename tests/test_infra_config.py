@@ -135,6 +135,10 @@ def test_node_count_not_a_number(value):
     assert "whole number" in refused("gpuNodeCount", gpuNodeCount=value)
 
 
+def test_a_5000_digit_count_is_the_settings_error_not_a_traceback():
+    assert "whole number, not a value of 5000 characters" in refused("gpuNodeCount", gpuNodeCount="9" * 5000)
+
+
 def test_node_count_more_than_the_subnet_holds():
     room = max_gpu_nodes("10.0.1.0/28")
     assert parse(subnetCidr="10.0.1.0/28", gpuNodeCount=room).gpu_node_count == room

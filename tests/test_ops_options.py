@@ -72,6 +72,20 @@ def test_the_number_parser_takes_ascii_finite_numbers_only(text):
             options.number("x", text, kind)
 
 
+@pytest.mark.parametrize("kind", [int, float])
+def test_a_huge_number_is_the_flags_error_not_a_traceback(kind):
+    # int() refuses over 4300 digits with a bare ValueError (sys.set_int_max_str_digits)
+    with pytest.raises(options.OptionError, match="--x must be a (whole )?number, not a value of 5000 characters"):
+        options.number("x", "9" * 5000, kind)
+
+
+@pytest.mark.parametrize("job", ["9" * 5000, "12345678901", "0", "1;id", "../x", "12_3"])
+def test_a_job_flag_is_a_slurm_job_id_before_anything_is_used(job):
+    with pytest.raises(options.OptionError, match="--job must be a Slurm job id"):
+        options.parse_job(job)
+    assert options.parse_job("4294967294") == "4294967294"
+
+
 def test_the_number_parser_reads_plain_numbers():
     assert [options.number("x", t, float) for t in ("2", "+2.5", ".5", "1e3", " 7 ")] == [2.0, 2.5, 0.5, 1000.0, 7.0]
     assert [options.number("x", t, int) for t in ("2", "+3", "-1", "007")] == [2, 3, -1, 7]

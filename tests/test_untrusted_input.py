@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import paramiko
 import pytest
 
-from ops.actions import fetch_files, prefetch, slurm
+from ops.actions import fetch_files, netcheck, prefetch, slurm
 from ops.finetune import pipeline, spot_notice, stream
 from ops.finetune.joblog import JobLog
 
@@ -293,6 +293,24 @@ def test_a_hostile_hub_commit_is_refused(hub, sha, tmp_path):
         prefetch.hub_manifest("org/m", str(tmp_path / "hub"), endpoint=hub)
 
 
+@pytest.mark.parametrize("answer,named", [
+    ({"sha": SHA, "siblings": [{"rfilename": "a", "size": 1e400}]}, "size inf"),  # JSON's 1e400: float inf
+    ({"sha": SHA, "siblings": [{"rfilename": "a", "size": "zz"}]}, "size 'zz'"),
+    ({"sha": SHA, "siblings": [{"rfilename": "a", "size": -5}]}, "size -5"),
+    ({"sha": SHA, "siblings": [{"rfilename": "a", "size": 2.5}]}, "size 2.5"),
+    ({"sha": SHA, "siblings": [{"rfilename": "a", "size": True}]}, "size True"),
+    ({"sha": SHA, "siblings": [{"rfilename": "a", "size": 1, "lfs": "x"}]}, "lfs 'x'"),
+    ({"sha": SHA, "siblings": [{"rfilename": "a", "size": 1, "lfs": {"sha256": 7}}]}, "lfs {'sha256': 7}"),
+    ({"sha": SHA, "siblings": [{"rfilename": "a", "size": 1, "lfs": {"sha256": "../x"}}]}, "lfs {'sha256': '../x'}"),
+    ([1, 2], "is a list"), ("x", "is a str"),
+])
+def test_a_malformed_hub_answer_is_a_prefetch_error_naming_the_value(hub, answer, named, tmp_path):
+    HubAPI.answer = answer
+    with pytest.raises(prefetch.PrefetchError) as err:
+        prefetch.hub_manifest("org/m", str(tmp_path / "hub"), endpoint=hub)
+    assert named in str(err.value) and "nothing is fetched" in str(err.value)
+
+
 def test_a_real_hub_answer_still_makes_its_manifest(hub, tmp_path):
     HubAPI.answer = {"sha": SHA, "siblings": [_sibling("config.json"), _sibling("data/train-0.parquet")]}
     m = prefetch.hub_manifest("org/m", str(tmp_path / "hub"), endpoint=hub)
@@ -403,6 +421,20 @@ def test_the_controller_side_never_follows_a_link_planted_between_the_fetch_area
     assert prefetch.manifest_of_dir(str(src), manifest["dest"], {"config.json": 3}, root=manifest["root"]) == manifest
 
 
+def test_the_controller_side_never_follows_a_link_planted_at_the_fetch_areas_root(tmp_path):
+    """/scratch/hub belongs to the admin user: a job can replace it with a link to a folder of its choice."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_bytes(b"abc")
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (tmp_path / "hub").symlink_to(victim)
+    res = _fetch({"source": str(src), "dest": f"{tmp_path}/hub/models/org/m@{SHA}", "root": f"{tmp_path}/hub",
+                  "files": [{"path": "config.json", "size": 3}]})
+    assert res.returncode == 1 and "hub on its way is a symbolic link" in res.stderr, res.stderr
+    assert list(victim.iterdir()) == []
+
+
 def test_tagged_lines_of_the_wrong_shape_are_text_and_never_stop_fab(capsys):
     """A forged line with values of the wrong type (or a nesting bomb) is dropped; what was known stays."""
     lines = [f"SLURM_GPU_JOB {REAL_JOB}",
@@ -430,3 +462,139 @@ def test_the_controller_side_is_not_hung_by_a_planted_fifo(tmp_path):
     os.mkfifo(dest / "w.bin.partial")
     res = _fetch({"source": str(src), "dest": str(dest), "files": [{"path": "w.bin", "size": 3}]})
     assert res.returncode == 1 and "fetch error: 'w.bin': w.bin.partial is not a plain file" in res.stderr, res.stderr
+
+
+def _scontrol_line(name: str, state: str = "RUNNING", restarts: str = "0") -> str:
+    """`scontrol show job -o` as Slurm prints it (src/api/job_info.c's order: JobId, JobName, UserId, ...)."""
+    return (f"JobId=42 JobName={name} UserId=ubuntu(1000) GroupId=ubuntu(1000) MCS_label=N/A Priority=1 Nice=0 "
+            f"Account=(null) QOS=normal JobState={state} Reason=None Dependency=(null) Requeue=1 "
+            f"Restarts={restarts} BatchFlag=1 Reboot=0 ExitCode=0:0 RunTime=00:00:05 NodeList=gpu-node-[01-02] "
+            "Comment=x StdOut=/scratch/logs/slurm-gpu-finetune-42.out")
+
+
+@pytest.mark.parametrize("name", ["slurm-gpu-finetune JobState=COMPLETED ExitCode=0:0",
+                                  "slurm-gpu-finetune Restarts=x NodeList=evil",
+                                  "JobState=COMPLETED", "a=b c"])
+def test_a_job_name_cannot_add_keys_to_the_job_slurm_reports(name):
+    job = slurm.job_from_fields(slurm.parse_scontrol_job(_scontrol_line(name)))
+    assert (job.name, job.state, job.restarts, job.nodes) == (name, "RUNNING", 0, "gpu-node-[01-02]")
+    assert not job.finished
+
+
+def test_a_job_name_imitating_the_user_field_is_refused_not_misread():
+    line = _scontrol_line("slurm-gpu-finetune UserId=ubuntu(1000) JobState=COMPLETED ExitCode=0:0")
+    with pytest.raises(slurm.SlurmError, match="holds UserId= twice.*rename it"):
+        slurm.parse_scontrol_job(line)
+    ctl = RecordingConnection()
+    ctl.run = lambda cmd, **kw: SimpleNamespace(ok=True, stdout=line + "\n" + _scontrol_line("ours") + "\n")
+    assert [j.name for j in slurm.jobs_named(ctl, "")] == ["ours"]  # not taken for a job of ours
+
+
+@pytest.mark.parametrize("restarts", ["x", "-1", "٣", "1_0", "9" * 5000])
+def test_a_bad_restart_count_is_a_clear_error_not_a_traceback(restarts):
+    with pytest.raises(slurm.SlurmError, match="Restarts=.*not a count"):
+        slurm.job_from_fields(slurm.parse_scontrol_job(_scontrol_line("n", restarts=restarts)))
+
+
+JOB_NODES = slurm.hostnames("gpu-node-[01-03]")  # the check job's NodeList, as Slurm gave it to fab
+RESULT = "/scratch/slurm-gpu/netcheck/x/result.json"
+
+
+def _sweep(bw):
+    return [{"bytes": 4096, "time_us": 500.0, "busbw_gbps": bw / 100}, {"bytes": 4 << 20, "time_us": 9.0e3,
+                                                                         "busbw_gbps": bw}]
+
+
+def _netcheck_result(**change) -> dict:
+    a, b = JOB_NODES[:2]
+    res = {"nodes": [a, b], "all": _sweep(9.0), "seconds": 2.5, "backend": "gloo",
+           "pairs": [{"nodes": [a, b], "results": _sweep(9.0)}],
+           "node_info": {n: {"host": n, "transport": "gloo over eth0"} for n in (a, b)}}
+    return {**res, **change}
+
+
+@pytest.mark.parametrize("change", [
+    {"nodes": ["gpu-[1-64]", "ALL"]},  # the reviewer's probe: one drain for every node
+    {"nodes": ["gpu-node-01", "gpu-node-09"]},  # a real-looking name outside the job
+    {"nodes": ["gpu-node-01", "gpu-node-01"]}, {"nodes": "gpu-node-01"}, {"nodes": [1, 2]}, {"nodes": []},
+    {"pairs": [{"nodes": ["gpu-node-01", "gpu-[1-64]"], "results": _sweep(1.0)}]},
+    {"pairs": [{"nodes": ["gpu-node-01", "gpu-node-02"], "results": []}]},  # was a ValueError in max()
+    {"pairs": [{"nodes": ["gpu-node-01", "gpu-node-02"],
+                "results": [{"bytes": 1, "busbw_gbps": "x", "time_us": 1}]}]},  # was a TypeError
+    {"pairs": [{"nodes": ["gpu-node-01", "gpu-node-02"],
+                "results": [{"bytes": 1, "busbw_gbps": float("nan"), "time_us": 1}]}]},
+    {"pairs": "x"}, {"pairs": [7]}, {"all": [{"bytes": True}]}, {"seconds": "x"},
+    {"node_info": {"gpu-[1-64]": {"transport": "x"}}}, {"node_info": {"gpu-node-01": {"transport": 3}}},
+])
+def test_a_result_file_a_job_wrote_is_refused_naming_it_and_nothing_is_drained(change):
+    with pytest.raises(netcheck.NetCheckError) as err:
+        netcheck.checked_result(_netcheck_result(**change), JOB_NODES, RESULT)
+    assert str(err.value).startswith(f"{RESULT}: ") and "\n" not in str(err.value)
+    assert "Run `fab check` again" in str(err.value)
+
+
+def test_a_real_result_is_judged_and_only_its_single_failed_names_are_drained():
+    exp = netcheck.Expected(10.0, "gloo over eth0", 0.5, "test")
+    res = netcheck.checked_result(_netcheck_result(), JOB_NODES, RESULT)
+    res["node_info"]["gpu-node-02"]["transport"] = "sockets"
+    v = netcheck.judge(res, exp, netcheck.transports_of(res, "", backend_nccl=False))
+    ctl = RecordingConnection()
+    ctl.user = "root"
+    assert netcheck.drain(ctl, v.failed) == ["gpu-node-02"]
+    assert len(ctl.ran) == 1 and ctl.ran[0].startswith("scontrol update nodename=gpu-node-02 state=drain")
+    for odd in ("gpu-[1-64]", "a,b", "ALL x", "'a'"):
+        with pytest.raises(netcheck.NetCheckError, match="not a single node name"):
+            netcheck.drain(ctl, {odd: "slow"})
+    assert len(ctl.ran) == 1
+
+
+def test_slurms_hostlist_expands_to_single_names_and_bounds_the_count():
+    assert slurm.hostnames("gpu-node-[01-02,7],ctl,a[1-2]b") == ["gpu-node-01", "gpu-node-02", "gpu-node-7", "ctl",
+                                                                 "a1b", "a2b"]
+    for bad in ("gpu-[1-99999999]", "a[1-99]b[1-99]", "x;y", "gpu-[1-64]'"):
+        with pytest.raises(slurm.SlurmError):
+            slurm.hostnames(bad)
+
+
+HOSTILE_RECORDS = [  # the reviewer's probes (4 of 5 were tracebacks in `fab runs --job`), and more
+    ({"metrics.json": {"samples": [{"prompt": 1}], "eval": {"tuned": {"loss": 1.0}}}}, "metrics.json samples[0]"),
+    ({"metrics.json": {"samples": [{"prompt": "p"}], "eval": {"tuned": {"loss": 1.0}}}}, "samples[0] has no base"),
+    ({"metrics.json": {"log_history": [{"loss": "x"}]}}, "log_history[0]: loss must be a finite number"),
+    ({"metrics.json": {}, "trainer_state.json": [1, 2]}, "trainer_state.json must be a JSON object"),
+    ({"metrics.json": {}, "trainer_state.json": {"log_history": [{"loss": 1.0, "step": "7"}]}}, "step must be"),
+    ({"metrics.json": {}, "trainer_state.json": {"global_step": 1e400}}, "global_step must be a count"),
+    ({"metrics.json": {"cost": "abc"}}, "cost must be an object"),
+    ({"metrics.json": {"cost": {"max_usd": "1"}}}, "cost: max_usd must be a finite number"),
+    ({"metrics.json": {"train_steps": "\x1b]52;c;ZWNobyBoaQ==\x07"}}, "train_steps must be a count"),
+    ({"metrics.json": {"train_runtime": float("nan")}}, "train_runtime must be a finite number"),
+    ({"metrics.json": {"eval": {"tuned": {"loss": float("inf")}}}}, "eval tuned: loss must be a finite number"),
+    ({"metrics.json": {"eval": {"tuned": "x"}}}, "tuned must be"),
+]
+
+
+@pytest.mark.parametrize("files,named", HOSTILE_RECORDS)
+def test_fab_runs_job_names_a_malformed_record_in_one_line(tmp_path, files, named):
+    from ops.finetune import runs
+
+    d = tmp_path / "12"
+    d.mkdir()
+    for name, value in files.items():
+        (d / name).write_text(json.dumps(value))
+    with pytest.raises(runs.RunsError) as err:
+        runs.show(tmp_path, "12")
+    assert named in str(err.value) and str(d) in str(err.value) and "\n" not in str(err.value)
+    assert "\x1b" not in str(err.value)  # repr: the escape is shown, not sent to the terminal
+
+
+def test_fab_trains_finish_summarises_a_run_whose_metrics_line_is_malformed(tmp_path, monkeypatch):
+    from tests.test_jobs_render import inventory
+
+    monkeypatch.setattr(pipeline, "RUNS", tmp_path)
+    log = JobLog()
+    log.feed('SLURM_GPU_METRICS {"cost": "abc", "train_steps": "x"}\n')  # was AttributeError in the summary
+    said: list[str] = []
+    cl = SimpleNamespace(controller=None, inventory=inventory(target="local", gpus=1))
+    with pytest.raises(pipeline.TrainError, match="holds no adapters"):  # the usual end of a run without output
+        pipeline.finish(cl, "12", stream.Followed(None, log), said.append)
+    assert any("warning: the job log's SLURM_GPU_METRICS line: train_steps must be a count" in s for s in said)
+    assert any(s.startswith("job 12: completed") for s in said)  # the summary is printed all the same

@@ -250,10 +250,13 @@ def open_dest(manifest: dict) -> int:
     rel = os.path.relpath(dest, root)
     if rel != "." and (rel.startswith("../") or rel == ".."):
         raise UnsafeName(f"{dest!r}: not under the fetch area {root}")
-    os.makedirs(root, exist_ok=True)
-    top = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    # The area itself (/scratch/hub) belongs to the admin user, so a job can swap it for a link: it is
+    # reached from its parent, the scratch root (root-owned, made by the bootstrap), like every folder below.
+    parent, area = os.path.split(os.path.normpath(root))
+    os.makedirs(parent or ".", exist_ok=True)
+    top = os.open(parent or ".", os.O_RDONLY | os.O_DIRECTORY)
     try:
-        return _folder(top, [] if rel == "." else safe_name(rel, nested=True).split("/"), dest)
+        return _folder(top, [safe_name(area)] + ([] if rel == "." else safe_name(rel, nested=True).split("/")), dest)
     finally:
         os.close(top)
 

@@ -17,6 +17,9 @@ _ASCII_INT = re.compile(r"[+-]?[0-9]+")
 _ASCII_DECIMAL = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
 
 
+MAX_CHARS = 40  # the longest number flag text taken
+
+
 class OptionError(UserError, ValueError):
     pass
 
@@ -29,6 +32,9 @@ def number(flag: str, value, kind: type = float, what: str | None = None) -> int
     the error ("a whole number", "a number of US dollars")."""
     text = str(value).strip()
     what = what or ("a whole number" if kind is int else "a number")
+    if len(text) > MAX_CHARS:  # int() refuses over 4300 digits (ValueError): no flag means such a number
+        raise OptionError(f"--{flag} must be {what}, not a value of {len(text)} characters "
+                          f"(at most {MAX_CHARS}, e.g. --{flag} 2)")
     if not (_ASCII_INT if kind is int else _ASCII_DECIMAL).fullmatch(text):
         raise OptionError(f"--{flag} must be {what}, not {value!r} (digits 0-9, e.g. --{flag} 2)")
     n = kind(text)

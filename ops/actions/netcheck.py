@@ -351,11 +351,66 @@ def parse_result(text: str) -> dict | None:
     return data if isinstance(data, dict) and "nodes" in data else None
 
 
+def _bad(where: str, problem: str) -> NetCheckError:
+    return NetCheckError(f"{where}: {problem}; a job, not the check program, wrote it: nothing is drained. "
+                         "Run `fab check` again (or pass --skip-check to train without the check)")
+
+
+def _is_number(v, low: float = 0.0) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= low
+
+
+def _check_results(rows, where: str, what: str, may_be_empty: bool = False) -> None:
+    if not isinstance(rows, list) or not (rows or may_be_empty):
+        raise _bad(where, f"{what} must be a list of measurements, not {rows!r:.80}")
+    for r in rows:
+        if not (isinstance(r, dict) and isinstance(r.get("bytes"), int) and not isinstance(r["bytes"], bool)
+                and r["bytes"] > 0 and _is_number(r.get("busbw_gbps")) and _is_number(r.get("time_us"))):
+            raise _bad(where, f"{what} holds {r!r:.80}, not {{bytes: a count, busbw_gbps and time_us: numbers}}")
+
+
+def checked_result(result: dict, job_nodes: list[str], where: str) -> dict:
+    """The check's result.json as the program writes it (jobs/allreduce_check.py), or NetCheckError naming
+    the file: a job can write that file, so every node it names must be one of `job_nodes` (the job's node
+    list as Slurm gave it to fab, never the file's word), and every field has its type (numbers finite)."""
+    nodes = result.get("nodes")
+    if not (isinstance(nodes, list) and nodes and all(isinstance(n, str) for n in nodes)
+            and len(set(nodes)) == len(nodes)):
+        raise _bad(where, f"nodes must be a list of distinct node names, not {nodes!r:.80}")
+    strangers = [n for n in nodes if n not in job_nodes]
+    if strangers:
+        raise _bad(where, f"names {', '.join(repr(n) for n in strangers[:3])[:120]}, not among the check job's "
+                          f"nodes ({', '.join(job_nodes)[:200]})")
+    info = result.get("node_info", {})
+    if not isinstance(info, dict) or any(h not in nodes or not isinstance(i, dict)
+                                         or not isinstance(i.get("transport", ""), str)
+                                         or not isinstance(i.get("missing", ""), (str, type(None)))
+                                         for h, i in info.items()):
+        raise _bad(where, "node_info must map the check's nodes to {transport: text}")
+    pairs = result.get("pairs", [])
+    if not isinstance(pairs, list):
+        raise _bad(where, f"pairs must be a list, not {pairs!r:.80}")
+    for p in pairs:
+        two = p.get("nodes") if isinstance(p, dict) else None
+        if not (isinstance(two, list) and len(two) == 2 and all(n in nodes for n in two) and two[0] != two[1]):
+            raise _bad(where, f"a pair must name two of the check's nodes, not {two!r:.80}")
+        _check_results(p.get("results"), where, f"pair {two[0]}-{two[1]}'s results")
+    _check_results(result.get("all") or [], where, "all", may_be_empty=True)
+    if not _is_number(result.get("seconds", 0)) or not isinstance(result.get("backend", ""), str):
+        raise _bad(where, "seconds must be a number and backend a name")
+    return result
+
+
 DRAIN_PREFIX = "network check"
+_NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")  # one node: no hostlist brackets, commas, quotes
 
 
 def drain(ctl, failed: dict[str, str]) -> list[str]:
-    """Drain each failed node with its reason (fab train's return to service resumes it: checked again)."""
+    """Drain each failed node with its reason (fab train's return to service resumes it: checked again).
+    Only single node names (checked_result: from the job's own node list) are ever drained."""
+    odd = [n for n in failed if not (isinstance(n, str) and _NODE_NAME.fullmatch(n))]
+    if odd:
+        raise NetCheckError(f"refusing to drain {odd[0]!r:.80}: not a single node name; nothing is drained")
     for node, why in failed.items():
         reason = f"{DRAIN_PREFIX}: {why}"[:250]
         sudo(ctl, f"scontrol update nodename={shlex.quote(node)} state=drain reason={shlex.quote(reason)}")
@@ -402,6 +457,11 @@ def run(cl: Cluster, stack: str | None, say, nodes: int | None = None) -> Checke
     if result is None or not job.ok:
         raise NetCheckError(f"network check job {job_id} {job.state} (exit {job.exit_code}) without a result; "
                             f"{log_excerpt(text, log_path)}")
+    try:
+        job_nodes = [n for n in slurm.hostnames(job.nodes) if n in {g.name for g in inv.gpu_nodes}]
+    except slurm.SlurmError as exc:
+        raise NetCheckError(f"network check job {job_id}: Slurm's node list {exc}; see `fab status`") from None
+    result = checked_result(result, job_nodes, f"{cdir}/result.json")
     exp = expected(inv, stack)
     v = judge(result, exp, transports_of(result, text, backend_nccl=result.get("backend") == "nccl"))
     checked = Checked(v, result, job_id, text, cdir)

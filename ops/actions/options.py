@@ -161,8 +161,10 @@ def parse_job(job) -> str | None:
     if job is None:
         return None
     job = str(job).strip()
-    if not re.fullmatch(r"[0-9]+", job) or int(job) == 0:  # Slurm job ids start at 1
-        raise OptionError(f"--job must be a Slurm job id (a number), not {job!r}; see `fab status`")
+    # Slurm job ids start at 1 and fit 32 bits (10 digits): int() of 5000 digits would raise ValueError
+    if not re.fullmatch(r"[0-9]{1,10}", job) or int(job) == 0:
+        shown = repr(job) if len(job) <= 40 else f"a value of {len(job)} characters"
+        raise OptionError(f"--job must be a Slurm job id (a number), not {shown}; see `fab status`")
     return job
 
 

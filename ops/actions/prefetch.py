@@ -63,10 +63,22 @@ def hub_manifest(repo_id: str, dest_root: str, kind: str = "models", revision: s
     except (urllib.error.URLError, ValueError) as exc:
         raise PrefetchError(f"{repo_id}: the Hub's file list ({url}) could not be read: {exc}; check the ID "
                             "and this machine's network (or HF_ENDPOINT)") from None
+    if not isinstance(info, dict):
+        raise PrefetchError(f"{repo_id}: the Hub's answer ({url}) is a {type(info).__name__}, not an object with "
+                            "sha and siblings; nothing is fetched (check HF_ENDPOINT)")
     sha = info.get("sha") or revision
     siblings = info.get("siblings") or []
     if not isinstance(siblings, list) or not all(isinstance(s, dict) for s in siblings):
         raise PrefetchError(f"{repo_id}: the Hub's answer ({url}) has no list of files (siblings); nothing is fetched")
+    for s in siblings:  # sizes and sums become the fetch's plan: a count of bytes, a digest
+        size, lfs = s.get("size"), s.get("lfs")
+        if size is not None and not (isinstance(size, int) and not isinstance(size, bool) and size >= 0):
+            raise PrefetchError(f"{repo_id}: the Hub's answer ({url}) gives {s.get('rfilename')!r:.80} the size "
+                                f"{size!r:.40}, not a count of bytes; nothing is fetched")
+        if lfs is not None and not (isinstance(lfs, dict) and isinstance(lfs.get("sha256") or "", str)
+                                    and re.fullmatch(r"(?:[0-9a-f]{64})?", lfs.get("sha256") or "")):
+            raise PrefetchError(f"{repo_id}: the Hub's answer ({url}) gives {s.get('rfilename')!r:.80} the lfs "
+                                f"{lfs!r:.80}, not {{sha256: 64 hex digits}}; nothing is fetched")
     try:  # the answer's names become paths on /scratch: each must stay in its folder (fetch_files.safe_name)
         safe_name(repo_id, nested=True)
         if not (isinstance(sha, str) and _COMMIT.fullmatch(sha)) and sha != safe_name(revision):
@@ -76,7 +88,7 @@ def hub_manifest(repo_id: str, dest_root: str, kind: str = "models", revision: s
     except UnsafeName as exc:
         raise PrefetchError(f"{repo_id}: the Hub's answer ({url}) names {exc}; nothing is fetched") from None
     sizes = {s["rfilename"]: s["size"] for s in siblings if s.get("size") is not None}
-    sums = {s["rfilename"]: s["lfs"]["sha256"] for s in siblings if s.get("lfs", {}).get("sha256")}
+    sums = {s["rfilename"]: s["lfs"]["sha256"] for s in siblings if (s.get("lfs") or {}).get("sha256")}
     prefix = "" if kind == "models" else f"{kind}/"
     return manifest_of_dir(f"{endpoint}/{prefix}{repo_id}/resolve/{sha}", f"{dest_root}/{kind}/{repo_id}@{sha}",
                            sizes, sums, root=dest_root)

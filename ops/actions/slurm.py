@@ -53,6 +53,37 @@ def hostlist(text: object) -> str | None:
     return text if isinstance(text, str) and len(text) <= 4096 and HOSTLIST.fullmatch(text) else None
 
 
+MAX_HOSTNAMES = 4096  # a hostlist expands to at most this many names (a cluster's nodes, with room)
+
+
+def hostnames(text: str) -> list[str]:
+    """A Slurm hostlist (HOSTLIST) as single names: 'gpu-node-[01-02],ctl' -> gpu-node-01, gpu-node-02, ctl
+    (a range's zero padding kept, as Slurm does). SlurmError for text that is no hostlist or too many names."""
+    if hostlist(text) is None:
+        raise SlurmError(f"{text!r} is not a Slurm hostlist")
+    names: list[str] = []
+    for part in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", text):  # commas outside brackets separate hosts
+        expanded = [""]
+        for piece in re.split(r"(\[[^\]]*\])", part):
+            if not piece.startswith("["):
+                expanded = [e + piece for e in expanded]
+                continue
+            options = []
+            for span in piece[1:-1].split(","):
+                lo, _, hi = span.partition("-")
+                hi = hi or lo
+                if len(lo) > 9 or len(hi) > 9 or int(hi) - int(lo) >= MAX_HOSTNAMES:
+                    raise SlurmError(f"{text!r}: more than {MAX_HOSTNAMES} hosts")
+                options += [str(i).zfill(len(lo)) for i in range(int(lo), int(hi) + 1)]
+            expanded = [e + o for e in expanded for o in options]
+            if len(expanded) > MAX_HOSTNAMES:
+                raise SlurmError(f"{text!r}: more than {MAX_HOSTNAMES} hosts")
+        names += expanded
+        if len(names) > MAX_HOSTNAMES:
+            raise SlurmError(f"{text!r}: more than {MAX_HOSTNAMES} hosts")
+    return names
+
+
 def controller_up(ctl: Connection) -> bool:
     """`scontrol ping`: answers at once, also when slurmctld is down (other queries retry ~1 min)."""
     res = ctl.run("scontrol ping", hide=True, warn=True)
@@ -194,12 +225,31 @@ def submit(ctl: Connection, script: str, *args: str) -> str:
 
 
 def parse_scontrol_job(text: str) -> dict[str, str]:
-    """`scontrol show job -o ID` -> {"JobState": "RUNNING", ...} (values without spaces are enough)."""
+    """`scontrol show job -o ID` -> {"JobState": "RUNNING", ...} (values without spaces are enough).
+
+    JobName is free text its job may set (`scontrol update jobid=N name=...`). scontrol prints it second,
+    right before UserId (`JobId=%u JobName=%s`, then `UserId=%s(%u) GroupId=%s(%u) MCS_label=%s`: the format
+    strings of Slurm's src/api/job_info.c, seen in this machine's libslurmfull.so), so its value is taken
+    whole up to ` UserId=` and cannot add keys; the first of a repeated key counts. A second UserId means a
+    name (or a later free-text field) imitates scontrol's fields: SlurmError, not a misread job.
+    """
+    head, named, tail = text.partition(" JobName=")
+    name = None
+    if named:
+        name, _, rest = tail.partition(" UserId=")
+        text = f"{head} UserId={rest}"
     fields: dict[str, str] = {}
+    users = 0
     for token in text.split():
         key, sep, value = token.partition("=")
+        users += key == "UserId"
         if sep and key and key not in fields:
             fields[key] = value
+    if users > 1:
+        raise SlurmError(f"scontrol's answer for job {fields.get('JobId', '?')} holds UserId= twice: its name or "
+                         "comment imitates scontrol's fields; rename it (`scontrol update jobid=N name=NAME`)")
+    if name is not None:
+        fields["JobName"] = name
     return fields
 
 
@@ -225,10 +275,20 @@ class Job:
         return self.state == "COMPLETED"
 
 
+def _count(f: dict[str, str], key: str) -> int:
+    """An integer field of scontrol's answer: ASCII digits (int() would also take '٣', '1_0' and 5000 digits)."""
+    value = f.get(key) or "0"
+    if not re.fullmatch(r"[0-9]{1,10}", value):
+        raise SlurmError(f"scontrol's answer for job {f.get('JobId', '?')!r} has {key}={value!r}, not a count: "
+                         "check the controller's Slurm (`scontrol show job -o JOB`)")
+    return int(value)
+
+
 def job_from_fields(f: dict[str, str]) -> Job:
+    _count(f, "JobId")
     return Job(id=f.get("JobId", ""), name=f.get("JobName", ""), state=f.get("JobState", "UNKNOWN"),
                exit_code=f.get("ExitCode", ""), run_time=f.get("RunTime", ""),
-               restarts=int(f.get("Restarts", "0") or 0), nodes=f.get("NodeList", ""),
+               restarts=_count(f, "Restarts"), nodes=f.get("NodeList", ""),
                reason=f.get("Reason", ""), stdout=f.get("StdOut", ""))
 
 
@@ -259,7 +319,13 @@ def job(ctl: Connection, job_id: str) -> Job | None:
 def jobs_named(ctl: Connection, prefix: str) -> list[Job]:
     """Jobs Slurm still remembers whose name starts with `prefix`, oldest first."""
     res = ctl.run("scontrol show job -o", hide=True, warn=True)
-    out = [job_from_fields(parse_scontrol_job(line)) for line in res.stdout.splitlines() if "JobId=" in line]
+    out = []
+    for line in res.stdout.splitlines():
+        if "JobId=" in line:
+            try:
+                out.append(job_from_fields(parse_scontrol_job(line)))
+            except SlurmError:  # a job imitating scontrol's fields is not taken for one of ours
+                continue
     return sorted((j for j in out if j.name.startswith(prefix)), key=lambda j: int(j.id))
 
 

@@ -519,7 +519,11 @@ def finish(cl: Cluster, job_id: str, followed: stream.Followed, say: Say,
     if log_path:
         dest.mkdir(parents=True, exist_ok=True)
         (dest / "job.log").write_text(read_remote(cl.controller, log_path))
-    run = summary.build(job_id, job.run_time if job else "", log, dest if got else None)
+    try:
+        run = summary.build(job_id, job.run_time if job else "", log, dest if got else None)
+    except summary.SummaryError as exc:  # a record the job wrote is malformed: the run is still kept
+        say(f"      warning: {exc}; the summary leaves the job's figures out")
+        run = summary.build(job_id, job.run_time if job else "", dataclasses.replace(log, metrics=None), None)
     run.real_gpus, run.dest = targets.of(cl.inventory).real_gpus, dest
     run.closing = list(closing or [])
     if checked is not None:  # the check that preceded this run, kept beside it

@@ -107,7 +107,10 @@ def show(runs: Path, job: str) -> list[str]:
     log = JobLog()
     if (d / "job.log").exists():
         log.feed((d / "job.log").read_text(errors="replace"))
-    run = summary.build(job, "", log, d)
+    try:
+        run = summary.build(job, "", log, d)
+    except summary.SummaryError as exc:
+        raise RunsError(str(exc)) from None
     rec = _read(d / "run.json")
     run.real_gpus = rec.get("target", "aws") != "local"
     lines = run.lines()

@@ -8,11 +8,85 @@ utilisation from the nodes' nvidia-smi samples (gpus-<node>.csv, jobs/finetune.s
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cluster.errors import UserError
 from ops.actions import nccl
 from ops.finetune.joblog import JobLog
+
+
+class SummaryError(UserError, ValueError):
+    """A record the job wrote (metrics.json, trainer_state.json, the log's metrics line) of the wrong shape."""
+
+
+# What the summary and `fab runs` read of a job's records (training/outputs.py, train.py, cost_cap.py write
+# them), by type: a job can write anything there, so each value is checked before it is used.
+_NUMBERS = ("train_runtime", "train_loss", "first_loss", "last_loss", "mean_token_accuracy", "tokens_per_s")
+_COUNTS = ("train_steps", "world_size", "train_rows")
+_COST_NUMBERS = ("max_usd", "spent_usd", "full_run_usd", "per_hour_usd", "step_s")
+_COST_COUNTS = ("stopped_at_step", "max_steps")
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 10**15
+
+
+def _check(rec, where: str, numbers=(), counts=(), texts=(), dicts=(), lists=()) -> dict:
+    """`rec` when it is an object whose named keys are missing, null or of their type, else SummaryError."""
+    if not isinstance(rec, dict):
+        raise SummaryError(f"{where} must be a JSON object, not {type(rec).__name__}: fix or delete that file")
+    for keys, ok, what in ((numbers, _is_number, "a finite number"), (counts, _is_count, "a count"),
+                           (texts, lambda v: isinstance(v, str), "text"), (dicts, lambda v: isinstance(v, dict),
+                                                                         "an object"),
+                           (lists, lambda v: isinstance(v, list), "a list")):
+        for key in keys:
+            if rec.get(key) is not None and not ok(rec[key]):
+                raise SummaryError(f"{where}: {key} must be {what}, not {rec[key]!r:.60}: fix or delete that file")
+    return rec
+
+
+def _check_history(history, where: str) -> None:
+    for i, h in enumerate(history or []):
+        _check(h, f"{where} log_history[{i}]", numbers=("loss",), counts=("step",))
+
+
+def checked_metrics(metrics, where: str) -> dict:
+    """A job's metrics (metrics.json, or the log's SLURM_GPU_METRICS line) with every value the summary reads
+    of its type, numbers finite; else SummaryError naming `where`."""
+    _check(metrics, where, numbers=_NUMBERS, counts=_COUNTS, texts=("stopped_by",), dicts=("cost", "eval"),
+           lists=("samples", "log_history"))
+    _check(metrics.get("cost") or {}, f"{where} cost", numbers=_COST_NUMBERS, counts=_COST_COUNTS)
+    ev = _check(metrics.get("eval") or {}, f"{where} eval", counts=("rows",), texts=("source",),
+                dicts=("base", "tuned"))
+    for side in ("base", "tuned"):
+        _check(ev.get(side) or {}, f"{where} eval {side}", numbers=("loss", "token_accuracy"))
+    for i, sample in enumerate(metrics.get("samples") or []):
+        _check(sample, f"{where} samples[{i}]", texts=("prompt", "base", "tuned", "reference"))
+        missing = [k for k in ("prompt", "base", "tuned") if sample.get(k) is None]
+        if missing:
+            raise SummaryError(f"{where} samples[{i}] has no {missing[0]}: fix or delete that file")
+    _check_history(metrics.get("log_history"), where)
+    return metrics
+
+
+def checked_state(state, where: str) -> dict:
+    """trainer_state.json with its global_step a count and its log_history's steps and losses typed."""
+    _check(state, where, counts=("global_step",), lists=("log_history",))
+    _check_history(state.get("log_history"), where)
+    return state
+
+
+def _load(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise SummaryError(f"{path} cannot be read as JSON ({exc}): fix or delete that file") from None
 
 
 @dataclass
@@ -150,12 +224,16 @@ def loss_history(trainer_state: dict | None, log: JobLog | None = None) -> list[
 
 
 def build(job_id: str, slurm_runtime: str, log: JobLog, run_dir: Path | None) -> RunSummary:
-    metrics, state = dict(log.metrics or {}), None
+    """The run's summary from its records; SummaryError (one line naming the record) when one a job wrote is
+    of the wrong shape (pipeline.finish then summarises without them, `fab runs --job` says which)."""
+    metrics, state = dict(checked_metrics(log.metrics or {}, "the job log's SLURM_GPU_METRICS line")), None
     if run_dir is not None:
         if (run_dir / "metrics.json").exists():
-            metrics = json.loads((run_dir / "metrics.json").read_text())
+            path = run_dir / "metrics.json"
+            metrics = checked_metrics(_load(path), str(path))
         if (run_dir / "trainer_state.json").exists():
-            state = json.loads((run_dir / "trainer_state.json").read_text())
+            path = run_dir / "trainer_state.json"
+            state = checked_state(_load(path), str(path))
     if state is None and metrics.get("log_history"):
         state = {"log_history": metrics["log_history"]}
     if "train_steps" not in metrics and state and "global_step" in state:
