@@ -101,6 +101,14 @@ def test_a_config_location_must_be_a_string_not_a_number(tmp_path, setting):
         options.parse(target="aws", config=str(p))
 
 
+@pytest.mark.parametrize("setting", ["eval_split: 0", "eval_split: 32", "eval_split: 0.05", "eval_split: auto"])
+def test_a_text_setting_documented_with_numbers_takes_them(tmp_path, setting):
+    """eval_split is text (auto) or a number (a count, a fraction, 0 = off): YAML's numbers are meant."""
+    p = tmp_path / "train.yaml"
+    p.write_text((REPO / "training" / "configs" / "qwen3-4b-lora.yaml").read_text() + setting + "\n")
+    options.parse(target="aws", config=str(p))
+
+
 def test_counts_checked_against_inventory():
     with pytest.raises(options.OptionError, match=r"--nodes 3: .* has 2 GPU node\(s\); pass --nodes 2"):
         options.check_against(options.parse(target="local", nodes="3"), INV)

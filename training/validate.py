@@ -73,6 +73,11 @@ def default(key: str):
     return None
 
 
+# Text settings whose documented values include plain numbers (training/args.py: eval_split is a count, a
+# fraction, 0 or auto): YAML's 32, 0.05 and 0 are meant, unlike a number where a name belongs.
+NUMBERS_AS_TEXT = frozenset({"eval_split"})
+
+
 def _fits(value, hint) -> bool:
     """Whether TrlParser would accept `value` (from YAML) for a field of type `hint`."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
@@ -155,7 +160,8 @@ def check_config(data: dict, source: str) -> None:
             except ValueError as e:
                 problems.append(str(e))
             continue
-        if not _fits(value, hint):
+        numeric_text = key in NUMBERS_AS_TEXT and isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not numeric_text and not _fits(value, hint):
             problems.append(f"{key}: {value!r} is the wrong type; set {key} to {_describe(hint)}")
             continue
         if choices and value not in choices:
