@@ -265,3 +265,64 @@ def test_a_long_first_step_and_checkpoints_are_left_alone(tiny, tmp_path):  # no
     assert "hang watchdog" not in proc.stderr and ABORT not in proc.stderr
     left = subprocess.run(["pgrep", "-f", f"training.hangs watch .* {out}/HUNG"], capture_output=True, text=True)
     assert left.stdout == "", left.stdout
+
+
+# ---------------------------------------------------------------- the watcher never outlives its rank's training
+
+
+def _watchers_of(pid: int) -> list[int]:
+    """Watcher processes (`python -m training.hangs watch PID ...`) watching process `pid`."""
+    found = []
+    for p in Path("/proc").iterdir():
+        try:
+            argv = (p / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"training.hangs" in argv and b"watch" in argv and str(pid).encode() in argv:
+            found.append(int(p.name))
+    return found
+
+
+def test_training_that_raises_in_process_leaves_no_watcher(tiny, tmp_path, monkeypatch):  # noqa: F811
+    """A training loop that raises never reaches on_train_end: train.py's `finally` still ends the watcher.
+    Left behind, it would watch this process (in-process training: a test runner, a notebook) and, past its
+    deadline, end it."""
+    from tests.test_training_run import argv_for
+    from training import train
+
+    begin = watchdog.HangWatchdog.on_step_begin
+
+    def boom(self, *a, **k):
+        begin(self, *a, **k)
+        assert _watchers_of(os.getpid()), "the watcher runs while training"
+        raise RuntimeError("boom in a training step")
+
+    monkeypatch.setattr(watchdog.HangWatchdog, "on_step_begin", boom)
+    with pytest.raises(RuntimeError, match="boom in a training step"):
+        train.main(argv_for(tiny, tmp_path / "out"))
+    deadline = time.time() + 15
+    while _watchers_of(os.getpid()) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not _watchers_of(os.getpid())
+
+
+@pytest.mark.parametrize("births", [["100", "555"], ["100", "100", "555"]], ids=["while watching", "before ending"])
+def test_a_pid_that_names_another_process_now_is_never_ended(tmp_path, monkeypatch, births):
+    """Pids are reused (kernel.pid_max 32768 here): once the rank's pid names a process that started at another
+    time, the watcher stops, past its deadline or not, and signals nothing."""
+    local = tmp_path / "local"
+    local.mkdir()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        beat = {"rank": 0, "pid": child.pid, "since": time.time() - 100, "deadline_s": 20.0, "phase": "running"}
+        (local / "heartbeat.json").write_text(json.dumps(beat))
+        (local / "stacks.txt").write_text("")  # where the rank's faulthandler would write
+        told = iter(births)  # the rank's start time, then another process's
+        monkeypatch.setattr(hangs, "start_time", lambda pid: next(told, "555"))
+        assert hangs.watch(child.pid, local, tmp_path / hangs.MARKER, tmp_path / "s.txt", poll_s=0.1,
+                           grace_s=0.1) == "gone"
+        assert child.poll() is None  # not signalled
+    finally:
+        child.kill()
+        child.wait()
+    assert hangs.start_time(os.getpid()) == hangs.start_time(os.getpid()) is not None

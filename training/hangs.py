@@ -34,6 +34,16 @@ def hang_files(output_dir: str | Path, rank: int, attempt: int) -> tuple[Path, P
 
 # ---------------------------------------------------------------- the watcher process (stdlib only)
 
+def start_time(pid: int) -> str | None:
+    """When process `pid` started (proc(5): /proc/PID/stat field 22, clock ticks since boot), None where
+    there is no /proc. With the pid it names one process: pids are reused (kernel.pid_max can be 32768)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -88,6 +98,7 @@ def watch(pid: int, local: Path, marker: Path, stacks: Path, poll_s: float = POL
     past the deadline it claims the marker, dumps the rank, and kills it unless it moves again within `grace_s`
     (then the marker is withdrawn and the watch goes on). Another rank's marker: dump this rank once for it.
     `own_process`: this is the watcher process (it takes SIGTERM, SIGUSR1 and SIGUSR2 for itself)."""
+    born = start_time(pid)  # the rank's identity: a pid the kernel hands to another process is not the rank
     dumped_for = [None]  # the marker's text this rank was dumped for
     claimed: list[float] = []  # the heartbeat's `since` when this watcher claimed the marker
 
@@ -113,7 +124,7 @@ def watch(pid: int, local: Path, marker: Path, stacks: Path, poll_s: float = POL
         for sig in (signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, signal.SIG_IGN)
     while True:
-        if not alive(pid):
+        if not alive(pid) or start_time(pid) != born:
             return "gone"
         beat = _read_json(local / "heartbeat.json")
         if beat is None:
@@ -150,6 +161,8 @@ def watch(pid: int, local: Path, marker: Path, stacks: Path, poll_s: float = POL
                 print(f"slurm-gpu: hang watchdog: rank {beat.get('rank')} moved again after "
                       f"{time.time() - beat['since']:.0f} s; not ended", file=sys.stderr, flush=True)
                 continue
+            if start_time(pid) != born:
+                return "gone"
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

@@ -232,7 +232,10 @@ def main(argv: list[str] | None = None) -> dict | None:
 
     if cap:  # the evaluation and samples after training take about as long as those before it
         cap.tail_s = time.time() - timing["trainer_built"]
-    train_output = trainer.train(resume_from_checkpoint=resume)
+    try:
+        train_output = trainer.train(resume_from_checkpoint=resume)
+    finally:
+        hangs.close()  # also when training raised: no watcher outlives it (training/watchdog.py)
     timing["trained"] = time.time()
     if on_signal.stopped_at is not None:  # every rank agreed: the checkpoint is complete, the job requeues
         if trainer.is_world_process_zero():

@@ -39,6 +39,7 @@ import re
 import shutil
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -221,16 +222,28 @@ class HangWatchdog(TrainerCallback):
         self._progress(state)
 
     def on_train_end(self, args, state, control, **kwargs):
-        if not self.enabled or self._heartbeat is None:
+        self.close(state)
+
+    def close(self, state=None) -> None:
+        """Stop watching: the heartbeat says done, the watcher process ends, the rank's files go. Idempotent.
+        on_train_end calls it; training/train.py calls it again in a `finally`, since a training loop that
+        raises never reaches on_train_end, and a watcher left behind would, past its deadline, end the
+        process that trained (in-process training: a notebook, a test runner)."""
+        if not self.enabled or self._heartbeat is None or self._done:
             return
         import faulthandler
 
         self._done = True
-        self._beat(state, "done")
+        if state is not None:
+            self._beat(state, "done")
         faulthandler.unregister(SIGNAL)
         if self._watcher is not None:
             self._watcher.terminate()
-            self._watcher.wait(timeout=10)
+            try:
+                self._watcher.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._watcher.kill()
+                self._watcher.wait()
         self._stacks.close()
         shutil.rmtree(self._local, ignore_errors=True)
 
