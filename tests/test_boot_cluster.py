@@ -182,7 +182,8 @@ def test_host_keys_pinned_from_consoles(booted):
         out = booted.containers[name].run("cat /var/log/cloud-init-output.log", check=False).stdout.splitlines()
         ours = [ln for ln in out if ln.startswith("slurm-gpu-bootstrap(")]
         theirs = [ln for ln in out if len(ln) > 20 and not ln.startswith("slurm-gpu-bootstrap(")
-                  and "SSH HOST KEY" not in ln and not ln.startswith((*hostkeys.KEY_TYPES, "ec2:"))
+                  # the key block (every key the host has: Debian 12 still makes ssh-dss) is ours too
+                  and "SSH HOST KEY" not in ln and not ln.startswith(("ssh-", "ecdsa-", "ec2:"))
                   and "SHA256:" not in ln]
         assert ours and theirs, f"{name}: cloud-init-output.log lacks the bootstrap's lines or its steps' output"
         assert any(ln in console for ln in ours), f"{name}: the bootstrap's own lines are not on the console"
