@@ -173,13 +173,19 @@ def test_a_rank_that_moves_again_within_the_grace_is_not_ended(tmp_path):
         child.wait()
 
 
-def test_the_watcher_leaves_a_moving_or_finished_rank_alone(tmp_path):
+def _idle_rank(tmp_path, phase: str):
+    """A live process standing in for a rank, its heartbeat 100 s old (deadline 20 s) in phase `phase`."""
     local = tmp_path / "local"
     local.mkdir()
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    beat = {"rank": 0, "pid": child.pid, "since": time.time() - 100, "deadline_s": 20.0, "phase": phase}
+    (local / "heartbeat.json").write_text(json.dumps(beat))
+    return local, child
+
+
+def test_the_watcher_leaves_a_moving_or_finished_rank_alone(tmp_path):
+    local, child = _idle_rank(tmp_path, "done")
     try:
-        beat = {"rank": 0, "pid": child.pid, "since": time.time() - 100, "deadline_s": 20.0, "phase": "done"}
-        (local / "heartbeat.json").write_text(json.dumps(beat))
         assert hangs.watch(child.pid, local, tmp_path / hangs.MARKER, tmp_path / "s.txt", poll_s=0.1) == "done"
         assert child.poll() is None and not (tmp_path / hangs.MARKER).exists()
     finally:
@@ -310,12 +316,8 @@ def test_training_that_raises_in_process_leaves_no_watcher(tiny, tmp_path, monke
 def test_a_pid_that_names_another_process_now_is_never_ended(tmp_path, monkeypatch, births):
     """Pids are reused (kernel.pid_max 32768 here): once the rank's pid names a process that started at another
     time, the watcher stops, past its deadline or not, and signals nothing."""
-    local = tmp_path / "local"
-    local.mkdir()
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    local, child = _idle_rank(tmp_path, "running")
     try:
-        beat = {"rank": 0, "pid": child.pid, "since": time.time() - 100, "deadline_s": 20.0, "phase": "running"}
-        (local / "heartbeat.json").write_text(json.dumps(beat))
         (local / "stacks.txt").write_text("")  # where the rank's faulthandler would write
         told = iter(births)  # the rank's start time, then another process's
         monkeypatch.setattr(hangs, "start_time", lambda pid: next(told, "555"))

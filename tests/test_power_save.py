@@ -619,6 +619,17 @@ def fake_time(prog) -> list[float]:
     return waits
 
 
+def _three_refused(stub, ids, rounds: int, message: str) -> None:
+    """THREE described, their batch start refused, then `rounds` rounds of each one refused on its own."""
+    stub.add_response("describe_instances", described(*THREE), {"Filters": filters(*(i[1] for i in THREE))})
+    stub.add_client_error("start_instances", "IncorrectSpotRequestState", message,
+                          expected_params={"InstanceIds": ids})
+    for _ in range(rounds):
+        for i in ids:
+            stub.add_client_error("start_instances", "IncorrectSpotRequestState", message,
+                                  expected_params={"InstanceIds": [i]})
+
+
 def test_three_settling_spot_nodes_are_retried_together_and_all_start_within_the_budget(
         tmp_path, slurm_conf, start_failed):
     """Each round tries every node still refused, so three nodes cost the waits of one: retried one node
@@ -629,14 +640,7 @@ def test_three_settling_spot_nodes_are_retried_together_and_all_start_within_the
     calls, waits = start_failed(prog), fake_time(prog)
     ids = [i[0] for i in THREE]
     with Stubber(ec2) as stub:
-        stub.add_response("describe_instances", described(*THREE),
-                          {"Filters": filters(*(i[1] for i in THREE))})
-        stub.add_client_error("start_instances", "IncorrectSpotRequestState", "settling",
-                              expected_params={"InstanceIds": ids})
-        for _ in range(4):  # four rounds of all three refused
-            for i in ids:
-                stub.add_client_error("start_instances", "IncorrectSpotRequestState", "settling",
-                                      expected_params={"InstanceIds": [i]})
+        _three_refused(stub, ids, rounds=4, message="settling")  # four rounds of all three refused
         for i in ids:
             stub.add_response("start_instances", changes("StartingInstances", i), {"InstanceIds": [i]})
         assert prog.main(["slurm-gpu-power", "resume", "gpu-node-[01-03]"], ec2=ec2) == 0
@@ -654,14 +658,7 @@ def test_three_spot_nodes_that_never_settle_are_handed_to_slurm_within_the_budge
     calls, waits = start_failed(prog), fake_time(prog)
     ids = [i[0] for i in THREE]
     with Stubber(ec2) as stub:
-        stub.add_response("describe_instances", described(*THREE),
-                          {"Filters": filters(*(i[1] for i in THREE))})
-        stub.add_client_error("start_instances", "IncorrectSpotRequestState", "cancelled",
-                              expected_params={"InstanceIds": ids})
-        for _ in range(len(prog.RETRY_WAITS) + 1):
-            for i in ids:
-                stub.add_client_error("start_instances", "IncorrectSpotRequestState", "cancelled",
-                                      expected_params={"InstanceIds": [i]})
+        _three_refused(stub, ids, rounds=len(prog.RETRY_WAITS) + 1, message="cancelled")
         assert prog.main(["slurm-gpu-power", "resume", "gpu-node-[01-03]"], ec2=ec2) == 1
         stub.assert_no_pending_responses()
     assert sum(waits) <= prog.BUDGET_S

@@ -404,13 +404,18 @@ def test_fab_logs_downloads_only_from_a_job_dir_of_ours():
         assert log.job_dir == made, bad
 
 
-def test_the_controller_side_never_follows_a_link_planted_between_the_fetch_area_and_dest(tmp_path):
-    """/scratch is shared with the jobs: a folder on the way to dest may be a link a job planted."""
-    src = tmp_path / "src"
+def _source_and_victim(tmp_path):
+    """A fetch source holding config.json (3 bytes), and an empty folder a planted link points to."""
+    src, victim = tmp_path / "src", tmp_path / "victim"
     src.mkdir()
     (src / "config.json").write_bytes(b"abc")
-    victim = tmp_path / "victim"
     victim.mkdir()
+    return src, victim
+
+
+def test_the_controller_side_never_follows_a_link_planted_between_the_fetch_area_and_dest(tmp_path):
+    """/scratch is shared with the jobs: a folder on the way to dest may be a link a job planted."""
+    src, victim = _source_and_victim(tmp_path)
     (tmp_path / "hub" / "models").mkdir(parents=True)
     (tmp_path / "hub" / "models" / "org").symlink_to(victim)
     manifest = {"source": str(src), "dest": f"{tmp_path}/hub/models/org/m@{SHA}", "root": f"{tmp_path}/hub",
@@ -423,11 +428,7 @@ def test_the_controller_side_never_follows_a_link_planted_between_the_fetch_area
 
 def test_the_controller_side_never_follows_a_link_planted_at_the_fetch_areas_root(tmp_path):
     """/scratch/hub belongs to the admin user: a job can replace it with a link to a folder of its choice."""
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "config.json").write_bytes(b"abc")
-    victim = tmp_path / "victim"
-    victim.mkdir()
+    src, victim = _source_and_victim(tmp_path)
     (tmp_path / "hub").symlink_to(victim)
     res = _fetch({"source": str(src), "dest": f"{tmp_path}/hub/models/org/m@{SHA}", "root": f"{tmp_path}/hub",
                   "files": [{"path": "config.json", "size": 3}]})
