@@ -171,10 +171,10 @@ def role_packages(platform: Platform, role: str) -> tuple[str, ...]:
 
 # Steps of each role's bootstrap script, in order (SLURM_GPU_SKIP_STEPS picks from these).
 STEPS = {
-    "controller": ("hostname", "hosts", "packages", "dirs", "munge", "nfs", "scratch", "power", "imds", "wheels",
-                   "services"),
+    "controller": ("hostname", "hosts", "packages", "dirs", "jobuser", "munge", "nfs", "scratch", "power", "imds",
+                   "wheels", "services"),
     "gpu": (
-        "hostname", "hosts", "holds", "packages", "dirs", "munge", "healthcheck", "nfs", "scratch",
+        "hostname", "hosts", "holds", "packages", "dirs", "jobuser", "munge", "healthcheck", "nfs", "scratch",
         "training", "gpus", "services",
     ),
 }
@@ -217,6 +217,10 @@ def _context(facts: ClusterFacts) -> dict:
     if facts.health_check_interval < 1 or (facts.sched_interval is not None and facts.sched_interval < 1):
         raise ValueError("health_check_interval and sched_interval must be >= 1 second")
     _check_power_save(facts)
+    if not re.fullmatch(r"[a-z_][a-z0-9_-]{0,31}", facts.job_user) or facts.job_uid < 0 or \
+            (facts.job_user == "root") != (facts.job_uid == 0):
+        raise ValueError(f"job_user {facts.job_user!r} (uid {facts.job_uid}) is not a user name the "
+                         "bootstrap can make: lower-case letters, digits, _ and -; root only with uid 0")
     last = shape.gpu_count - 1
     prefix = facts.gpu_device_prefix
     gpu_files = f"{prefix}0" if last == 0 else f"{prefix}[0-{last}]"

@@ -115,6 +115,12 @@ class PowerSave:
 # stack_name). Unique per stack, unlike the Cluster tag (slurm-gpu:clusterName, "mini" by default).
 STACK_TAG = "slurm-gpu:stack"
 
+# Jobs run as this user, made by the bootstrap on every host with no sudo and no login shell
+# (docs/SECURITY.md): a job cannot become root on its node, so it cannot read the munge key and
+# talk to Slurm as another user. Its uid is fixed: Slurm and the NFS export compare uids across hosts.
+JOB_USER = "slurmjob"
+JOB_UID = 2950
+
 
 @dataclass(frozen=True)
 class ClusterFacts:
@@ -124,6 +130,9 @@ class ClusterFacts:
     shape: NodeShape
     subnet_cidr: str
     ssh_user: str = "ubuntu"
+    # Who jobs run as (JOB_USER); the local cluster's jobs run as root, as its Python is in root's home.
+    job_user: str = JOB_USER
+    job_uid: int = JOB_UID
     scratch: str = "/scratch"
     # gres.conf File= prefix; None: the platform's (/dev/nvidia on AWS, stand-in files locally).
     gpu_device_prefix: str | None = None

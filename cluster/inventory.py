@@ -44,6 +44,9 @@ class Inventory:
     # in (services: munge, slurmd, slurmctld).
     service_cmd: str
     scratch: str = "/scratch"
+    # Who the cluster's jobs run as (ClusterFacts.job_user); "" in inventories written before it
+    # existed: their jobs run as ssh_user.
+    job_user: str = ""
     ssh_key_file: str | None = None
     extra: dict = field(default_factory=dict)
     # cluster.facts.ClusterFacts as a dict (facts_to_dict): what `fab reconfigure`
@@ -84,6 +87,7 @@ def from_facts(facts: ClusterFacts, *, target: str, controller_public_ip: str | 
         python=python,
         service_cmd=service_cmd,
         scratch=facts.scratch,
+        job_user=facts.job_user,
         ssh_key_file=ssh_key_file,
         extra=extra or {},
         facts=facts_to_dict(facts),  # what `fab reconfigure` renders slurm.conf from

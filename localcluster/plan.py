@@ -38,6 +38,9 @@ def cluster_facts(nodes: int, gpus: int, idle_stop_s: int = 0) -> ClusterFacts:
     return ClusterFacts(
         cluster_name=layout.CLUSTER_NAME, controller=ctl, gpu_nodes=gpu_hosts,
         shape=machine_shape(gpus), subnet_cidr=layout.SUBNET, ssh_user="root",
+        # Jobs run as root here: the nodes' Python is the repo's venv, whose interpreter may lie in
+        # root's home, out of another user's reach. The boot test runs them as JOB_USER, as on AWS.
+        job_user="root", job_uid=0,
         scratch="/scratch", platform=LOCAL, efa=False, nvlink=False,
         # A lost host is marked DOWN (and its job requeued) in seconds, not AWS's 180 s. The
         # requeued job waits cred_expire before it starts again; it must stay above slurmctld's

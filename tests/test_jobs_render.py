@@ -108,7 +108,7 @@ def test_a_torch_without_libuv_keeps_the_rendezvous_in_a_file():
     make their own store without libuv. Nothing else of the job differs."""
     s = finetune(boot_inventory(BOOT_DEBIAN13), gpus=2)
     assert "export USE_LIBUV=0 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1\n" in s
-    assert 'rdzv_file=/scratch/slurm-gpu/jobs/20260101-abc/rdzv-$SLURM_JOB_ID-$restart\n' in s
+    assert 'rdzv_file=/scratch/slurm-gpu/jobs/20260101-abc/work/rdzv-$SLURM_JOB_ID-$restart\n' in s
     assert ('  --rdzv_backend=c10d \\\n  --rdzv_endpoint="$rdzv_file" \\\n  --rdzv_conf=store_type=file \\\n'
             '  --rdzv_id="$SLURM_JOB_ID" \\\n') in s
     assert s.index('restart=${SLURM_RESTART_COUNT:-0}') < s.index("rdzv_file=")

@@ -66,7 +66,7 @@ def test_job_script_samples_gpus_where_nvidia_smi_is(tmp_path):
 
     spec = jobs.JobSpec(real_gpus=True, nccl_efa=True, cluster_name="c", job_name="j", nodes=2, gpus_per_node=4,
                         gpu_type="g6.12xlarge", nvlink=False, python="/opt/venv/bin/python", scratch="/scratch",
-                        log_dir="/scratch/logs", job_dir="/scratch/jobs/x", config="c.yaml",
+                        log_dir="/scratch/logs", job_dir="/scratch/jobs/x", work_dir="/scratch/jobs/x/work", config="c.yaml",
                         output_dir="/scratch/jobs/x/output")
     script = jobs.render_finetune(spec)
     assert "export GPU_SAMPLES=/scratch/jobs/x/output" in script

@@ -434,7 +434,7 @@ def run(cl: Cluster, stack: str | None, say, nodes: int | None = None) -> Checke
     q = shlex.quote
     n = nodes or len(inv.gpu_nodes)
     cdir = f"{inv.scratch}/slurm-gpu/netcheck/{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-    ctl.run(f"mkdir -p {q(cdir)} {q(inv.scratch)}/logs", hide=True)
+    slurm.make_job_dir(ctl, inv, cdir, jobs.WORK)  # the check's result and rendezvous: its work folder
     ctl.put(io.BytesIO(jobs.NETCHECK_PROGRAM.read_bytes()), remote=f"{cdir}/allreduce_check.py")
     spec = jobs.base_spec(inv, jobs.NETCHECK_NAME, n, inv.gpus_per_node, cdir,
                           script_path=f"{cdir}/netcheck.sbatch", time_limit=TIME_LIMIT)
@@ -442,18 +442,18 @@ def run(cl: Cluster, stack: str | None, say, nodes: int | None = None) -> Checke
     script = jobs.render_netcheck(spec, sizes, BUDGET_S, target.gloo_ifname)
     ctl.put(io.BytesIO(script.encode()), remote=spec.script_path)
     ctl.sftp().chmod(spec.script_path, 0o755)
-    job_id = slurm.submit(ctl, spec.script_path)
+    job_id = slurm.submit(ctl, spec.script_path, user=slurm.job_user(inv))
     say(f"      network check: job {job_id} on {n} node(s) x {inv.gpus_per_node} rank(s), "
         f"{', '.join(_size(s) for s in sizes)} all-reduces")
     try:
         job = slurm.wait_job(ctl, job_id, WAIT_S)
     except slurm.SlurmError as exc:  # a check that cannot finish must not hold the nodes for the job
-        ctl.run(f"scancel {q(job_id)}", hide=True, warn=True, in_stream=False)
+        sudo(ctl, f"scancel {q(job_id)}", warn=True)  # root: the job is the job user's
         raise NetCheckError(f"network check job {job_id} did not finish ({exc}); cancelled it. "
                             "See `fab status`, or pass --skip-check to train without the check") from None
     log_path = f"{inv.scratch}/logs/{jobs.NETCHECK_NAME}-{job_id}.out"
     text = _read(ctl, log_path)
-    result = parse_result(_read(ctl, f"{cdir}/result.json"))
+    result = parse_result(_read(ctl, f"{spec.work_dir}/result.json"))
     if result is None or not job.ok:
         raise NetCheckError(f"network check job {job_id} {job.state} (exit {job.exit_code}) without a result; "
                             f"{log_excerpt(text, log_path)}")
@@ -461,7 +461,7 @@ def run(cl: Cluster, stack: str | None, say, nodes: int | None = None) -> Checke
         job_nodes = [n for n in slurm.hostnames(job.nodes) if n in {g.name for g in inv.gpu_nodes}]
     except slurm.SlurmError as exc:
         raise NetCheckError(f"network check job {job_id}: Slurm's node list {exc}; see `fab status`") from None
-    result = checked_result(result, job_nodes, f"{cdir}/result.json")
+    result = checked_result(result, job_nodes, f"{spec.work_dir}/result.json")
     exp = expected(inv, stack)
     v = judge(result, exp, transports_of(result, text, backend_nccl=result.get("backend") == "nccl"))
     checked = Checked(v, result, job_id, text, cdir)

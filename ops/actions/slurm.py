@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from fabric import Connection
 
 from cluster.errors import UserError
+from cluster.hostpaths import BOOTSTRAP_PATH
 from ops.say import shown
 from ops.ssh.remote import Cluster, sudo
 
@@ -212,12 +213,40 @@ def wait_idle(ctl: Connection, names: list[str], timeout_s: float = 120, poll_s:
         time.sleep(poll_s)
 
 
-def submit(ctl: Connection, script: str, *args: str) -> str:
-    """sbatch a script already on the cluster; return the job id."""
+def job_user(inv) -> str:
+    """Who the cluster's jobs run as (ClusterFacts.job_user); an inventory written before jobs had
+    a user of their own: the SSH user, as then."""
+    return inv.job_user or inv.ssh_user
+
+
+def as_job_user(ctl: Connection, user: str, cmd: str, **kwargs):
+    """Run the shell command `cmd` on the controller as the jobs' user (the owner of the jobs fab
+    submits, who may hold, release and requeue them, and of their logs)."""
+    return sudo(ctl, f"sh -c {shlex.quote(cmd)}", user=user, **kwargs)
+
+
+def make_job_dir(ctl: Connection, inv, job_dir: str, *writable: str) -> None:
+    """`job_dir`, for a job's code, config and script: the admin user's, so a job cannot change what
+    it runs. In it the folders the job writes (`writable`, names), the job user's, as are the shared
+    job logs (slurmstepd opens them as the job's user) and Hugging Face cache. One command, as root."""
+    q, user = shlex.quote, job_user(inv)
+    theirs = [q(f"{job_dir}/{name}") for name in writable] + [q(f"{inv.scratch}/{d}") for d in ("logs", "hf-cache")]
+    cmd = (f"install -d -o {q(ctl.user)} -m 0755 {q(job_dir)} && "
+           f"install -d -o {q(user)} -g {q(user)} -m 0755 {' '.join(theirs)}")
+    sudo(ctl, f"sh -c {q(cmd)}")
+
+
+def submit(ctl: Connection, script: str, *args: str, user: str) -> str:
+    """sbatch a script already on the cluster as `user` (job_user: jobs never run as the admin
+    user, who has sudo); return the job id."""
     cmd = " ".join(["sbatch", "--parsable", *map(shlex.quote, args), shlex.quote(script)])
-    res = ctl.run(cmd, hide=True, warn=True)
+    res = as_job_user(ctl, user, cmd, warn=True)
     if not res.ok:
-        raise SlurmError(f"sbatch {script} failed: {(res.stderr or res.stdout).strip()}")
+        why = (res.stderr or res.stdout).strip()
+        if "unknown user" in why:
+            why += (f" (this controller was made before jobs ran as {user}: replace it, or run its bootstrap's "
+                    f"jobuser and scratch steps, `sudo {BOOTSTRAP_PATH}`)")
+        raise SlurmError(f"sbatch {script} as {user} failed: {why}")
     job_id = res.stdout.strip().split(";")[0]
     if not job_id.isdigit():
         raise SlurmError(f"sbatch gave no job id: {res.stdout.strip()!r}")
@@ -351,7 +380,7 @@ def cancel(ctl: Connection, job_id: str) -> Job:
                          "after it ended); `fab status` lists the queue")
     if j.finished:
         raise SlurmError(f"job {job_id} already ended ({j.state}, exit {j.exit_code}): nothing to cancel")
-    res = ctl.run(f"scancel {shlex.quote(job_id)}", hide=True, warn=True)
+    res = sudo(ctl, f"scancel {shlex.quote(job_id)}", warn=True)  # root: the job is the job user's
     if not res.ok:
         raise SlurmError(f"scancel {job_id} failed: {(res.stderr or res.stdout).strip()}")
     return j

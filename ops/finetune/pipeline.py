@@ -124,10 +124,10 @@ def sanity(cl: Cluster, say: Say, timeout_s: float = 600) -> None:
     nodes, gpus = len(inv.gpu_nodes), inv.gpus_per_node
     sdir = f"{inv.scratch}/slurm-gpu/sanity"
     script = f"{sdir}/sanity-{uuid.uuid4().hex[:8]}.sbatch"
-    cl.controller.run(f"mkdir -p {shlex.quote(sdir)} {shlex.quote(inv.scratch)}/logs", hide=True)
+    slurm.make_job_dir(cl.controller, inv, sdir)
     spec = jobs.base_spec(inv, jobs.SANITY_NAME, nodes, gpus, sdir, script_path=script)
     put_text(cl.controller, jobs.render_sanity(spec), script, 0o755)
-    job_id = slurm.submit(cl.controller, script)
+    job_id = slurm.submit(cl.controller, script, user=slurm.job_user(inv))
     job = slurm.wait_job(cl.controller, job_id, timeout_s)
     log_path = f"{inv.scratch}/logs/{jobs.SANITY_NAME}-{job_id}.out"
     try:
@@ -313,7 +313,9 @@ def launch(cl: Cluster, opts: TrainOptions, nodes: int, gpus: int, say: Say,
     inv, ctl = cl.inventory, cl.controller
     q = shlex.quote
     job_dir = new_job_dir(inv)
-    ctl.run(f"mkdir -p {q(job_dir)} {q(inv.scratch)}/logs", hide=True)
+    # The code, config and script are the admin user's, in a folder no job can write: the job runs as
+    # the job user and writes only its work and output folders (docs/SECURITY.md).
+    slurm.make_job_dir(ctl, inv, job_dir, jobs.WORK, jobs.OUTPUT)
     ctl.put(io.BytesIO(training_tarball()), remote=f"{job_dir}/training.tar.gz")
     # Our own archive (training_tarball: plain files under training/); GNU tar also skips ".." members
     # (https://www.gnu.org/software/tar/manual/html_node/absolute.html).
@@ -330,16 +332,17 @@ def launch(cl: Cluster, opts: TrainOptions, nodes: int, gpus: int, say: Say,
     say(f"      model {_where(opts, 'model')}; data {_where(opts, 'data')}")
     spec = jobs.base_spec(inv, jobs.FINETUNE_NAME, nodes, gpus, job_dir,
                           script_path=f"{job_dir}/finetune.sbatch", config=f"{job_dir}/config.yaml",
-                          output_dir=f"{job_dir}/output", train_args=jobs.train_flags(flags))
+                          output_dir=f"{job_dir}/{jobs.OUTPUT}", train_args=jobs.train_flags(flags))
     put_text(ctl, jobs.render_finetune(spec), spec.script_path, 0o755)
     # Held until a stale log of the same name is gone: job ids start again at 1 on a new local
     # cluster while /scratch/logs stays, and the job appends to its log (--open-mode=append, so a
     # requeued attempt keeps the first one's lines): an old file would be streamed as this job's.
-    job_id = slurm.submit(ctl, spec.script_path, "--hold")
+    user = slurm.job_user(inv)
+    job_id = slurm.submit(ctl, spec.script_path, "--hold", user=user)
     if submitted is not None:
         submitted.append(job_id)
     log_path = f"{inv.scratch}/logs/{jobs.FINETUNE_NAME}-{job_id}.out"
-    released = ctl.run(f"rm -f {q(log_path)} && scontrol release {q(job_id)}", hide=True, warn=True)
+    released = slurm.as_job_user(ctl, user, f"rm -f {q(log_path)} && scontrol release {q(job_id)}", warn=True)
     if not released.ok:
         raise TrainError(f"job {job_id} is held and could not be released: "
                          f"{(released.stderr or released.stdout).strip()}; "

@@ -22,6 +22,9 @@ FINETUNE_NAME = "slurm-gpu-finetune"
 SANITY_NAME = "slurm-gpu-sanity"
 NETCHECK_NAME = "slurm-gpu-netcheck"
 NETCHECK_PROGRAM = JOBS_DIR / "allreduce_check.py"  # uploaded beside the rendered script
+# In each job's folder, the folders the job writes (slurm.make_job_dir gives them to the job user).
+WORK = "work"
+OUTPUT = "output"
 RDZV_PORT = 29500
 MAX_RESTARTS = 3
 # Spot requeues lose at most a step each; this bound only stops a loop that would never end.
@@ -53,7 +56,8 @@ class JobSpec:
     python: str
     scratch: str
     log_dir: str
-    job_dir: str
+    job_dir: str  # the job's code, config and script: the admin user's, read-only to the job
+    work_dir: str  # what the job writes besides its output: rendezvous files, results (the job user's)
     script_path: str = ""
     config: str = ""
     output_dir: str = ""
@@ -81,8 +85,8 @@ def base_spec(inv: Inventory, job_name: str, nodes: int, gpus_per_node: int, job
         real_gpus=target.real_gpus, nccl_efa=target.nccl_efa,
         cluster_name=inv.cluster_name, job_name=job_name, nodes=nodes, gpus_per_node=gpus_per_node,
         gpu_type=inv.gpu_type, nvlink=inv.nvlink, python=inv.python, scratch=inv.scratch,
-        log_dir=f"{inv.scratch}/logs", job_dir=job_dir, device_prefix=target.gpu_device_prefix(inv),
-        torch_libuv=torch_libuv(inv), **kw,
+        log_dir=f"{inv.scratch}/logs", job_dir=job_dir, work_dir=f"{job_dir}/{WORK}",
+        device_prefix=target.gpu_device_prefix(inv), torch_libuv=torch_libuv(inv), **kw,
     )
 
 

@@ -172,14 +172,17 @@ class WholeInput(io.StringIO):
         return super().read()
 
 
-def sudo(c: Connection, cmd: str, **kwargs):
-    """Run `cmd` as root: directly when we log in as root (local cluster), else with sudo."""
+def sudo(c: Connection, cmd: str, user: str = "root", **kwargs):
+    """Run `cmd` (one program and its arguments) as `user` (root by default): directly when we log in
+    as that user (root on the local cluster), through runuser when we are root, else with sudo."""
     kwargs.setdefault("hide", True)
     kwargs.setdefault("echo_stdin", False)
     kwargs.setdefault("in_stream", False)  # never forward the user's terminal
-    if c.user == "root":
+    if c.user == user:
         return c.run(cmd, **kwargs)
-    return c.sudo(cmd, **kwargs)
+    if c.user == "root":
+        return c.run(f"runuser -u {shlex.quote(user)} -- {cmd}", **kwargs)
+    return c.sudo(cmd, user=user, **kwargs)
 
 
 def service(c: Connection, inv: Inventory, action: str, name: str, **kwargs):
