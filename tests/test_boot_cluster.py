@@ -15,6 +15,7 @@ import fcntl
 import json
 import os
 import re
+import shlex
 import subprocess
 import time
 from pathlib import Path
@@ -213,6 +214,45 @@ def test_fab_train_reaches_adapters(booted):
         assert (run / name).is_file(), f"{name} not brought home:\n{out}"
 
 
+# What a job tries on its GPU node: each line it prints is something it must not have been able to do,
+# but the last (who it is).
+JOB_PROBE = """sudo -n true 2>/dev/null && echo BECAME-ROOT
+cat /etc/munge/munge.key >/dev/null 2>&1 && echo READ-MUNGE-KEY
+touch {job_dir}/training/planted.py 2>/dev/null && echo CHANGED-THE-CODE
+mv {job_dir}/config.yaml {job_dir}/work/ 2>/dev/null && echo MOVED-THE-CONFIG
+touch {scratch}/planted 2>/dev/null && echo WROTE-SCRATCH-ROOT
+id -un"""
+
+
+def test_jobs_run_as_their_own_user_who_cannot_become_root_or_change_what_they_run(booted):
+    """`fab train`'s job ran as the jobs' user (its output is that user's; the code, config and script
+    the admin's), which every host made with the same uid and no sudo. A job of that user, submitted
+    as fab submits one, can neither become root on its node (and so read the munge key and speak to
+    Slurm as anyone), nor change the staged code or config, nor write in /scratch's root."""
+    bc = booted
+    user, uid, scratch, admin = bc.facts.job_user, bc.facts.job_uid, bc.facts.scratch, bc.facts.ssh_user
+    assert user not in ("root", admin)
+    for name, c in bc.containers.items():
+        assert c.run(f"id -u {user}").stdout.strip() == str(uid), name
+        assert "is not allowed to run sudo" in c.run(f"sudo -n -l -U {user}", check=False).stdout, name
+    ctl = bc.containers[bc.facts.controller.name]
+    job_dir = ctl.run(f"ls -1dt {scratch}/slurm-gpu/jobs/* | head -1", check=False).stdout.strip()
+    assert job_dir, "no job folder: fab train did not stage a job"
+    owners = dict(reversed(line.split(" ", 1)) for line in ctl.run(
+        f"cd {job_dir} && stat -c '%U %n' . config.yaml finetune.sbatch training training/train.py work output "
+        "output/adapter_config.json").stdout.splitlines())
+    assert owners == {".": admin, "config.yaml": admin, "finetune.sbatch": admin, "training": admin,
+                      "training/train.py": admin, "work": user, "output": user, "output/adapter_config.json": user}, owners
+    probe = JOB_PROBE.format(job_dir=job_dir, scratch=scratch)
+    job = ctl.run(f"runuser -u {user} -- sbatch --parsable -N1 -w {bc.facts.gpu_nodes[0].name} --chdir=/ "
+                  f"-o {scratch}/logs/probe-%j.out --wrap {shlex.quote(probe)}").stdout.strip()
+    deadline = time.monotonic() + 120
+    while ctl.run(f"squeue -h -j {job}", check=False).stdout.strip() and time.monotonic() < deadline:
+        time.sleep(1)
+    out = ctl.run(f"cat {scratch}/logs/probe-{job}.out", check=False).stdout.split()
+    assert out == [user], out
+
+
 def _age_s(c) -> float:
     """How long the container's systemd (PID 1) has run, from this machine's /proc."""
     ticks = int(Path(f"/proc/{c.pid1()}/stat").read_text().rsplit(")", 1)[1].split()[19])
@@ -353,7 +393,7 @@ GUARD_KEY = "ASIABOOTTESTSTANDIN0"
 
 
 def _metadata_as_each_user(bc) -> dict[str, str]:
-    """root, slurm (SlurmUser: the power programs) and the admin's SSH user ask the controller's
+    """root, slurm (SlurmUser: the power programs), the admin's SSH user and the jobs' user ask the controller's
     metadata stand-in for the role's credentials: user -> the key, or how it was refused."""
     from boottest.boot_cluster import SPOT_IMDS
 
@@ -369,14 +409,15 @@ def _metadata_as_each_user(bc) -> dict[str, str]:
     try:
         return {user: c.run(f"setpriv --reuid={user} --regid={user} --init-groups python3 "
                             f"/usr/local/lib/guard_probe.py {SPOT_IMDS}", check=False).stdout.strip()
-                for user in ("root", "slurm", bc.facts.ssh_user)}
+                for user in ("root", "slurm", bc.facts.ssh_user, bc.facts.job_user)}
     finally:
         c.run("kill $(cat /root/imds.pid)", check=False)
 
 
 def test_only_root_and_slurm_reach_the_controllers_metadata(booted):
     """Booted for real: the guard's unit loaded the rules at boot (nftables in the container's own
-    network namespace); the admin's SSH user is refused; the power programs' user gets the role."""
+    network namespace); the admin's SSH user and the jobs' user (a job's Slurm trigger runs there as it) are
+    refused; the power programs' user gets the role."""
     from bootstrap.render import IMDS_GUARD_UNIT
 
     bc = booted
@@ -387,13 +428,13 @@ def test_only_root_and_slurm_reach_the_controllers_metadata(booted):
     assert IMDS_GUARD_UNIT in c.run("systemctl show -p Requires --value slurmctld", check=False).stdout.split()
     got = _metadata_as_each_user(bc)
     assert got["root"] == GUARD_KEY and got["slurm"] == GUARD_KEY, got
-    assert got[bc.facts.ssh_user].startswith("refused: "), got
+    assert got[bc.facts.ssh_user].startswith("refused: ") and got[bc.facts.job_user].startswith("refused: "), got
 
 
 def test_wheel_cache_is_roots_alone_and_a_node_user_cannot_move_it(booted):
     """The cache the controller built for real: /scratch root's and sticky, the cache and its hashed
-    manifest root's 0755/0644; on a GPU node the admin's user (a job's) can neither rename the cache
-    nor plant a wheel in it."""
+    manifest root's 0755/0644; on a GPU node neither the admin's user nor the jobs' user can rename the
+    cache or plant a wheel in it; only the admin's may make a folder in /scratch (fab stages jobs there)."""
     from bootstrap.render import WHEEL_CACHE_DIR, WHEEL_MANIFEST
 
     bc = booted
@@ -410,11 +451,15 @@ def test_wheel_cache_is_roots_alone_and_a_node_user_cannot_move_it(booted):
                     ).stdout.splitlines()
     assert modes == ["root root 755", "root root 755", "root root 644"], modes
     node = bc.containers[bc.facts.gpu_nodes[0].name]
-    for attempt in (f"mv {scratch}/{WHEEL_CACHE_DIR} {scratch}/moved", f"mv {cache} {cache}.moved",
-                    f"touch {cache}/planted-0.1-py3-none-any.whl"):
-        res = node.run(f"setpriv --reuid={user} --regid={user} --init-groups {attempt}", check=False)
-        assert res.returncode != 0 and re.search("Operation not permitted|Permission denied", res.stderr), (
-            attempt, res.stderr)
+    for who in (user, bc.facts.job_user):
+        for attempt in (f"mv {scratch}/{WHEEL_CACHE_DIR} {scratch}/moved", f"mv {cache} {cache}.moved",
+                        f"touch {cache}/planted-0.1-py3-none-any.whl"):
+            res = node.run(f"setpriv --reuid={who} --regid={who} --init-groups {attempt}", check=False)
+            assert res.returncode != 0 and re.search("Operation not permitted|Permission denied", res.stderr), (
+                who, attempt, res.stderr)
+    job_mkdir = node.run(f"setpriv --reuid={bc.facts.job_user} --regid={bc.facts.job_user} --init-groups "
+                         f"mkdir {scratch}/a-job-dir", check=False)
+    assert job_mkdir.returncode != 0, "the jobs' user made a folder in /scratch's root"
     assert node.run(f"setpriv --reuid={user} --regid={user} --init-groups mkdir {scratch}/a-job-dir && "
                     f"rmdir {scratch}/a-job-dir", check=False).returncode == 0
 
