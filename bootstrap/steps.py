@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import re
 
-from bootstrap import render
+from bootstrap import node_layout
+from cluster import hostpaths
 
 # The file each rendered file is read by: the step that checks or merges it. None: read by its
 # program itself (apt reads its lock wait), no step to run.
 FILE_STEPS: dict[str, str | None] = {
-    render.HOSTS_BLOCK_FILE: "hosts",
-    render.HEALTHCHECK_PATH: "healthcheck",
-    render.SLURMD_ENV_FILE: "services",
-    render.SLURMD_DROPIN: "services",
-    render.APT_LOCK_CONF: None,
+    node_layout.HOSTS_BLOCK_FILE: "hosts",
+    hostpaths.HEALTHCHECK_PATH: "healthcheck",
+    node_layout.SLURMD_ENV_FILE: "services",
+    node_layout.SLURMD_DROPIN: "services",
+    node_layout.APT_LOCK_CONF: None,
 }
 
 # A top-level bash function: `name() {` ... `}` at column 0 (how bootstrap/scripts/ write them).
@@ -59,7 +60,7 @@ def changed_steps(old_script: str | None, new_script: str, changed_files: set[st
     if old_rest != new_rest or any(old_funcs.get(f) != new_funcs.get(f) for f in helpers):
         return list(steps)
     picked = {s for s in steps if old_funcs.get(f"step_{s}") != new_funcs.get(f"step_{s}")}
-    for path in changed_files - {render.BOOTSTRAP_PATH}:
+    for path in changed_files - {hostpaths.BOOTSTRAP_PATH}:
         if path not in FILE_STEPS:
             return list(steps)
         if FILE_STEPS[path]:

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bootstrap.render import STEPS_DIR
+from bootstrap.node_layout import STEPS_DIR
 
 LOCK = "var/lib/dpkg/lock-frontend"
 # Held at least this long after the container starts: longer than cloud-init's 30 s wait. (Its

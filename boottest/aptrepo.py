@@ -1,5 +1,5 @@
 """The local apt repository the containers install from: every package the roles' user-data
-and bootstrap ask for (render.role_packages), with the dependencies the image lacks, downloaded
+and bootstrap ask for (node_layout.role_packages), with the dependencies the image lacks, downloaded
 from the host's Debian archive in a throwaway overlay over the image, indexed with
 dpkg-scanpackages. The containers see it read-only at images.APT_REPO_MOUNT
 (`deb [trusted=yes] file:... ./`): the bootstrap's
@@ -16,7 +16,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from bootstrap import render
+from bootstrap import node_layout
 from boottest import cache, host, images
 from cluster.platform import Platform
 
@@ -24,8 +24,8 @@ REPO_VERSION = 1
 
 
 def packages(platform: Platform) -> tuple[str, ...]:
-    """Every package a role of the platform installs (render.role_packages)."""
-    return tuple(sorted({p for role in render.ROLES for p in render.role_packages(platform, role)}))
+    """Every package a role of the platform installs (node_layout.role_packages)."""
+    return tuple(sorted({p for role in node_layout.ROLES for p in node_layout.role_packages(platform, role)}))
 
 
 def without_recommends(platform: Platform) -> tuple[str, ...]:

@@ -1,6 +1,6 @@
 """The boot test's cluster: the controller and two GPU nodes of a boot platform, each a
 container booted from the platform's image with the user-data the stack renders for its
-role (bootstrap/render.py `user_data_gzip`, the bytes infra/program.py gives EC2), and the
+role (bootstrap/user_data.py `user_data_gzip`, the bytes infra/program.py gives EC2), and the
 inventory `fab --target boot` reaches them with.
 
 `BootCluster(platform).up()` builds (or reuses) the image, apt repository and wheelhouse,
@@ -19,7 +19,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bootstrap.render import STEPS_DIR, TRAINING_PYTHON, user_data_gzip
+from bootstrap.node_layout import STEPS_DIR, TRAINING_PYTHON
+from bootstrap.user_data import user_data_gzip
 from boottest import aptlock, aptrepo, host, images, net, nspawn, wheelhouse
 from cluster.facts import ClusterFacts, NodeShape, plan_hosts, this_machine_topology
 from cluster.inventory import Inventory, from_facts

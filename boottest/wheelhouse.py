@@ -1,4 +1,4 @@
-"""The GPU nodes' wheelhouse: the training pins (render.training_requirements) and their
+"""The GPU nodes' wheelhouse: the training pins (node_pins.training_requirements) and their
 dependencies as wheels for the platform's Python, fetched once per machine by the host's
 pip with the index it is configured for. The containers see it read-only at
 images.WHEELHOUSE_MOUNT, and the image's pip.conf reads only it (no index), so the
@@ -22,7 +22,7 @@ from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from bootstrap import render
+from bootstrap import node_pins
 from boottest import cache, host, images
 from cluster.platform import Platform
 
@@ -40,7 +40,7 @@ def os_provided(platform: Platform) -> set[str]:
 def requirements(platform: Platform) -> list[str]:
     """The pins the wheelhouse holds: what the node's pip installs, less what the OS provides."""
     skip = os_provided(platform)
-    return [r for r in render.training_requirements(platform) if Requirement(r).name not in skip]
+    return [r for r in node_pins.training_requirements(platform) if Requirement(r).name not in skip]
 
 
 def wheelhouse(platform: Platform, apt_repo: Path) -> tuple[Path, bool]:

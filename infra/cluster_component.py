@@ -6,7 +6,7 @@ from dataclasses import asdict
 
 import pulumi
 
-from bootstrap.render import TRAINING_PYTHON
+from bootstrap.node_layout import TRAINING_PYTHON
 from cluster.facts import ClusterFacts
 from cluster.inventory import from_facts
 from infra.ami import Ami, ImagesComponent

@@ -43,7 +43,7 @@ def power_save(cfg: stack_config.StackConfig, region: str | None) -> PowerSave |
     """slurm.conf's power saving from slurm-gpu:idleStopMinutes (0: none)."""
     if cfg.idle_stop_minutes == 0:
         return None
-    from bootstrap.render import RESUME_PATH, SUSPEND_PATH
+    from bootstrap.node_layout import RESUME_PATH, SUSPEND_PATH
 
     return PowerSave(suspend_time=cfg.idle_stop_minutes * 60, suspend_program=SUSPEND_PATH,
                      resume_program=RESUME_PATH, suspend_timeout=SUSPEND_TIMEOUT_S,
@@ -93,7 +93,7 @@ def render_user_data(facts: ClusterFacts) -> dict[str, str]:
     """The controller's cloud-config and each GPU node's own, gzip-compressed and base64-encoded
     (EC2's user_data_base64), keyed "controller" and by node name, from bootstrap/ (which owns
     the content). A GPU node's depends on it alone."""
-    from bootstrap.render import user_data_base64
+    from bootstrap.user_data import user_data_base64
 
     try:
         texts = {"controller": user_data_base64(facts, "controller")}

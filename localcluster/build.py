@@ -10,8 +10,9 @@ import dataclasses
 import time
 from collections.abc import Callable
 
-from bootstrap import render
+from cluster import hostpaths
 from cluster.inventory import Inventory
+from cluster.targets.local import LOCAL_SKIP_STEPS
 from localcluster import daemons, files, hosts, netns, plan, state
 from localcluster import topology as layout
 from localcluster.state import ClusterState, HostEntry, HostSpec
@@ -56,8 +57,8 @@ def build(nodes: int, gpus: int, fresh_keys: bool, out: Callable[[str], None],
     # The same bootstrap scripts as AWS; the controller first (it makes /scratch/logs,
     # which the GPU hosts' scratch step waits for).
     def bootstrap(s: HostSpec) -> None:
-        hosts.run(pids[s.name], ["env", f"SLURM_GPU_SKIP_STEPS={' '.join(render.LOCAL_SKIP_STEPS[s.role])}",
-                                 "bash", render.BOOTSTRAP_PATH], host=s.name, timeout=120)
+        hosts.run(pids[s.name], ["env", f"SLURM_GPU_SKIP_STEPS={' '.join(LOCAL_SKIP_STEPS[s.role])}",
+                                 "bash", hostpaths.BOOTSTRAP_PATH], host=s.name, timeout=120)
 
     bootstrap(ctl)
     daemons.each(bootstrap, gpu_specs)

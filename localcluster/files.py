@@ -8,7 +8,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from bootstrap import render
+from bootstrap import node_layout, render, user_data
+from cluster import hostpaths
 from cluster.facts import ClusterFacts
 from localcluster import daemons, hosts
 from localcluster import power_save as power
@@ -78,14 +79,14 @@ def write_files(facts: ClusterFacts, specs: list[HostSpec]) -> None:
     if not layout.SCRATCH.exists():
         install_dir(layout.SCRATCH, 0o755)
     rendered = render.render_files(facts)
-    write_file(layout.ETC_SLURM / Path(render.SLURM_CONF).name, rendered[render.SLURM_CONF])
-    write_file(layout.ETC_SLURM / Path(render.GRES_CONF).name, rendered[render.GRES_CONF])
-    if render.CGROUP_CONF in rendered:  # not on the LOCAL platform (no cgroups)
-        write_file(layout.ETC_SLURM / Path(render.CGROUP_CONF).name, rendered[render.CGROUP_CONF])
-    block = rendered[render.HOSTS_BLOCK_FILE]
-    write_file(layout.ETC_SLURM_GPU / Path(render.HOSTS_BLOCK_FILE).name, block)
+    write_file(layout.ETC_SLURM / Path(node_layout.SLURM_CONF).name, rendered[node_layout.SLURM_CONF])
+    write_file(layout.ETC_SLURM / Path(node_layout.GRES_CONF).name, rendered[node_layout.GRES_CONF])
+    if node_layout.CGROUP_CONF in rendered:  # not on the LOCAL platform (no cgroups)
+        write_file(layout.ETC_SLURM / Path(node_layout.CGROUP_CONF).name, rendered[node_layout.CGROUP_CONF])
+    block = rendered[node_layout.HOSTS_BLOCK_FILE]
+    write_file(layout.ETC_SLURM_GPU / Path(node_layout.HOSTS_BLOCK_FILE).name, block)
     # GPU hosts run slurmd configless (hostctl reads --conf-server from here), as on AWS.
-    write_file(layout.ETC_SLURM_GPU / Path(render.SLURMD_ENV_FILE).name, rendered[render.SLURMD_ENV_FILE])
+    write_file(layout.ETC_SLURM_GPU / Path(node_layout.SLURMD_ENV_FILE).name, rendered[node_layout.SLURMD_ENV_FILE])
     shutil.copyfile(HOSTCTL_SRC, layout.HOSTCTL)
     layout.HOSTCTL.chmod(0o755)
     _ssh_keys(specs)
@@ -107,11 +108,11 @@ def write_files(facts: ClusterFacts, specs: list[HostSpec]) -> None:
         write_file(d / "hostname", s.name + "\n")
         write_file(d / "resolv.conf", RESOLV_CONF)
         write_file(d / "sshd_config", daemons.sshd_config(s.name, s.ip))
-        write_file(d / "sbin" / Path(render.BOOTSTRAP_PATH).name,
-                   render.bootstrap_files(facts, s.role, s.name)[render.BOOTSTRAP_PATH], 0o755)
+        write_file(d / "sbin" / Path(hostpaths.BOOTSTRAP_PATH).name,
+                   user_data.bootstrap_files(facts, s.role, s.name)[hostpaths.BOOTSTRAP_PATH], 0o755)
         if s.role == "gpu":
-            write_file(d / "sbin" / Path(render.HEALTHCHECK_PATH).name,
-                       rendered[render.HEALTHCHECK_PATH], 0o755)
+            write_file(d / "sbin" / Path(hostpaths.HEALTHCHECK_PATH).name,
+                       rendered[hostpaths.HEALTHCHECK_PATH], 0o755)
             standin = d / "lib-slurm" / Path(layout.GPU_DEVICE_PREFIX).parent.name
             install_dir(standin, 0o755)
             for i in range(facts.shape.gpu_count):

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from bootstrap import render
+from bootstrap import node_layout, user_data
 from tests.test_bootstrap_render import FACTS
 
 STANDIN = """#!/bin/bash
@@ -28,7 +28,7 @@ def _apt_get(tmp_path, fails: int, error: str) -> tuple[subprocess.CompletedProc
     bindir.mkdir()
     (bindir / "apt-get").write_text(STANDIN)
     (bindir / "apt-get").chmod(0o755)
-    script = render.bootstrap_script(FACTS["l4x2"], "gpu").rsplit("run_steps", 1)[0]
+    script = user_data.bootstrap_script(FACTS["l4x2"], "gpu").rsplit("run_steps", 1)[0]
     (tmp_path / "gpu.sh").write_text(script)
     env = {"PATH": f"{bindir}:/usr/bin:/bin", "T": str(tmp_path), "FAILS": str(fails), "ERROR": error}
     res = subprocess.run(["bash", "-c", f'source "{tmp_path}/gpu.sh"; apt_get update'], env=env,
@@ -42,8 +42,8 @@ def test_apt_get_waits_while_another_apt_holds_the_lists_lock(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     # One deadline for every try: the second try's dpkg wait is what the first left of it.
     waits = [int(c.split("DPkg::Lock::Timeout=")[1].split()[0]) for c in calls]
-    assert len(calls) == 2 and waits[0] == render.APT_LOCK_TIMEOUT_S
-    assert render.APT_LOCK_TIMEOUT_S - 20 <= waits[1] <= render.APT_LOCK_TIMEOUT_S - 10
+    assert len(calls) == 2 and waits[0] == node_layout.APT_LOCK_TIMEOUT_S
+    assert node_layout.APT_LOCK_TIMEOUT_S - 20 <= waits[1] <= node_layout.APT_LOCK_TIMEOUT_S - 10
     assert "another apt holds a lock; waiting" in res.stdout and "Reading package lists" in res.stdout
 
 

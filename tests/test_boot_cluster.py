@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from bootstrap.render import SPOT_WATCH_UNIT, STEPS
+from bootstrap.node_layout import SPOT_WATCH_UNIT, STEPS
 from cluster.targets.boot import BOOT
 
 REPO = Path(__file__).resolve().parent.parent
@@ -125,7 +125,7 @@ def test_gpu_nodes_installed_the_training_stack_from_the_controllers_cache(boote
     pip index: the wheelhouse, standing in for PyPI); every GPU node's `training` step installed from
     that cache alone (--no-index, no pip.conf), not from the index. A platform whose torch is the
     OS's package (Platform.os_torch) has no cache: its nodes say so and install from the index."""
-    from bootstrap.render import STATE_DIR
+    from bootstrap.node_layout import STATE_DIR
 
     bc = booted
     ctl_log = bc.step_log(bc.facts.controller.name, "wheels")
@@ -418,7 +418,7 @@ def test_only_root_and_slurm_reach_the_controllers_metadata(booted):
     """Booted for real: the guard's unit loaded the rules at boot (nftables in the container's own
     network namespace); the admin's SSH user and the jobs' user (a job's Slurm trigger runs there as it) are
     refused; the power programs' user gets the role."""
-    from bootstrap.render import IMDS_GUARD_UNIT
+    from bootstrap.node_layout import IMDS_GUARD_UNIT
 
     bc = booted
     c = bc.containers[bc.facts.controller.name]
@@ -435,7 +435,7 @@ def test_wheel_cache_is_roots_alone_and_a_node_user_cannot_move_it(booted):
     """The cache the controller built for real: /scratch root's and sticky, the cache and its hashed
     manifest root's 0755/0644; on a GPU node neither the admin's user nor the jobs' user can rename the
     cache or plant a wheel in it; only the admin's may make a folder in /scratch (fab stages jobs there)."""
-    from bootstrap.render import WHEEL_CACHE_DIR, WHEEL_MANIFEST
+    from bootstrap.node_pins import WHEEL_CACHE_DIR, WHEEL_MANIFEST
 
     bc = booted
     ctl = bc.containers[bc.facts.controller.name]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bootstrap import render
+from bootstrap import node_layout, node_pins, user_data
 from boottest import aptrepo, host, wheelhouse
 from cluster.facts import ClusterFacts, NodeShape, facts_from_dict, facts_to_dict, plan_hosts
 from cluster.platform import AWS, BOOT_DEBIAN12, BOOT_DEBIAN13, PLATFORMS
@@ -26,18 +26,18 @@ def _facts(platform):
 @pytest.mark.parametrize("platform", [BOOT_DEBIAN12, BOOT_DEBIAN13], ids=lambda p: p.name)
 def test_boot_platform_scratch_is_a_bind_and_no_nfs_server(platform):
     facts = _facts(platform)
-    gpu = render.bootstrap_script(facts, "gpu", "gpu-node-01")
+    gpu = user_data.bootstrap_script(facts, "gpu", "gpu-node-01")
     assert "'/srv/cluster-scratch /scratch none bind,_netdev,nofail 0 0' >> /etc/fstab" in gpu
-    ctl = render.bootstrap_script(facts, "controller")
+    ctl = user_data.bootstrap_script(facts, "controller")
     assert "nfs-kernel-server" not in ctl.split("step_nfs()", 1)[1].split("}", 1)[0]
     assert platform.name in PLATFORMS and platform.debian_suite
 
 
 def test_aws_scratch_is_the_controllers_nfs_export():
     facts = _facts(AWS)
-    gpu = render.bootstrap_script(facts, "gpu", "gpu-node-01")
+    gpu = user_data.bootstrap_script(facts, "gpu", "gpu-node-01")
     assert "'10.213.1.10:/scratch /scratch nfs defaults,_netdev,nofail 0 0' >> /etc/fstab" in gpu
-    assert "systemctl enable --now nfs-kernel-server" in render.bootstrap_script(facts, "controller")
+    assert "systemctl enable --now nfs-kernel-server" in user_data.bootstrap_script(facts, "controller")
 
 
 def test_templates_read_facts_not_platform_names():
@@ -60,7 +60,7 @@ def test_debian_mirror_from_deb822_sources(tmp_path, monkeypatch):
 
 def _gpu_node_render(platform):
     facts = _facts(platform)
-    script = render.bootstrap_script(facts, "gpu", "gpu-node-01")
+    script = user_data.bootstrap_script(facts, "gpu", "gpu-node-01")
     packages = script_packages(script)
     return script, packages
 
@@ -75,8 +75,8 @@ def test_os_torch_changes_only_the_gpu_nodes_torch():
     script, packages = _gpu_node_render(BOOT_DEBIAN13)
     plain_script, plain_packages = _gpu_node_render(plain)
     assert packages == [*plain_packages, "python3-torch"]
-    pins = render.training_pins()
-    want = " ".join(f"{p}=={torch_deb.version if p == 'torch' else pins[p]}" for p in render.TRAINING_PACKAGES)
+    pins = node_pins.training_pins()
+    want = " ".join(f"{p}=={torch_deb.version if p == 'torch' else pins[p]}" for p in node_pins.TRAINING_PACKAGES)
     assert f"want='{want}'" in script and "torch==2.6.0+debian " in want
     venv = '[ -x "${venv}/bin/python" ] || python3 -m venv %s"$venv"'
     assert venv % "--system-site-packages " in script and venv % "" not in script
@@ -84,8 +84,8 @@ def test_os_torch_changes_only_the_gpu_nodes_torch():
     # No wheel cache: pip download cannot resolve the other pins without a torch wheel.
     assert "wait_wheel_cache" in plain_script and "wait_wheel_cache" not in script
     assert 'WHEEL_MISS="no wheel cache: torch is the OS\'s python3-torch"' in script
-    ctl = render.bootstrap_script(_facts(BOOT_DEBIAN13), "controller")
-    plain_ctl = render.bootstrap_script(_facts(plain), "controller")
+    ctl = user_data.bootstrap_script(_facts(BOOT_DEBIAN13), "controller")
+    plain_ctl = user_data.bootstrap_script(_facts(plain), "controller")
     assert "pip download" in plain_ctl and "pip download" not in ctl
     assert "no wheel cache: the GPU nodes' torch is the OS's python3-torch" in ctl
     # Nothing else differs on the controller: outside the wheels step, its header line and the
@@ -95,15 +95,15 @@ def test_os_torch_changes_only_the_gpu_nodes_torch():
         text = re.sub(r"\nstep_wheels\(\) \{\n.*?\n\}\n", "\n", text, flags=re.S)
         return re.sub(r"\n#   wheels .*?(?=\n#   services)", "", text, flags=re.S)
     assert without_wheels(ctl) == without_wheels(plain_ctl)
-    assert "python3-torch" not in render.role_packages(BOOT_DEBIAN13, "controller")
+    assert "python3-torch" not in node_layout.role_packages(BOOT_DEBIAN13, "controller")
 
 
 @pytest.mark.parametrize("platform", [AWS, BOOT_DEBIAN12], ids=lambda p: p.name)
 def test_platforms_without_os_torch_install_the_pinned_torch(platform):
     assert platform.os_torch is None
     script, packages = _gpu_node_render(platform)
-    assert packages == list(render.PACKAGES["gpu"])
-    assert f"torch=={render.training_pins()['torch']} " in script
+    assert packages == list(node_layout.PACKAGES["gpu"])
+    assert f"torch=={node_pins.training_pins()['torch']} " in script
     assert 'python3 -m venv "$venv"' in script and "--system-site-packages" not in script
 
 
@@ -111,9 +111,9 @@ def test_os_torch_is_in_the_apt_repository_without_its_recommends_and_not_in_the
     assert "python3-torch" in aptrepo.packages(BOOT_DEBIAN13)
     assert aptrepo.without_recommends(BOOT_DEBIAN13) == ("python3-torch",)
     assert "python3-torch" not in aptrepo.packages(BOOT_DEBIAN12) and not aptrepo.without_recommends(BOOT_DEBIAN12)
-    pins = render.training_pins()
-    assert wheelhouse.requirements(BOOT_DEBIAN12) == [f"{p}=={pins[p]}" for p in render.TRAINING_PACKAGES]
-    assert wheelhouse.requirements(BOOT_DEBIAN13) == [f"{p}=={pins[p]}" for p in render.TRAINING_PACKAGES
+    pins = node_pins.training_pins()
+    assert wheelhouse.requirements(BOOT_DEBIAN12) == [f"{p}=={pins[p]}" for p in node_pins.TRAINING_PACKAGES]
+    assert wheelhouse.requirements(BOOT_DEBIAN13) == [f"{p}=={pins[p]}" for p in node_pins.TRAINING_PACKAGES
                                                       if p != "torch"]
 
 

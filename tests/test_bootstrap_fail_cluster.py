@@ -1,7 +1,7 @@
 """A failed first boot is reported, not waited on, on the real local cluster.
 
 One GPU host's bootstrap is re-run with its stand-in GPU file gone: the `gpus` step fails and
-records it (render.STEPS_DIR). `fab status` and `fab train` then name the host, the step and
+records it (node_layout.STEPS_DIR). `fab status` and `fab train` then name the host, the step and
 the last lines of the step's log, and exit non-zero at once; re-running the bootstrap once the
 GPU is back clears it.
 """
@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from bootstrap import render
+from bootstrap import node_layout
+from cluster import hostpaths
+from cluster.targets.local import LOCAL_SKIP_STEPS
 from localcluster import topology as layout
 from tests.localcluster_fixture import fresh_cluster
 from tests.test_node_loss import on
@@ -33,8 +35,8 @@ def fab(*args):
 
 
 def bootstrap(host: str) -> subprocess.CompletedProcess:
-    skip = " ".join(render.LOCAL_SKIP_STEPS["gpu"])
-    return on(host, "env", f"SLURM_GPU_SKIP_STEPS={skip}", "bash", render.BOOTSTRAP_PATH)
+    skip = " ".join(LOCAL_SKIP_STEPS["gpu"])
+    return on(host, "env", f"SLURM_GPU_SKIP_STEPS={skip}", "bash", hostpaths.BOOTSTRAP_PATH)
 
 
 def test_a_failed_bootstrap_step_is_named_by_fab_status_and_fab_train():
@@ -49,7 +51,7 @@ def test_a_failed_bootstrap_step_is_named_by_fab_status_and_fab_train():
             rc, out = fab("status", "--target", "local")
             assert rc != 0, out
             assert f"note: {HOST}: bootstrap step 'gpus' failed (exit 1 at line" in out
-            assert f"last lines of {render.STEPS_DIR}/gpus.log" in out
+            assert f"last lines of {node_layout.STEPS_DIR}/gpus.log" in out
             assert f"| slurm-gpu-bootstrap(gpu): GPU check: missing {layout.GPU_DEVICE_PREFIX}0" in out
             assert f"first boot failed on {HOST}" in out
             assert "gpu-node-01: bootstrap" not in out  # the healthy host is not blamed

@@ -9,7 +9,8 @@ import jinja2
 import pytest
 import yaml
 
-from bootstrap import render
+from bootstrap import node_layout, node_pins, render, shipped_form, user_data
+from cluster import hostpaths
 from cluster.facts import ClusterFacts, NodeShape, plan_hosts
 from cluster.platform import LOCAL
 
@@ -106,7 +107,7 @@ def test_slurm_conf_settings(case):
     # Ubuntu 24.04's slurmctld runs under systemd (--systemd), which writes no pid file.
     assert "SlurmctldPidFile" not in s
     assert s["SlurmdPidFile"] == "/run/slurmd.pid"
-    assert s["HealthCheckProgram"] == render.HEALTHCHECK_PATH
+    assert s["HealthCheckProgram"] == hostpaths.HEALTHCHECK_PATH
     assert s["HealthCheckNodeState"] == "ANY"
     assert s["HealthCheckInterval"] == "60"
     assert "SchedulerParameters" not in s  # Slurm's own scheduler interval (60 s) on AWS
@@ -143,7 +144,7 @@ def test_hosts_block(case):
     facts = FACTS[case]
     block = render.render_hosts(facts)
     lines = block.splitlines()
-    assert lines[0].startswith(render.HOSTS_BEGIN) and lines[-1] == render.HOSTS_END
+    assert lines[0].startswith(node_layout.HOSTS_BEGIN) and lines[-1] == node_layout.HOSTS_END
     assert [ln.split() for ln in lines[1:-1]] == [[h.ip, h.name] for h in facts.hosts]
 
 
@@ -154,7 +155,7 @@ def test_merge_hosts_is_idempotent_and_replaces_an_old_block():
     once = render.merge_hosts(base, old)
     assert render.merge_hosts(once, old) == once
     replaced = render.merge_hosts(once + "10.9.9.9 other\n", new)
-    assert replaced.count(render.HOSTS_BEGIN) == 1
+    assert replaced.count(node_layout.HOSTS_BEGIN) == 1
     assert "10.0.1.11 gpu-node-01" not in replaced
     assert "10.20.0.13 gpu-node-03" in replaced
     assert replaced.startswith(base) and "10.9.9.9 other\n" in replaced
@@ -178,11 +179,11 @@ def test_render_files_paths():
     files = render.render_files(FACTS["l4x2"])
     assert set(files) == {
         "/etc/slurm/slurm.conf", "/etc/slurm/gres.conf", "/etc/exports.d/slurm-gpu.exports",
-        render.HOSTS_BLOCK_FILE, render.HEALTHCHECK_PATH,
+        node_layout.HOSTS_BLOCK_FILE, hostpaths.HEALTHCHECK_PATH,
         "/etc/slurm-gpu/slurmd.env", "/etc/systemd/system/slurmd.service.d/slurm-gpu.conf",
         "/etc/slurm/cgroup.conf",  # the AWS platform has cgroups
-        render.IMDS_GUARD_RULES, render.IMDS_GUARD_UNIT_PATH,  # the controller's metadata guard
-        render.SLURMCTLD_DROPIN,  # slurmctld requires the guard
+        node_layout.IMDS_GUARD_RULES, node_layout.IMDS_GUARD_UNIT_PATH,  # the controller's metadata guard
+        node_layout.SLURMCTLD_DROPIN,  # slurmctld requires the guard
     }
     assert all(p.startswith("/") and text.endswith("\n") for p, text in files.items())
     # The local platform has none: no cgroup.conf, and slurm.conf asks for no cgroup plugin.
@@ -207,11 +208,11 @@ def test_missing_variable_raises(monkeypatch):
 
 def test_bad_role_and_hostname_raise():
     facts = FACTS["l4x2"]
-    for call in (render.user_data, render.bootstrap_script, render.role_files):
+    for call in (user_data.user_data, user_data.bootstrap_script, render.role_files):
         with pytest.raises(ValueError, match="role must be one of controller, gpu"):
             call(facts, "worker")
     with pytest.raises(ValueError, match="not a gpu host"):
-        render.user_data(facts, "gpu", "controller")
+        user_data.user_data(facts, "gpu", "controller")
     with pytest.raises(ValueError, match="gpu_count must be >= 1"):
         render.render_gres_conf(ClusterFacts(**{**facts.__dict__, "shape": NodeShape(4, 100, 0, "l4")}))
 
@@ -242,49 +243,49 @@ def decoded_text(entry: dict) -> str:
 
 
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("role", render.ROLES)
+@pytest.mark.parametrize("role", node_layout.ROLES)
 def test_user_data_content(case, role):
     facts = FACTS[case]
-    cfg = parse_user_data(render.user_data(facts, role))
+    cfg = parse_user_data(user_data.user_data(facts, role))
     assert cfg["preserve_hostname"] is True
     assert cfg["manage_etc_hosts"] is False
     # cloud-init's package module never runs (it fails the boot after 30 s of another apt's dpkg
     # lock): the bootstrap's packages step installs them, with apt's own wait.
     assert not {"package_update", "package_upgrade", "packages", "apt"} & set(cfg)
-    packages = script_packages(render.bootstrap_script(facts, role))
+    packages = script_packages(user_data.bootstrap_script(facts, role))
     assert {"slurm-wlm", "munge", "nfs-common"} <= set(packages)
     assert ("nfs-kernel-server" in packages) == (role == "controller")
     written = {f["path"]: f for f in cfg["write_files"]}
     expected = render.role_files(facts, role)
-    expected[render.BOOTSTRAP_PATH] = render.bootstrap_script(
+    expected[hostpaths.BOOTSTRAP_PATH] = user_data.bootstrap_script(
         facts, role, facts.controller.name if role == "controller" else None
     )
-    expected[render.APT_LOCK_CONF] = render.render_apt_lock_conf(facts)
+    expected[node_layout.APT_LOCK_CONF] = render.render_apt_lock_conf(facts)
     # Every file arrives byte for byte (YAML block scalars keep the text), shell scripts without
-    # their comment lines (render.shipped_shell; tests/test_user_data_size.py: same commands).
-    expected = render.shipped(expected)
+    # their comment lines (shipped_form.shipped_shell; tests/test_user_data_size.py: same commands).
+    expected = shipped_form.shipped(expected)
     assert {p: file_text(f) for p, f in written.items()} == expected
     # apt on the node waits for a dpkg lock held by first-boot unattended upgrades.
-    assert re.fullmatch(r'DPkg::Lock::Timeout "(\d+)";', expected[render.APT_LOCK_CONF].splitlines()[-1])
-    assert int(expected[render.APT_LOCK_CONF].split('"')[1]) >= 600
+    assert re.fullmatch(r'DPkg::Lock::Timeout "(\d+)";', expected[node_layout.APT_LOCK_CONF].splitlines()[-1])
+    assert int(expected[node_layout.APT_LOCK_CONF].split('"')[1]) >= 600
     # First boot holds the apt timers so background upgrades do not race the bootstrap.
     assert any("apt-daily-upgrade.timer" in " ".join(map(str, cmd)) and "cloud-init-per" in cmd
                for cmd in cfg["bootcmd"])
-    assert (render.EXPORTS_FILE in written) == (role == "controller")
-    assert (render.HEALTHCHECK_PATH in written) == (role == "gpu")
-    assert written[render.BOOTSTRAP_PATH]["permissions"] == "0755"
+    assert (node_layout.EXPORTS_FILE in written) == (role == "controller")
+    assert (hostpaths.HEALTHCHECK_PATH in written) == (role == "gpu")
+    assert written[hostpaths.BOOTSTRAP_PATH]["permissions"] == "0755"
     # Configless: only the controller holds slurm.conf and gres.conf; GPU nodes get slurmd's
     # --conf-server option and the systemd drop-in that passes it.
-    assert (render.SLURM_CONF in written) == (render.GRES_CONF in written) == (role == "controller")
-    assert (render.SLURMD_DROPIN in written) == (render.SLURMD_ENV_FILE in written) == (role == "gpu")
+    assert (node_layout.SLURM_CONF in written) == (node_layout.GRES_CONF in written) == (role == "controller")
+    assert (node_layout.SLURMD_DROPIN in written) == (node_layout.SLURMD_ENV_FILE in written) == (role == "gpu")
     if role == "controller":
-        assert written[render.SLURM_CONF]["permissions"] == "0644"
+        assert written[node_layout.SLURM_CONF]["permissions"] == "0644"
     else:
-        env = file_text(written[render.SLURMD_ENV_FILE])
+        env = file_text(written[node_layout.SLURMD_ENV_FILE])
         assert f'SLURMD_OPTIONS="--conf-server {facts.controller.ip}:6817"' in env.splitlines()
-        dropin = file_text(written[render.SLURMD_DROPIN]).splitlines()
-        assert "ConditionPathExists=" in dropin and f"EnvironmentFile={render.SLURMD_ENV_FILE}" in dropin
-    assert cfg["runcmd"] == [["env", "SLURM_GPU_CONSOLE=1", render.BOOTSTRAP_PATH]]
+        dropin = file_text(written[node_layout.SLURMD_DROPIN]).splitlines()
+        assert "ConditionPathExists=" in dropin and f"EnvironmentFile={node_layout.SLURMD_ENV_FILE}" in dropin
+    assert cfg["runcmd"] == [["env", "SLURM_GPU_CONSOLE=1", hostpaths.BOOTSTRAP_PATH]]
     # no output of cloud-init or a step on the console, where fab pins host keys (to_console writes ours)
     assert cfg["output"] == {"all": ">> /var/log/cloud-init-output.log"}
     # No munge key: nothing is written under /etc/munge, no key-like blob.
@@ -295,12 +296,12 @@ def test_user_data_content(case, role):
 
 def test_user_data_names_the_host():
     facts = FACTS["h100x3"]
-    script = render.bootstrap_script(facts, "gpu", "gpu-node-02")
+    script = user_data.bootstrap_script(facts, "gpu", "gpu-node-02")
     assert "local want='gpu-node-02'" in script
     # Without a name, the GPU script finds its name from its IP in the hosts block.
-    assert "local want=''" in render.bootstrap_script(facts, "gpu")
-    written = {f["path"]: f for f in parse_user_data(render.user_data(facts, "controller"))["write_files"]}
-    assert "local want='controller'" in decoded_text(written[render.BOOTSTRAP_PATH])
+    assert "local want=''" in user_data.bootstrap_script(facts, "gpu")
+    written = {f["path"]: f for f in parse_user_data(user_data.user_data(facts, "controller"))["write_files"]}
+    assert "local want='controller'" in decoded_text(written[hostpaths.BOOTSTRAP_PATH])
 
 
 def test_gpu_nodes_get_nothing_from_slurms_config_dir(monkeypatch):
@@ -314,24 +315,24 @@ def test_gpu_nodes_get_nothing_from_slurms_config_dir(monkeypatch):
     assert "/etc/slurm/cgroup.conf" in render.role_files(facts, "controller")
     assert not [p for p in render.role_files(facts, "gpu") if p.startswith("/etc/slurm/")]
     assert sorted(controller_files(render.render_files(facts))) == [
-        "/etc/slurm-gpu/hosts.block", "/etc/slurm/cgroup.conf", render.GRES_CONF, render.SLURM_CONF]
+        "/etc/slurm-gpu/hosts.block", "/etc/slurm/cgroup.conf", node_layout.GRES_CONF, node_layout.SLURM_CONF]
 
 
 def test_a_gpu_nodes_user_data_does_not_depend_on_the_node_count():
     """Scaling adds or removes nodes without changing any other node's user-data."""
     shape = NodeShape(192, 2000000, 8, "h100")
-    texts = {n: render.user_data(make_facts("big", "10.20.0.0/24", n, shape), "gpu", "gpu-node-02")
+    texts = {n: user_data.user_data(make_facts("big", "10.20.0.0/24", n, shape), "gpu", "gpu-node-02")
              for n in (2, 3, 50)}
     assert texts[2] == texts[3] == texts[50]
     doc = parse_user_data(texts[3])
-    block = next(file_text(f) for f in doc["write_files"] if f["path"] == render.HOSTS_BLOCK_FILE)
+    block = next(file_text(f) for f in doc["write_files"] if f["path"] == node_layout.HOSTS_BLOCK_FILE)
     assert conf_lines(block) == ["10.20.0.10 controller", "10.20.0.12 gpu-node-02"]
     assert "gpu-node-03" not in texts[3] and "gpu-node-01" not in texts[3]
     # The node names itself from its user-data (the script may travel gzip+base64: decode as cloud-init does).
-    script = next(file_text(f) for f in doc["write_files"] if f["path"] == render.BOOTSTRAP_PATH)
+    script = next(file_text(f) for f in doc["write_files"] if f["path"] == hostpaths.BOOTSTRAP_PATH)
     assert "local want='gpu-node-02'" in script
     # The controller's does change: it holds the node list.
-    ctl = {n: render.user_data(make_facts("big", "10.20.0.0/24", n, shape), "controller") for n in (2, 3)}
+    ctl = {n: user_data.user_data(make_facts("big", "10.20.0.0/24", n, shape), "controller") for n in (2, 3)}
     assert ctl[2] != ctl[3]
 
 
@@ -339,37 +340,37 @@ def test_a_gpu_nodes_user_data_does_not_depend_on_the_node_count():
 FULL = make_facts("max", "10.0.0.0/24", 244, NodeShape(192, 2000000, 8, "h100"))
 
 
-@pytest.mark.parametrize("role", render.ROLES)
+@pytest.mark.parametrize("role", node_layout.ROLES)
 def test_user_data_fits_ec2_even_for_a_full_subnet(role):
     # EC2 counts the bytes it is given before base64: the gzip-compressed cloud-config.
-    text = render.user_data(FULL, role)
-    assert len(text.encode()) > render.MAX_USER_DATA_BYTES  # plain, it would not fit
-    assert len(render.user_data_gzip(FULL, role)) <= render.MAX_USER_DATA_BYTES
+    text = user_data.user_data(FULL, role)
+    assert len(text.encode()) > user_data.MAX_USER_DATA_BYTES  # plain, it would not fit
+    assert len(user_data.user_data_gzip(FULL, role)) <= user_data.MAX_USER_DATA_BYTES
     written = {f["path"]: file_text(f) for f in parse_user_data(text)["write_files"]}
     if role == "controller":
-        assert written[render.SLURM_CONF] == render.render_slurm_conf(FULL)
-        assert written[render.SLURM_CONF].count("\nNodeName=gpu-node-") == 244
+        assert written[node_layout.SLURM_CONF] == render.render_slurm_conf(FULL)
+        assert written[node_layout.SLURM_CONF].count("\nNodeName=gpu-node-") == 244
     else:
-        assert render.SLURM_CONF not in written
-    raw = base64.b64decode(render.user_data_base64(FULL, role))
+        assert node_layout.SLURM_CONF not in written
+    raw = base64.b64decode(user_data.user_data_base64(FULL, role))
     assert gzip.decompress(raw).decode() == text
 
 
-@pytest.mark.parametrize("role", render.ROLES)
+@pytest.mark.parametrize("role", node_layout.ROLES)
 def test_bootstrap_script_structure(role):
-    script = render.bootstrap_script(FACTS["l4x2"], role)
+    script = user_data.bootstrap_script(FACTS["l4x2"], role)
     assert script.startswith("#!/bin/bash\n")
     assert "set -euo pipefail" in script and "trap '" in script and " ERR" in script
     assert not re.search(r"^\s*set -[a-z]*x", script, re.M)
-    for step in render.STEPS[role]:
+    for step in node_layout.STEPS[role]:
         assert re.search(rf"^step_{step}\(\) {{", script, re.M), step
         assert re.search(rf"^#   {step} ", script, re.M), f"step {step} not documented"
-    assert f"ALL_STEPS=({' '.join(render.STEPS[role])})" in script
+    assert f"ALL_STEPS=({' '.join(node_layout.STEPS[role])})" in script
 
 
 def test_controller_makes_the_key_gpu_nodes_never_copy_one():
-    ctrl = render.bootstrap_script(FACTS["l4x2"], "controller")
-    gpu = render.bootstrap_script(FACTS["l4x2"], "gpu")
+    ctrl = user_data.bootstrap_script(FACTS["l4x2"], "controller")
+    gpu = user_data.bootstrap_script(FACTS["l4x2"], "gpu")
     assert "munge-key.created" in ctrl and "munge-key.created" not in gpu
     for script in (ctrl, gpu):
         assert "chmod 0400 /etc/munge/munge.key" in script and "chmod 0700 /etc/munge" in script
@@ -378,7 +379,7 @@ def test_controller_makes_the_key_gpu_nodes_never_copy_one():
 
 def test_gpu_script_mounts_scratch_with_netdev_nofail():
     facts = FACTS["single"]
-    gpu = render.bootstrap_script(facts, "gpu")
+    gpu = user_data.bootstrap_script(facts, "gpu")
     line = f"{facts.controller.ip}:{facts.scratch} {facts.scratch} nfs defaults,_netdev,nofail 0 0"
     assert f"echo '{line}' >> /etc/fstab" in gpu
     assert f"HF_HOME={facts.scratch}/hf-cache" in gpu
@@ -390,26 +391,26 @@ def test_training_step_imports_what_the_pins_install():
     import subprocess
     import sys
 
-    gpu = render.bootstrap_script(FACTS["l4x2"], "gpu")
+    gpu = user_data.bootstrap_script(FACTS["l4x2"], "gpu")
     line = re.search(r'"\$\{venv\}/bin/python" -c "(import [^"]+)"', gpu)[1]
-    assert line == "import " + ", ".join(render.training_modules())
+    assert line == "import " + ", ".join(node_pins.training_modules())
     res = subprocess.run([sys.executable, "-c", line], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-500:]
 
 
 def test_training_stack_pinned_like_requirements(tmp_path):
-    pins = render.training_pins()
-    gpu = render.bootstrap_script(FACTS["l4x2"], "gpu")
-    want = " ".join(f"{p}=={pins[p]}" for p in render.TRAINING_PACKAGES)
+    pins = node_pins.training_pins()
+    gpu = user_data.bootstrap_script(FACTS["l4x2"], "gpu")
+    want = " ".join(f"{p}=={pins[p]}" for p in node_pins.TRAINING_PACKAGES)
     assert f"want='{want}'" in gpu
-    assert render.TRAINING_VENV in gpu
-    req = (render.REQUIREMENTS).read_text()
-    for p in render.TRAINING_PACKAGES:
+    assert node_layout.TRAINING_VENV in gpu
+    req = (node_pins.REQUIREMENTS).read_text()
+    for p in node_pins.TRAINING_PACKAGES:
         assert f"{p}=={pins[p]}" in req
     bad = tmp_path / "requirements.txt"
     bad.write_text("transformers==1.0\n")
     with pytest.raises(ValueError, match="no '==' pin for torch"):
-        render.training_pins(bad)
+        node_pins.training_pins(bad)
 
 
 def test_first_boot_upgrades_cannot_run_before_the_gpu_stack_is_held():
@@ -421,12 +422,12 @@ def test_first_boot_upgrades_cannot_run_before_the_gpu_stack_is_held():
     again only in its last step, after the `holds` step has held the kernel and NVIDIA packages and
     blacklisted them for unattended-upgrades (docs/AWS.md, "What AWS answers")."""
     facts = FACTS["l4x2"]
-    cfg = parse_user_data(render.user_data(facts, "gpu", "gpu-node-01"))
+    cfg = parse_user_data(user_data.user_data(facts, "gpu", "gpu-node-01"))
     (stop,) = [cmd for cmd in cfg["bootcmd"] if "apt-daily-upgrade.timer" in " ".join(map(str, cmd))]
     assert stop[:2] == ["cloud-init-per", "instance"]  # first boot only: later boots keep their timers
     assert re.search(r"systemctl stop apt-daily\.timer apt-daily-upgrade\.timer", stop[-1])
-    script = render.bootstrap_script(facts, "gpu", "gpu-node-01")
-    steps = render.STEPS["gpu"]
+    script = user_data.bootstrap_script(facts, "gpu", "gpu-node-01")
+    steps = node_layout.STEPS["gpu"]
     assert steps.index("holds") < steps.index("packages") and steps[-1] == "services"
     calls = [i for i, line in enumerate(script.splitlines()) if line.strip() == "release_apt_timers"]
     services = script.splitlines().index("step_services() {")

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from bootstrap import render
+from bootstrap import node_layout, render, user_data
+from cluster import hostpaths
 from cluster.facts import NodeShape
 from cluster.platform import LOCAL as LOCAL_PLATFORM
 from ops.ssh import hostkeys
@@ -84,15 +85,15 @@ def test_healthcheck_drains_when_nvidia_smi_fails(hc):
     assert drained[3].startswith("reason=slurm-gpu-healthcheck: nvidia-smi failed: NVIDIA-SMI has failed")
 
 
-@pytest.mark.parametrize("role", render.ROLES)
+@pytest.mark.parametrize("role", node_layout.ROLES)
 def test_unknown_skip_step_is_refused_before_any_change(tmp_path, role):
     script = tmp_path / "bootstrap.sh"
-    write_exe(script, render.bootstrap_script(FACTS["l4x2"], role))
+    write_exe(script, user_data.bootstrap_script(FACTS["l4x2"], role))
     env = {**os.environ, "SLURM_GPU_SKIP_STEPS": "packages nfs-server"}
     res = subprocess.run([str(script)], env=env, capture_output=True, text=True, timeout=60)
     assert res.returncode == 2
     assert "SLURM_GPU_SKIP_STEPS: unknown step 'nfs-server'" in res.stderr
-    assert " ".join(render.STEPS[role]) in res.stderr
+    assert " ".join(node_layout.STEPS[role]) in res.stderr
     assert "step hostname" not in res.stdout  # nothing ran
 
 
@@ -145,17 +146,17 @@ def run_in_sandbox(tmp_path, facts, role, host, skip, gpus_present=None, expect_
         dest = files / path.lstrip("/")
         dest.parent.mkdir(parents=True, exist_ok=True)
         dest.write_text(text)
-        dest.chmod(render.FILE_MODES.get(path, 0o644))
+        dest.chmod(node_layout.FILE_MODES.get(path, 0o644))
     script = tmp_path / "bootstrap.sh"
-    write_exe(script, render.bootstrap_script(facts, role))
+    write_exe(script, user_data.bootstrap_script(facts, role))
     (tmp_path / "mnt").mkdir()
     logdir = tmp_path / "out"
     logdir.mkdir()
     env = {
         "PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "T": str(tmp_path / "mnt"), "FILES": str(files),
         "IP": host.ip, "SKIP": skip, "SCRIPT": str(script), "LOGDIR": str(logdir),
-        "STATE": render.STATE_DIR, "MARKER": render.MARKER_PATH, "HC": render.HEALTHCHECK_PATH,
-        "SCRATCH": facts.scratch, "NODE_LOCAL": render.NODE_LOCAL_KEY_MARKER,
+        "STATE": node_layout.STATE_DIR, "MARKER": node_layout.MARKER_PATH, "HC": hostpaths.HEALTHCHECK_PATH,
+        "SCRATCH": facts.scratch, "NODE_LOCAL": node_layout.NODE_LOCAL_KEY_MARKER,
         "PACKAGE_KEY": "1" if package_key else "", "FAB_SYNC": "1" if fab_sync else "",
     }
     res = subprocess.run(
@@ -193,13 +194,13 @@ def test_gpu_bootstrap_runs_and_is_idempotent(tmp_path):
     assert st["/etc/munge/munge.key"] == ("munge:munge", "400")
     assert st["/var/lib/slurm/slurmd"][0] == "slurm:slurm"
     assert st["/var/log/slurm"][0] == "slurm:slurm"
-    assert st[render.HEALTHCHECK_PATH] == ("root:root", "755")
+    assert st[hostpaths.HEALTHCHECK_PATH] == ("root:root", "755")
     assert "marker_role=role=gpu" in report
     assert "step munge" in logs and "skip training" in logs
     assert "made a node-local one" in logs
     # The node-local key is marked: slurmd's drop-in keeps slurmd off until fab's key sync.
-    assert st[render.NODE_LOCAL_KEY_MARKER][0] == "root:root"
-    assert f"ConditionPathExists=!{render.NODE_LOCAL_KEY_MARKER}" in render.render_slurmd_dropin(LOCAL)
+    assert st[node_layout.NODE_LOCAL_KEY_MARKER][0] == "root:root"
+    assert f"ConditionPathExists=!{node_layout.NODE_LOCAL_KEY_MARKER}" in render.render_slurmd_dropin(LOCAL)
     assert f"GPU check: 2 device files present ({LOCAL.gpu_device_prefix}[0-1])" in logs
     # The host keys are printed as the bootstrap starts (before its first step), in the format
     # fab reads from the console, and they are this host's keys.
@@ -220,7 +221,7 @@ def test_gpu_bootstrap_marks_the_munge_packages_key_node_local(tmp_path, fab_syn
     _, logs = run_in_sandbox(tmp_path, LOCAL, "gpu", LOCAL.gpu_nodes[0], "packages nfs scratch training services",
                              package_key=True, fab_sync=fab_sync)
     report = (tmp_path / "out" / "report").read_text()
-    assert (render.NODE_LOCAL_KEY_MARKER in stats(report)) is not fab_sync, report
+    assert (node_layout.NODE_LOCAL_KEY_MARKER in stats(report)) is not fab_sync, report
     assert "made a node-local one" not in logs  # the package's key is kept
     assert logs.count("first boot: the munge key is node-local") == 1, logs
 

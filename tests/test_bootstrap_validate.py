@@ -9,7 +9,8 @@ from dataclasses import replace
 
 import pytest
 
-from bootstrap import render
+from bootstrap import node_layout, render, shipped_form, user_data
+from cluster import hostpaths
 from tests.test_bootstrap_render import CASES, FACTS, FULL
 
 
@@ -28,35 +29,35 @@ def schema(path):
 
 
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("role", render.ROLES)
+@pytest.mark.parametrize("role", node_layout.ROLES)
 def test_user_data_passes_cloud_init_schema(tmp_path, case, role):
     path = tmp_path / f"{case}-{role}.yaml"
-    path.write_text(render.user_data(FACTS[case], role))
+    path.write_text(user_data.user_data(FACTS[case], role))
     res = schema(path)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "Valid cloud-config" in res.stdout
 
 
-@pytest.mark.parametrize("role", render.ROLES)
+@pytest.mark.parametrize("role", node_layout.ROLES)
 def test_gzip_user_data_of_a_full_subnet_passes_schema(tmp_path, role):
     """The bytes EC2 hands the node (gzip), unpacked by cloud-init's own code (the system Python's
     cloudinit.util.decomp_gzip, which its user-data processing calls), then validated."""
     need("cloud-init")
     packed = tmp_path / f"full-{role}.gz"
-    packed.write_bytes(render.user_data_gzip(FULL, role))
+    packed.write_bytes(user_data.user_data_gzip(FULL, role))
     path = tmp_path / f"full-{role}.yaml"
     unpack = run(["/usr/bin/python3", "-c", "import sys; from cloudinit import util; "
                   "sys.stdout.write(util.decomp_gzip(open(sys.argv[1], 'rb').read()))", str(packed)])
     assert unpack.returncode == 0, unpack.stderr
     path.write_text(unpack.stdout)
-    assert unpack.stdout == render.user_data(FULL, role)
+    assert unpack.stdout == user_data.user_data(FULL, role)
     res = schema(path)
     assert res.returncode == 0, res.stdout + res.stderr
 
 
 def test_cloud_init_schema_rejects_a_broken_user_data(tmp_path):
     # Proves the validator really checks: one wrong type in our own output fails.
-    text = render.user_data(FACTS["l4x2"], "gpu")
+    text = user_data.user_data(FACTS["l4x2"], "gpu")
     assert "\npreserve_hostname: true\n" in text
     path = tmp_path / "broken.yaml"
     path.write_text(text.replace("\npreserve_hostname: true\n", "\npreserve_hostname: [1]\n"))
@@ -67,9 +68,9 @@ def test_cloud_init_schema_rejects_a_broken_user_data(tmp_path):
 
 def scripts_of(facts):
     yield "healthcheck", render.render_healthcheck(facts)
-    yield "controller", render.bootstrap_script(facts, "controller", facts.controller.name)
-    yield "gpu", render.bootstrap_script(facts, "gpu")
-    yield "gpu-named", render.bootstrap_script(facts, "gpu", facts.gpu_nodes[-1].name)
+    yield "controller", user_data.bootstrap_script(facts, "controller", facts.controller.name)
+    yield "gpu", user_data.bootstrap_script(facts, "gpu")
+    yield "gpu-named", user_data.bootstrap_script(facts, "gpu", facts.gpu_nodes[-1].name)
 
 
 def test_scripts_pass_shellcheck(tmp_path):
@@ -134,7 +135,7 @@ def test_slurm_parser_rejects_a_bad_key(tmp_path):
 def test_cloud_init_decodes_encoded_files_back_to_the_rendered_text(tmp_path):
     # cloud-init's own write_files decoder (system python3), not ours.
     path = tmp_path / "full-gpu.yaml"
-    path.write_text(render.user_data(FULL, "gpu"))
+    path.write_text(user_data.user_data(FULL, "gpu"))
     code = (
         "import json, sys, yaml\n"
         "from cloudinit.config.cc_write_files import canonicalize_extraction, extract_contents\n"
@@ -148,6 +149,6 @@ def test_cloud_init_decodes_encoded_files_back_to_the_rendered_text(tmp_path):
     res = run(["/usr/bin/python3", "-c", code, str(path)])
     assert res.returncode == 0, res.stderr
     expected = render.role_files(FULL, "gpu")
-    expected[render.BOOTSTRAP_PATH] = render.bootstrap_script(FULL, "gpu")
-    expected[render.APT_LOCK_CONF] = render.render_apt_lock_conf(FULL)
-    assert json.loads(res.stdout) == render.shipped(expected)
+    expected[hostpaths.BOOTSTRAP_PATH] = user_data.bootstrap_script(FULL, "gpu")
+    expected[node_layout.APT_LOCK_CONF] = render.render_apt_lock_conf(FULL)
+    assert json.loads(res.stdout) == shipped_form.shipped(expected)

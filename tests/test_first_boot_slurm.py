@@ -13,7 +13,7 @@ import pulumi
 import pulumi_aws as aws
 import pytest
 
-from bootstrap import render
+from bootstrap import node_layout, render, user_data
 from bootstrap.slurm_keys import RENAMED_KEYS, config_keys
 from boottest import boot_cluster
 from cluster.facts import ClusterFacts, NodeShape, plan_hosts
@@ -88,7 +88,7 @@ def test_nvswitch_is_an_instance_fact(info, itype, nvswitch):
     gpu = gpu_node_facts(info(itype), efa=True)
     assert gpu.nvswitch is nvswitch
     facts = aws_facts(gpu)
-    script = render.bootstrap_script(facts, "gpu")
+    script = user_data.bootstrap_script(facts, "gpu")
     hc = render.render_healthcheck(facts)
     assert ("systemctl enable --now nvidia-fabricmanager.service" in script) is nvswitch
     assert ("is-active --quiet nvidia-fabricmanager.service" in hc) is nvswitch
@@ -98,7 +98,7 @@ def test_nvswitch_scripts_pass_shellcheck(tmp_path, info):
     if not shutil.which("shellcheck"):
         pytest.skip("shellcheck not installed")
     facts = aws_facts(gpu_node_facts(info("p5.48xlarge"), efa=True))
-    (tmp_path / "gpu.sh").write_text(render.bootstrap_script(facts, "gpu"))
+    (tmp_path / "gpu.sh").write_text(user_data.bootstrap_script(facts, "gpu"))
     (tmp_path / "hc.sh").write_text(render.render_healthcheck(facts))
     res = subprocess.run(["shellcheck", "--shell=bash", "--severity=style", str(tmp_path / "gpu.sh"),
                           str(tmp_path / "hc.sh")], capture_output=True, text=True)
@@ -134,10 +134,10 @@ def p5(tmp_path, info, monkeypatch):
         (bindir / name).write_text(text)
         (bindir / name).chmod(0o755)
     gpu = tmp_path / "bootstrap-gpu"
-    gpu.write_text(render.bootstrap_script(facts, "gpu", facts.gpu_nodes[0].name))
+    gpu.write_text(user_data.bootstrap_script(facts, "gpu", facts.gpu_nodes[0].name))
     hc = tmp_path / "healthcheck"
     hc.write_text(render.render_healthcheck(facts))
-    skip = " ".join(s for s in render.STEPS["gpu"] if s != "gpus")
+    skip = " ".join(s for s in node_layout.STEPS["gpu"] if s != "gpus")
 
     def run(which: str, active: bool):
         env = {"PATH": f"{bindir}:/usr/sbin:/usr/bin:/sbin:/bin", "CALLS": str(tmp_path / "calls"),

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from bootstrap import render
+from bootstrap import node_layout, user_data
 from cluster.platform import BOOT_DEBIAN12, LOCAL
 from tests.test_bootstrap_render import FACTS
 
@@ -32,7 +32,7 @@ IMAGE = [
     ("libnccl2", "install ok installed"),
     ("openssh-server", "install ok installed"),
 ]
-WANT_HELD = sorted(p for p, st in IMAGE if st.endswith(" installed") and p.startswith(render.HOLD_PREFIXES))
+WANT_HELD = sorted(p for p, st in IMAGE if st.endswith(" installed") and p.startswith(node_layout.HOLD_PREFIXES))
 
 
 def _status() -> str:
@@ -63,7 +63,7 @@ echo "--- u-u"; apt-config dump Unattended-Upgrade::Package-Blacklist
 
 def _run_step(tmp_path, facts, lock_s: float = 0) -> subprocess.CompletedProcess:
     (tmp_path / "status").write_text(_status())
-    script = render.bootstrap_script(facts, "gpu").rsplit("run_steps", 1)[0]
+    script = user_data.bootstrap_script(facts, "gpu").rsplit("run_steps", 1)[0]
     (tmp_path / "gpu.sh").write_text(script)
     env = {"T": str(tmp_path), "PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"}
     if lock_s:
@@ -80,7 +80,7 @@ def test_gpu_image_holds_its_installed_kernel_and_nvidia_packages(tmp_path):
     conf, uu = rest.split("--- u-u\n", 1)
     assert "Unattended-Upgrade::Package-Blacklist" in conf
     # apt's own parser reads the blacklist: one entry per prefix (unattended-upgrades re.match()es each).
-    assert sorted(v.split('"')[1] for v in uu.splitlines() if ':: "' in v) == sorted(render.HOLD_PREFIXES)
+    assert sorted(v.split('"')[1] for v in uu.splitlines() if ':: "' in v) == sorted(node_layout.HOLD_PREFIXES)
     assert "kept as the image shipped them (held): " + " ".join(WANT_HELD) in res.stdout
 
 
@@ -96,8 +96,8 @@ def test_holds_wait_for_another_apt_holding_the_dpkg_lock(tmp_path):
 @pytest.mark.parametrize("platform", [LOCAL, BOOT_DEBIAN12], ids=lambda p: p.name)
 def test_no_holds_without_real_gpus(tmp_path, platform):
     facts = replace(FACTS["l4x2"], platform=platform)
-    script = render.bootstrap_script(facts, "gpu")
-    assert "apt-mark" not in script and render.APT_HOLD_CONF not in script
+    script = user_data.bootstrap_script(facts, "gpu")
+    assert "apt-mark" not in script and node_layout.APT_HOLD_CONF not in script
     res = _run_step(tmp_path, facts)
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.stdout.split("--- held\n", 1)[1].split("--- conf")[0].split() == []
@@ -105,5 +105,5 @@ def test_no_holds_without_real_gpus(tmp_path, platform):
 
 
 def test_holds_come_before_the_packages_step():
-    steps = render.STEPS["gpu"]
+    steps = node_layout.STEPS["gpu"]
     assert steps.index("holds") < steps.index("packages")

@@ -1,4 +1,4 @@
-"""The controller's instance metadata guard (bootstrap/render.py IMDS_GUARD_*; its bootstrap's `imds`
+"""The controller's instance metadata guard (bootstrap/node_layout.py IMDS_GUARD_*; its bootstrap's `imds`
 step): only root and SlurmUser reach the metadata service, whose answers hold the power role's
 credentials.
 
@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from bootstrap import render
+from bootstrap import node_layout, render, user_data
+from cluster.targets.local import LOCAL_SKIP_STEPS
 from tests.test_bootstrap_render import FACTS
 
 REPO = Path(__file__).resolve().parent.parent
@@ -49,18 +50,18 @@ PROBE = ("import botocore.session as s; c = s.get_session().get_credentials(); "
 
 def test_only_the_controller_gets_the_guard_for_the_real_service():
     facts = FACTS["l4x2"]
-    controller, gpu = (render.role_files(facts, role) for role in render.ROLES)
-    assert {render.IMDS_GUARD_RULES, render.IMDS_GUARD_UNIT_PATH} <= set(controller)
-    assert not {render.IMDS_GUARD_RULES, render.IMDS_GUARD_UNIT_PATH} & set(gpu)  # no role there
-    rules = [ln.strip() for ln in controller[render.IMDS_GUARD_RULES].splitlines() if "reject" in ln]
+    controller, gpu = (render.role_files(facts, role) for role in node_layout.ROLES)
+    assert {node_layout.IMDS_GUARD_RULES, node_layout.IMDS_GUARD_UNIT_PATH} <= set(controller)
+    assert not {node_layout.IMDS_GUARD_RULES, node_layout.IMDS_GUARD_UNIT_PATH} & set(gpu)  # no role there
+    rules = [ln.strip() for ln in controller[node_layout.IMDS_GUARD_RULES].splitlines() if "reject" in ln]
     assert rules == [f"{ip} daddr {addr} tcp dport 80 meta skuid != {{ root, slurm }} reject with tcp reset"
                      for ip, addr in (("ip", "169.254.169.254"), ("ip6", "fd00:ec2::254"))]
-    unit = controller[render.IMDS_GUARD_UNIT_PATH]
-    assert f"ExecStart=/usr/sbin/nft -f {render.IMDS_GUARD_RULES}" in unit
+    unit = controller[node_layout.IMDS_GUARD_UNIT_PATH]
+    assert f"ExecStart=/usr/sbin/nft -f {node_layout.IMDS_GUARD_RULES}" in unit
     assert "Before=network-pre.target" in unit and "WantedBy=sysinit.target" in unit
-    script = render.bootstrap_script(facts, "controller")
-    assert f"systemctl enable {render.IMDS_GUARD_UNIT}" in script
-    assert "imds" in render.LOCAL_SKIP_STEPS["controller"]  # the local cluster's hosts share one machine
+    script = user_data.bootstrap_script(facts, "controller")
+    assert f"systemctl enable {node_layout.IMDS_GUARD_UNIT}" in script
+    assert "imds" in LOCAL_SKIP_STEPS["controller"]  # the local cluster's hosts share one machine
 
 
 # Where systemd reads a drop-in of slurmctld.service (systemd.unit(5), "<unit>.d/*.conf").
@@ -82,13 +83,13 @@ def test_slurmctld_runs_only_with_the_guard_loaded_after_nftables():
     """Fails closed: slurmctld (and so the power programs) requires the guard's unit and starts after
     it; the guard loads after nftables.service (whose /etc/nftables.conf flushes every table) and
     before slurmctld. GPU nodes get neither."""
-    controller, gpu = (render.role_files(FACTS["l4x2"], role) for role in render.ROLES)
+    controller, gpu = (render.role_files(FACTS["l4x2"], role) for role in node_layout.ROLES)
     dropins = {p: t for p, t in controller.items() if p.startswith(SLURMCTLD_DROPINS) and p.endswith(".conf")}
     required = [p for p, t in dropins.items()
-                if all(render.IMDS_GUARD_UNIT in _unit_values(t).get(k, []) for k in GUARD_DEPS)]
+                if all(node_layout.IMDS_GUARD_UNIT in _unit_values(t).get(k, []) for k in GUARD_DEPS)]
     assert len(required) == 1, sorted(dropins)
     assert not any(p.startswith(SLURMCTLD_DROPINS) for p in gpu)
-    unit = _unit_values(controller[render.IMDS_GUARD_UNIT_PATH])
+    unit = _unit_values(controller[node_layout.IMDS_GUARD_UNIT_PATH])
     assert "nftables.service" in unit["After"] and "slurmctld.service" in unit["Before"]
     assert "network-pre.target" in unit["Before"] and unit["DefaultDependencies"] == ["no"]
 
@@ -113,11 +114,11 @@ def test_systemd_starts_slurmctld_with_the_guard_and_no_cycle(tmp_path):
         if path.startswith("/etc/systemd/system/"):
             (units / path.removeprefix("/etc/systemd/system/")).parent.mkdir(parents=True, exist_ok=True)
             (units / path.removeprefix("/etc/systemd/system/")).write_text(text)
-    for unit in ("slurmctld.service", render.IMDS_GUARD_UNIT):
+    for unit in ("slurmctld.service", node_layout.IMDS_GUARD_UNIT):
         res = _systemd_verify(units, unit)
         assert res.returncode == 0 and not res.stderr.strip(), res.stderr
     dropin = next((units / "slurmctld.service.d").iterdir())
-    dropin.write_text(dropin.read_text().replace(render.IMDS_GUARD_UNIT, "slurm-gpu-missing.service"))
+    dropin.write_text(dropin.read_text().replace(node_layout.IMDS_GUARD_UNIT, "slurm-gpu-missing.service"))
     res = _systemd_verify(units, "slurmctld.service")
     assert res.returncode != 0 and "slurm-gpu-missing.service" in res.stderr, res.stderr
 
@@ -139,7 +140,7 @@ def test_only_root_and_slurm_take_the_role_credentials(tmp_path):
         USERS["slurm"]), "the slurm user (Debian's slurm-wlm, uid 64030) is missing"
     facts = dataclasses.replace(FACTS["l4x2"], spot_imds=f"http://127.0.0.1:{PORT}")
     rules = tmp_path / "imds-guard.nft"
-    rules.write_text(render.render_imds_guard(facts)[render.IMDS_GUARD_RULES])
+    rules.write_text(render.render_imds_guard(facts)[node_layout.IMDS_GUARD_RULES])
     state = tmp_path / "imds.json"
     state.write_text(json.dumps({"credentials": {
         "role": "slurm-gpu-power", "Code": "Success", "AccessKeyId": FAKE_KEY, "SecretAccessKey": "x" * 40,
@@ -169,7 +170,7 @@ def test_first_boot_has_nft_before_the_slurm_package_starts_slurmctld(tmp_path):
         (bindir / tool).write_text(text)
         (bindir / tool).chmod(0o755)
     facts = FACTS["l4x2"]
-    script = render.bootstrap_script(facts, "controller").rsplit("run_steps", 1)[0]
+    script = user_data.bootstrap_script(facts, "controller").rsplit("run_steps", 1)[0]
     (tmp_path / "controller.sh").write_text(script)
     res = subprocess.run(["bash", "-c", f'source "{tmp_path}/controller.sh"; step_packages'],
                          env={"PATH": f"{bindir}:/usr/bin:/bin", "T": str(tmp_path)}, capture_output=True,
@@ -178,5 +179,5 @@ def test_first_boot_has_nft_before_the_slurm_package_starts_slurmctld(tmp_path):
     installs = [c.split(" install -y ", 1)[1].split() for c in (tmp_path / "apt-calls").read_text().splitlines()
                 if " install -y " in c]
     assert installs[0] == ["nftables"] and "slurm-wlm" in installs[-1], installs
-    order = render.STEPS["controller"]
+    order = node_layout.STEPS["controller"]
     assert order.index("packages") < order.index("imds") < order.index("services")

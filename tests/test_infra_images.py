@@ -11,7 +11,8 @@ import re
 import pytest
 import yaml
 
-from bootstrap import render
+from bootstrap import node_layout
+from cluster import hostpaths
 from cluster.platform import AWS
 from infra.config import ConfigError
 from tests.test_bootstrap_render import script_packages
@@ -148,13 +149,13 @@ def test_controller_user_data_needs_no_gpu_driver_or_efa():
     controller, _ = _instances(run)
     doc = yaml.safe_load(user_data_of(controller[0]))
     files = _decoded_files(doc)
-    served = {render.SLURM_CONF, render.GRES_CONF, render.CGROUP_CONF}
+    served = {node_layout.SLURM_CONF, node_layout.GRES_CONF, node_layout.CGROUP_CONF}
     for path, text in files.items():
         if path in served:
             continue
         found = re.findall(r"\b(?:nvidia[\w-]*|cuda|efa|fi_info|fabricmanager)\b|/opt/amazon", text, re.I)
         assert not found, (path, found)
-    assert not any("nvidia" in p or "cuda" in p for p in script_packages(files[render.BOOTSTRAP_PATH]))
+    assert not any("nvidia" in p or "cuda" in p for p in script_packages(files[hostpaths.BOOTSTRAP_PATH]))
 
 
 BAD = [

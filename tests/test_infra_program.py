@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pytest
 import yaml
 
-from bootstrap import render
+from bootstrap import node_layout, render, user_data
 from cluster.facts import ClusterFacts, Host, NodeShape, PowerSave, facts_from_dict, max_gpu_nodes
 from cluster.inventory import Inventory
 from infra.config import ConfigError
@@ -369,7 +369,7 @@ def test_user_data_is_rendered_from_the_cluster_facts(deployed):
     ctl_ud = user_data_of(controller[0])
     doc = yaml.safe_load(ctl_ud)
     files = _decoded_files(doc)
-    nodes = _node_lines(files[render.SLURM_CONF])
+    nodes = _node_lines(files[node_layout.SLURM_CONF])
     # Slurm node lines follow config (names, IPs, count) and instance facts.
     assert [n["NodeName"] for n in nodes] == [f"gpu-node-{i:02d}" for i in range(1, len(case.ips))]
     assert [n["NodeAddr"] for n in nodes] == list(case.ips[1:])
@@ -399,12 +399,12 @@ def test_user_data_is_rendered_from_the_cluster_facts(deployed):
                              resume_timeout=900, provider="ec2", region="ap-northeast-2",
                              stack="slurm-gpu/test"),  # the stack tag the power programs look for
     )
-    assert ctl_ud == render.user_data(facts, "controller")
+    assert ctl_ud == user_data.user_data(facts, "controller")
     # Each GPU node gets its own user-data, made from the controller and itself only.
     for node, host in zip(gpus, facts.gpu_nodes, strict=True):
-        assert user_data_of(node) == render.user_data(facts, "gpu", host.name)
+        assert user_data_of(node) == user_data.user_data(facts, "gpu", host.name)
         files = _decoded_files(yaml.safe_load(user_data_of(node)))
-        assert render.SLURM_CONF not in files and render.GRES_CONF not in files  # configless
+        assert node_layout.SLURM_CONF not in files and node_layout.GRES_CONF not in files  # configless
     assert len({user_data_of(n) for n in gpus}) == len(gpus)
     # The controller's user-data is read at first boot only: node-list changes go by
     # `fab reconfigure`, so the program never stops the controller to change it.
@@ -455,7 +455,7 @@ def test_the_largest_cluster_a_small_subnet_holds_fits_in_user_data():
     controller, gpus = _instances(run)
     assert count == 52 and len(gpus) == 52
     assert gpus[-1].inputs["tags"]["Name"] == "mini-gpu-node-52"
-    conf = _decoded_files(yaml.safe_load(user_data_of(controller[0])))[render.SLURM_CONF]
+    conf = _decoded_files(yaml.safe_load(user_data_of(controller[0])))[node_layout.SLURM_CONF]
     lines = _node_lines(conf)
     assert len(lines) == 52 and lines[-1]["NodeAddr"] == "10.0.1.62"
     for inst in controller + gpus[:1]:
@@ -492,7 +492,7 @@ def test_inventory_output_is_what_fab_reads(deployed):
     assert [(h.name, h.ip) for h in facts.hosts] == [(n.name, n.private_ip) for n in inv.nodes]
     assert (facts.subnet_cidr, facts.shape.gpu_count, facts.efa) == (case.subnet, case.gpus, case.efa)
     ctl_files = _decoded_files(yaml.safe_load(user_data_of(_instances(run)[0][0])))
-    assert render.render_slurm_conf(facts) == ctl_files[render.SLURM_CONF]
+    assert render.render_slurm_conf(facts) == ctl_files[node_layout.SLURM_CONF]
     assert (inv.gpus_per_node, inv.gpu_type, inv.nvlink, inv.efa) == (case.gpus, case.gres, case.nvlink, case.efa)
     assert inv.python == "/opt/slurm-gpu/venv/bin/python"
     assert inv.service_cmd.format(action="restart", service="slurmd") == "sudo systemctl restart slurmd"

@@ -17,7 +17,7 @@ from pathlib import Path
 import pulumi_aws
 import pytest
 
-from bootstrap import render
+from bootstrap import node_pins, render
 from infra import nodes
 from tests.test_infra_mocks import Run, run_program, stack_config
 
@@ -106,14 +106,14 @@ def test_a_code_update_changes_no_running_instance(monkeypatch):
     """`pulumi up` after a `git pull` that changed the GPU nodes' templates and pins: every
     instance's user-data differs, and the engine sees no other change (user-data ignored)."""
     first = _instances(run_program(stack_config()))
-    pins = render.training_requirements
+    pins = node_pins.training_requirements
 
     def newer_pins(platform):
         return [p.replace("torch==", "torch==9.") if p.startswith("torch==") else p for p in pins(platform)]
 
     healthcheck = render.render_healthcheck
     monkeypatch.setattr(render, "training_requirements", newer_pins)
-    monkeypatch.setattr(render, "render_healthcheck", lambda facts: healthcheck(facts) + "# newer check\n")
+    monkeypatch.setattr(render, "render_healthcheck", lambda facts: healthcheck(facts) + "true  # newer check\n")
     second = _instances(run_program(stack_config()))
     assert set(first) == set(second)
     changed = []

@@ -89,12 +89,12 @@ def test_common_directives_and_launch(nodes):
     # By address: GPU nodes resolve only the controller's name and their own.
     assert 'MASTER_ADDR=$(scontrol show node -o "$first_node" | sed -n' in s
     assert "srun -K1 -l --gres=gpu:4 bash -c" in s and '"$0" -m torch.distributed.run' in s
-    assert "\n  /opt/slurm-gpu/venv/bin/python \\\n" in s
+    assert "\n  '/opt/slurm-gpu/venv/bin/python' \\\n" in s
     # Each node's agent publishes its own address, not a host name the other nodes cannot resolve.
     assert '${addr:+--local_addr="$addr"}' in s and 'getent ahostsv4 "$(hostname)"' in s
     assert '--rdzv_backend=c10d' in s and '--rdzv_id="$SLURM_JOB_ID"' in s
     assert '--rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT"' in s and "MASTER_PORT=29500" in s
-    assert "-m training.train" in s and "--config /scratch/slurm-gpu/jobs/20260101-abc/config.yaml" in s
+    assert "-m training.train" in s and "--config '/scratch/slurm-gpu/jobs/20260101-abc/config.yaml'" in s
     # flags are shell-quoted and None values dropped
     assert "--model_name_or_path '/scratch/my model'" in s and "--n_examples 64" in s and "--x " not in s
     # bounded requeue
@@ -108,7 +108,7 @@ def test_a_torch_without_libuv_keeps_the_rendezvous_in_a_file():
     make their own store without libuv. Nothing else of the job differs."""
     s = finetune(boot_inventory(BOOT_DEBIAN13), gpus=2)
     assert "export USE_LIBUV=0 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1\n" in s
-    assert 'rdzv_file=/scratch/slurm-gpu/jobs/20260101-abc/work/rdzv-$SLURM_JOB_ID-$restart\n' in s
+    assert "rdzv_file='/scratch/slurm-gpu/jobs/20260101-abc/work'/rdzv-$SLURM_JOB_ID-$restart\n" in s
     assert ('  --rdzv_backend=c10d \\\n  --rdzv_endpoint="$rdzv_file" \\\n  --rdzv_conf=store_type=file \\\n'
             '  --rdzv_id="$SLURM_JOB_ID" \\\n') in s
     assert s.index('restart=${SLURM_RESTART_COUNT:-0}') < s.index("rdzv_file=")
@@ -128,7 +128,7 @@ def test_sanity_aws_counts_nvidia_smi_and_local_checks_standins():
     aws = jobs.render_sanity(jobs.base_spec(inventory(), jobs.SANITY_NAME, 2, 4, "/scratch/j",
                                             script_path="/scratch/j/sanity.sbatch"))
     assert "nvidia-smi -L" in aws and "gpu-standin" not in aws
-    assert "exec srun -K1 -l --gres=gpu:4 bash /scratch/j/sanity.sbatch --task" in aws
+    assert "exec srun -K1 -l --gres=gpu:4 bash '/scratch/j/sanity.sbatch' --task" in aws
     local = jobs.render_sanity(jobs.base_spec(inventory(target="local", gpus=2), jobs.SANITY_NAME, 2, 2,
                                               "/scratch/j", script_path="/scratch/j/sanity.sbatch"))
     assert "nvidia-smi" not in local and '"/var/lib/slurm/gpu-standin/nvidia$i"' in local

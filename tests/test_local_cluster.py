@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 
-from bootstrap import render
+from bootstrap import node_layout, render, user_data
 from localcluster import files, hosts, netns, plan, preflight, state
 from localcluster import lifecycle as cluster
 from localcluster import topology as layout
@@ -86,7 +86,7 @@ def test_hosts_have_own_names_and_the_inventory_describes_them(lc):
         assert run(c, "hostname").stdout.strip() == name
         # Each host sees its own stand-in GPU files; slurmd runs configless: no local slurm.conf.
         run(c, f"test -f {layout.GPU_DEVICE_PREFIX}{GPUS - 1}")
-        run(c, f"test ! -e {render.SLURM_CONF}")
+        run(c, f"test ! -e {node_layout.SLURM_CONF}")
 
 
 @pytest.mark.cluster
@@ -126,7 +126,7 @@ def test_fresh_gpu_hosts_cannot_decode_the_controllers_credential(lc):
     # keeps a systemd slurmd off while the mark is there).
     assert all(state != "idle" for state, _ in sinfo_nodes(controller).values())
     for name, c in nodes.items():
-        assert run(c, f"test -e {render.NODE_LOCAL_KEY_MARKER} && echo marked").stdout.strip() == "marked", name
+        assert run(c, f"test -e {node_layout.NODE_LOCAL_KEY_MARKER} && echo marked").stdout.strip() == "marked", name
 
 
 @pytest.mark.cluster
@@ -140,7 +140,7 @@ def test_key_distribution_then_rerun_skips(lc):
         assert run(c, "stat -c '%U:%G %a' /etc/munge /etc/munge/munge.key").stdout.split() \
             == ["munge:munge", "700", "munge:munge", "400"]
         # The cluster's key is in: the node-local key's mark is gone, so slurmd may start.
-        assert run(c, f"test -e {render.NODE_LOCAL_KEY_MARKER} || echo gone").stdout.strip() == "gone", name
+        assert run(c, f"test -e {node_layout.NODE_LOCAL_KEY_MARKER} || echo gone").stdout.strip() == "gone", name
     # The other direction too: a node's credential decodes on the controller.
     cred = run(nodes[NODE_NAMES[0]], "munge -n").stdout
     assert "ENCODE_HOST:" in run(controller, "unmunge", in_stream=WholeInput(cred)).stdout
@@ -222,13 +222,13 @@ def test_down_leaves_nothing(lc):
 @pytest.mark.cluster
 def test_failed_up_cleans_up(lc, monkeypatch):
     # A bootstrap script that fails on the GPU hosts, after the controller is made.
-    real = render.bootstrap_script
+    real = render.render_bootstrap_script
 
-    def failing(facts, role, hostname=None, **kwargs):
-        text = real(facts, role, hostname, **kwargs)
+    def failing(facts, role, hostname, version):
+        text = real(facts, role, hostname, version)
         return text if role == "controller" else "#!/bin/bash\necho 'no GPUs here' >&2\nexit 7\n"
 
-    monkeypatch.setattr(render, "bootstrap_script", failing)
+    monkeypatch.setattr(user_data, "render_bootstrap_script", failing)
     with pytest.raises(hosts.HostSetupError, match="gpu-node-0[12].*no GPUs here"):
         cluster.up(nodes=NODES, gpus=GPUS, fresh_keys=True, out=lambda _m: None)
     assert_nothing_left(set())

@@ -137,7 +137,7 @@ def test_rendered_check_runs_the_program_with_the_targets_backend():
     aws = jobs.render_netcheck(jobs.base_spec(inventory(), jobs.NETCHECK_NAME, 2, 4, "/scratch/c",
                                               time_limit="00:03:00"), (8192, 1 << 20), 0.3, None)
     assert "backend=nccl" in aws and "NCCL_DEBUG=INFO" in aws and "GLOO_SOCKET_IFNAME" not in aws
-    assert "/scratch/c/allreduce_check.py" in aws and "--sizes 8192,1048576" in aws
+    assert "'/scratch/c'/allreduce_check.py" in aws and "--sizes 8192,1048576" in aws
     assert "#SBATCH --time=00:03:00" in aws
     local = jobs.render_netcheck(jobs.base_spec(inventory(target="local", gpus=1), jobs.NETCHECK_NAME, 3, 1,
                                                 "/scratch/c", time_limit="00:03:00"), (4096,), 0.3, "eth0")

@@ -1,4 +1,4 @@
-"""Bootstrap versions and the steps an update runs again (bootstrap/render.py, bootstrap/steps.py).
+"""Bootstrap versions and the steps an update runs again (bootstrap/user_data.py, bootstrap/steps.py).
 
 Each node records the version of the bootstrap it ran; `fab status` compares it with what the code
 renders for that node, and `fab update-nodes` runs the steps a change touches. The real run on the
@@ -16,13 +16,15 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from bootstrap import render, steps
+from bootstrap import node_layout, node_pins, render, shipped_form, steps, user_data
+from cluster import hostpaths
+from cluster.targets.local import LOCAL_SKIP_STEPS
 from ops.actions import node_update
 from ops.ssh.remote import Cluster
 from tests.test_bootstrap_render import FACTS, make_facts
 
 FACTS_L4 = FACTS["l4x2"]
-GPU_STEPS = render.STEPS["gpu"]
+GPU_STEPS = node_layout.STEPS["gpu"]
 
 
 def _user_data_files(text: str) -> dict[str, str]:
@@ -34,51 +36,72 @@ def _user_data_files(text: str) -> dict[str, str]:
 
 
 def test_the_version_is_a_deterministic_hash_of_the_nodes_own_files():
-    v1 = render.bootstrap_version(FACTS_L4, "gpu", "gpu-node-01")
-    assert v1 == render.bootstrap_version(FACTS_L4, "gpu", "gpu-node-01")
+    v1 = user_data.bootstrap_version(FACTS_L4, "gpu", "gpu-node-01")
+    assert v1 == user_data.bootstrap_version(FACTS_L4, "gpu", "gpu-node-01")
     assert len(v1) == 16 and int(v1, 16) >= 0
-    assert v1 != render.bootstrap_version(FACTS_L4, "gpu", "gpu-node-02")  # its name and address
+    assert v1 != user_data.bootstrap_version(FACTS_L4, "gpu", "gpu-node-02")  # its name and address
     # The user-data a node boots carries that version in its script, which records it at the end.
-    files = _user_data_files(render.user_data(FACTS_L4, "gpu", "gpu-node-01"))
-    assert files == render.shipped(render.bootstrap_files(FACTS_L4, "gpu", "gpu-node-01"))  # comments aside
-    script = files[render.BOOTSTRAP_PATH]
+    files = _user_data_files(user_data.user_data(FACTS_L4, "gpu", "gpu-node-01"))
+    assert files == shipped_form.shipped(user_data.bootstrap_files(FACTS_L4, "gpu", "gpu-node-01"))  # comments aside
+    script = files[hostpaths.BOOTSTRAP_PATH]
     assert f"BOOTSTRAP_VERSION='{v1}'" in script
-    assert f'echo "$BOOTSTRAP_VERSION" > \'{render.VERSION_PATH}\'' in script
-    controller = _user_data_files(render.user_data(FACTS_L4, "controller"))[render.BOOTSTRAP_PATH]
-    assert f"BOOTSTRAP_VERSION='{render.bootstrap_version(FACTS_L4, 'controller', 'controller')}'" in controller
+    assert f'echo "$BOOTSTRAP_VERSION" > \'{node_layout.VERSION_PATH}\'' in script
+    controller = _user_data_files(user_data.user_data(FACTS_L4, "controller"))[hostpaths.BOOTSTRAP_PATH]
+    assert f"BOOTSTRAP_VERSION='{user_data.bootstrap_version(FACTS_L4, 'controller', 'controller')}'" in controller
 
 
 def test_the_version_follows_templates_and_pins_not_other_nodes(monkeypatch):
-    v1 = render.bootstrap_version(FACTS_L4, "gpu", "gpu-node-01")
+    v1 = user_data.bootstrap_version(FACTS_L4, "gpu", "gpu-node-01")
     grown = make_facts("mini", "10.0.1.0/24", 3, FACTS_L4.shape)
-    assert render.bootstrap_version(grown, "gpu", "gpu-node-01") == v1  # a node added: no change here
+    assert user_data.bootstrap_version(grown, "gpu", "gpu-node-01") == v1  # a node added: no change here
     healthcheck = render.render_healthcheck
-    monkeypatch.setattr(render, "render_healthcheck", lambda facts: healthcheck(facts) + "# newer\n")
-    assert render.bootstrap_version(FACTS_L4, "gpu", "gpu-node-01") != v1
+    monkeypatch.setattr(render, "render_healthcheck", lambda facts: healthcheck(facts) + "true  # newer\n")
+    assert user_data.bootstrap_version(FACTS_L4, "gpu", "gpu-node-01") != v1
     monkeypatch.undo()
-    pins = render.training_requirements
+    pins = node_pins.training_requirements
     monkeypatch.setattr(render, "training_requirements",
                         lambda p: [x.replace("peft==", "peft==9.") for x in pins(p)])
-    assert render.bootstrap_version(FACTS_L4, "gpu", "gpu-node-01") != v1
+    assert user_data.bootstrap_version(FACTS_L4, "gpu", "gpu-node-01") != v1
+
+
+AWS_NODES = (("controller", None), ("gpu", "gpu-node-01"))
+
+
+def test_the_local_clusters_skip_list_leaves_the_aws_version_alone(monkeypatch):
+    """Issue 47: the local cluster's skip list (LOCAL_SKIP_STEPS) is named in a comment of every bootstrap
+    script, which user-data drops; editing it showed every AWS node as "behind". The version is a hash of
+    what the AWS hosts receive, so it stays; what they receive does change it."""
+    versions = {role: user_data.bootstrap_version(FACTS_L4, role, host) for role, host in AWS_NODES}
+    texts = {role: user_data.user_data(FACTS_L4, role, host) for role, host in AWS_NODES}
+    scripts = {role: user_data.bootstrap_script(FACTS_L4, role, host) for role, host in AWS_NODES}
+    monkeypatch.setitem(LOCAL_SKIP_STEPS, "gpu", (*LOCAL_SKIP_STEPS["gpu"], "gpus"))
+    monkeypatch.setitem(LOCAL_SKIP_STEPS, "controller", LOCAL_SKIP_STEPS["controller"][1:])
+    for role, host in AWS_NODES:
+        assert user_data.bootstrap_script(FACTS_L4, role, host) != scripts[role]  # the comment names the new list
+        assert user_data.user_data(FACTS_L4, role, host) == texts[role]  # the AWS hosts get the same bytes
+        assert user_data.bootstrap_version(FACTS_L4, role, host) == versions[role]
+    monkeypatch.setattr(render, "APT_LOCK_TIMEOUT_S", 901)  # in a file both roles receive
+    for role, host in AWS_NODES:
+        assert user_data.bootstrap_version(FACTS_L4, role, host) != versions[role]
 
 
 def _script() -> str:
-    return render.bootstrap_files(FACTS_L4, "gpu", "gpu-node-01")[render.BOOTSTRAP_PATH]
+    return user_data.bootstrap_files(FACTS_L4, "gpu", "gpu-node-01")[hostpaths.BOOTSTRAP_PATH]
 
 
 def test_a_changed_step_runs_alone():
     new = _script()
     old = new.replace('bash -n "$hc"', 'bash -n "$hc" || true')
     assert old != new
-    assert steps.changed_steps(old, new, {render.BOOTSTRAP_PATH}, GPU_STEPS) == ["healthcheck"]
+    assert steps.changed_steps(old, new, {hostpaths.BOOTSTRAP_PATH}, GPU_STEPS) == ["healthcheck"]
 
 
 def test_a_changed_file_runs_the_step_that_reads_it():
     s = _script()
-    assert steps.changed_steps(s, s, {render.HOSTS_BLOCK_FILE}, GPU_STEPS) == ["hosts"]
-    assert steps.changed_steps(s, s, {render.SLURMD_DROPIN, render.HEALTHCHECK_PATH}, GPU_STEPS) == \
+    assert steps.changed_steps(s, s, {node_layout.HOSTS_BLOCK_FILE}, GPU_STEPS) == ["hosts"]
+    assert steps.changed_steps(s, s, {node_layout.SLURMD_DROPIN, hostpaths.HEALTHCHECK_PATH}, GPU_STEPS) == \
         ["healthcheck", "services"]
-    assert steps.changed_steps(s, s, {render.APT_LOCK_CONF}, GPU_STEPS) == []
+    assert steps.changed_steps(s, s, {node_layout.APT_LOCK_CONF}, GPU_STEPS) == []
     assert steps.changed_steps(s, s, {"/etc/slurm-gpu/something-new"}, GPU_STEPS) == list(GPU_STEPS)
 
 
@@ -91,12 +114,12 @@ def test_a_changed_helper_or_head_or_unknown_old_script_runs_every_step():
     assert steps.changed_steps(head, new, set(), GPU_STEPS) == list(GPU_STEPS)
     # Only the version line or comments: no step (the run only records the new version).
     other = new.replace("BOOTSTRAP_VERSION='", "BOOTSTRAP_VERSION='0").replace("# Steps, in order", "# Steps")
-    assert other != new and steps.changed_steps(other, new, {render.BOOTSTRAP_PATH}, GPU_STEPS) == []
+    assert other != new and steps.changed_steps(other, new, {hostpaths.BOOTSTRAP_PATH}, GPU_STEPS) == []
 
 
 def test_every_rendered_gpu_file_is_read_by_a_known_step():
     """A new rendered file needs its step in FILE_STEPS (else every update reruns all steps)."""
-    files = set(render.bootstrap_files(FACTS_L4, "gpu", "gpu-node-01")) - {render.BOOTSTRAP_PATH}
+    files = set(user_data.bootstrap_files(FACTS_L4, "gpu", "gpu-node-01")) - {hostpaths.BOOTSTRAP_PATH}
     assert files <= set(steps.FILE_STEPS), sorted(files - set(steps.FILE_STEPS))
     assert {s for s in steps.FILE_STEPS.values() if s} <= set(GPU_STEPS)
 

@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from bootstrap import render
+from bootstrap import user_data
+from cluster import hostpaths
 from cluster.facts import facts_from_dict
 from localcluster import topology as layout
 from ops.actions import node_update, slurm, status_view
@@ -72,7 +73,7 @@ def test_status_names_nodes_behind_and_update_takes_idle_ones_only():
             # The idle node: this checkout's script, its version recorded, back in service.
             host = layout.host_dir("gpu-node-01")
             assert (host / "sbin" / "slurm-gpu-bootstrap").read_text() == \
-                render.bootstrap_files(facts, "gpu", "gpu-node-01")[render.BOOTSTRAP_PATH]
+                user_data.bootstrap_files(facts, "gpu", "gpu-node-01")[hostpaths.BOOTSTRAP_PATH]
             assert (host / "lib-slurm" / "slurm-gpu" / "bootstrap.version").read_text().strip() == \
                 node_update.current_version(facts, "gpu-node-01")
             statuses = {p.stem: p.read_text().split()[0]

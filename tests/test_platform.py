@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from bootstrap import render
+from bootstrap import render, user_data
 from cluster.facts import ClusterFacts, NodeShape, facts_from_dict, facts_to_dict, plan_hosts
 from cluster.platform import AWS, LOCAL, platform
 from localcluster import plan as local_plan
@@ -95,7 +95,7 @@ def test_controller_boots_the_gpu_nodes_os_python_and_arch():
     assert f"({AWS.os})" in images["gpu"].name and "ARM64" not in images["gpu"].name
     assert f"-noble-{version}-amd64-" in images["controller"].name  # Canonical's name: codename, release, arch
     assert AWS.os == "Ubuntu 24.04" and AWS.arch == ARCH == "x86_64"  # noble is 24.04; amd64 is x86_64
-    script = render.bootstrap_script(_facts(), "controller")
+    script = user_data.bootstrap_script(_facts(), "controller")
     assert f"nodes='{AWS.python} {AWS.glibc} {AWS.arch}'" in script
     assert "are not the GPU nodes'" in script
 

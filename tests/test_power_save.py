@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import tests.test_infra_mocks as harness
-from bootstrap import render
+from bootstrap import node_layout, node_pins, render, user_data
 from cluster.facts import ClusterFacts, NodeShape, PowerSave, plan_hosts
 from infra.config import ConfigError, StackConfig
 from ops.actions import node_power as power
@@ -82,16 +82,16 @@ def test_slurm_conf_power_keys():
 def test_no_power_keys_when_nodes_never_stop():
     text = render.render_slurm_conf(facts(None))
     assert not re.search(r"^(Suspend|Resume)", text, re.M)
-    assert render.SUSPEND_PATH not in render.render_files(facts(None))
-    assert render.POWER_VENV not in render.bootstrap_script(facts(None), "controller")
+    assert node_layout.SUSPEND_PATH not in render.render_files(facts(None))
+    assert node_layout.POWER_VENV not in user_data.bootstrap_script(facts(None), "controller")
 
 
 def test_power_programs_only_on_the_controller():
     f = facts(EC2)
-    programs = {render.SUSPEND_PATH, render.RESUME_PATH, render.POWER_PATH}
+    programs = {node_layout.SUSPEND_PATH, node_layout.RESUME_PATH, node_layout.POWER_PATH}
     assert programs <= set(render.role_files(f, "controller"))
     assert not programs & set(render.role_files(f, "gpu"))
-    assert render.FILE_MODES[render.SUSPEND_PATH] == 0o755  # slurmctld refuses group/world-writable
+    assert node_layout.FILE_MODES[node_layout.SUSPEND_PATH] == 0o755  # slurmctld refuses group/world-writable
 
 
 def test_slurmd_accepts_the_power_keys(tmp_path):
@@ -329,7 +329,7 @@ def test_the_start_failed_reason_is_one_bounded_line(tmp_path, start_failed):
                       "line one\nline two\t" + "x" * 500]) == 0
     ((*_, reason),) = calls()
     assert reason.startswith("reason=start failed: Weird: line one line two x")
-    assert len(reason.removeprefix("reason=")) == render.START_FAILED_MAX
+    assert len(reason.removeprefix("reason=")) == node_layout.START_FAILED_MAX
 
 
 def test_programs_run_from_their_own_venv_with_only_slurm_conf(tmp_path, slurm_conf):
@@ -340,20 +340,20 @@ def test_programs_run_from_their_own_venv_with_only_slurm_conf(tmp_path, slurm_c
     subprocess.run(["python3", "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     program = tmp_path / "slurm-gpu-power"
     program.write_text(render.render_power_program(facts(EC2)).replace(
-        repr(render.POWER_LOG), repr(str(tmp_path / "power.log")), 1))
+        repr(node_layout.POWER_LOG), repr(str(tmp_path / "power.log")), 1))
     for action in ("suspend", "resume"):
         wrapper = render.render_power_program(facts(EC2), action)
-        exec_line = f"exec {render.POWER_VENV}/bin/python3 {render.POWER_PATH} {action} \"$@\""
+        exec_line = f"exec {node_layout.POWER_VENV}/bin/python3 {node_layout.POWER_PATH} {action} \"$@\""
         assert wrapper.startswith("#!/bin/sh\n") and exec_line in wrapper.splitlines()
         path = tmp_path / f"slurm-gpu-{action}"
-        path.write_text(wrapper.replace(render.POWER_VENV, str(venv)).replace(render.POWER_PATH, str(program)))
+        path.write_text(wrapper.replace(node_layout.POWER_VENV, str(venv)).replace(node_layout.POWER_PATH, str(program)))
         path.chmod(0o755)
         res = subprocess.run([str(path), "gpu-node-01"], env={"SLURM_CONF": str(slurm_conf)},
                              capture_output=True, text=True, timeout=60)
         assert res.returncode == 1, res.stderr
     log = (tmp_path / "power.log").read_text()
     assert log.count(f"boto3 is missing from {venv}/bin/python3; install it: sudo python3 -m venv {venv} && "
-                     f"sudo {venv}/bin/python3 -m pip install {' '.join(render.power_pins())}") == 2
+                     f"sudo {venv}/bin/python3 -m pip install {' '.join(node_pins.power_pins())}") == 2
 
 
 def test_the_region_is_the_stacks_else_the_instance_metadatas(tmp_path, monkeypatch):
@@ -417,7 +417,7 @@ def test_power_programs_compile_and_the_bootstrap_passes_shellcheck(tmp_path):
     if not shutil.which("shellcheck"):
         pytest.skip("shellcheck not installed")
     ctl = tmp_path / "controller.sh"
-    ctl.write_text(render.bootstrap_script(facts(EC2), "controller"))
+    ctl.write_text(user_data.bootstrap_script(facts(EC2), "controller"))
     wrappers = []
     for action in ("suspend", "resume"):
         wrappers.append(tmp_path / action)
@@ -441,8 +441,8 @@ def power_step(tmp_path, monkeypatch):
 
     def run(power_save=EC2):
         script = tmp_path / "bootstrap-controller"
-        script.write_text(render.bootstrap_script(facts(power_save), "controller"))
-        skip = " ".join(s for s in render.STEPS["controller"] if s != "power")
+        script.write_text(user_data.bootstrap_script(facts(power_save), "controller"))
+        skip = " ".join(s for s in node_layout.STEPS["controller"] if s != "power")
         return subprocess.run(["bash", str(script)], env={**os.environ, "SLURM_GPU_SKIP_STEPS": skip},
                               capture_output=True, text=True, timeout=600)
 
@@ -452,7 +452,7 @@ def power_step(tmp_path, monkeypatch):
 def test_controller_power_step_fails_by_name_when_boto3_is_missing(power_step):
     run, venv = power_step
     subprocess.run(["python3", "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
-    (venv / ".slurm-gpu-pins").write_text(" ".join(render.power_pins()) + "\n")  # pins recorded, boto3 gone
+    (venv / ".slurm-gpu-pins").write_text(" ".join(node_pins.power_pins()) + "\n")  # pins recorded, boto3 gone
     res = run()
     assert res.returncode != 0
     out = res.stdout + res.stderr
@@ -473,7 +473,7 @@ def test_controller_power_step_installs_the_pinned_boto3(power_step):
     run, venv = power_step
     res = run()
     assert res.returncode == 0, res.stdout + res.stderr
-    pins = dict(p.split("==") for p in render.power_pins())
+    pins = dict(p.split("==") for p in node_pins.power_pins())
     assert f"power saving: boto3 {pins['boto3']} in {venv}" in res.stdout
     got = subprocess.run([str(venv / "bin/python3"), "-c", "import botocore; print(botocore.__version__)"],
                          capture_output=True, text=True, check=True).stdout.strip()
@@ -552,7 +552,7 @@ def test_a_failed_start_is_read_from_the_reason_with_what_to_do():
     assert "slurm-gpu:availabilityZone" in advice and "describe-instance-type-offerings" in advice
     assert "Capacity Reservation" in advice and "--placement-group-arn" in advice
     other = power.advice("start failed: UnauthorizedOperation: not authorized")
-    assert "Availability Zone" not in other and render.POWER_LOG in other
+    assert "Availability Zone" not in other and node_layout.POWER_LOG in other
 
 
 def test_the_line_fab_train_prints_for_a_stopped_node():

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from bootstrap import render
+from bootstrap import node_layout, render
 from cluster.facts import facts_from_dict
 from localcluster import topology as layout
 from ops.actions import reconfigure, slurm
@@ -78,7 +78,7 @@ def test_reconfigure_shrinks_refuses_busy_nodes_and_grows_back():
             assert sorted(slurm.node_states(ctl)) == ["gpu-node-01"]
             facts = facts_from_dict(one.inventory.facts)
             assert (layout.ETC_SLURM / "slurm.conf").read_text() == render.render_slurm_conf(facts)
-            assert "gpu-node-02" not in ctl.run(f"cat {render.HOSTS_BLOCK_FILE} /etc/hosts", hide=True).stdout
+            assert "gpu-node-02" not in ctl.run(f"cat {node_layout.HOSTS_BLOCK_FILE} /etc/hosts", hide=True).stdout
             # The remaining GPU host fetched the new configuration (configless): it no longer lists node 2.
             cached = cl.nodes["gpu-node-01"].run("cat /run/slurm/conf/slurm.conf", hide=True).stdout
             assert cached == render.render_slurm_conf(facts)

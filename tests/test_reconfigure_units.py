@@ -48,20 +48,20 @@ def test_inventory_json_round_trip_keeps_the_facts():
 def test_power_save_turned_on_later_installs_its_programs_with_slurm_conf():
     """The controller ignores user-data changes, so its power programs come with `fab reconfigure`
     (the same step that installs the slurm.conf naming them)."""
-    from bootstrap import render
+    from bootstrap import node_layout, render
     from tests.test_power_save import EC2, facts
 
     off = reconfigure.controller_files(render.render_files(facts(None)))
     on = reconfigure.controller_files(render.render_files(facts(EC2)))
-    assert not {render.SUSPEND_PATH, render.RESUME_PATH, render.POWER_PATH} & set(off)
-    assert "SuspendProgram" not in off[render.SLURM_CONF]
-    assert f"SuspendProgram={render.SUSPEND_PATH}" in on[render.SLURM_CONF]
-    assert f"ResumeProgram={render.RESUME_PATH}" in on[render.SLURM_CONF]
-    assert on[render.POWER_PATH].startswith(f"#!{render.POWER_VENV}/bin/python3") and "boto3" in on[render.POWER_PATH]
-    for path in (render.SUSPEND_PATH, render.RESUME_PATH, render.POWER_PATH):
-        assert render.FILE_MODES[path] == 0o755
-    for path in (render.SUSPEND_PATH, render.RESUME_PATH):
-        assert f"exec {render.POWER_VENV}/bin/python3 {render.POWER_PATH} " in on[path], path
+    assert not {node_layout.SUSPEND_PATH, node_layout.RESUME_PATH, node_layout.POWER_PATH} & set(off)
+    assert "SuspendProgram" not in off[node_layout.SLURM_CONF]
+    assert f"SuspendProgram={node_layout.SUSPEND_PATH}" in on[node_layout.SLURM_CONF]
+    assert f"ResumeProgram={node_layout.RESUME_PATH}" in on[node_layout.SLURM_CONF]
+    assert on[node_layout.POWER_PATH].startswith(f"#!{node_layout.POWER_VENV}/bin/python3") and "boto3" in on[node_layout.POWER_PATH]
+    for path in (node_layout.SUSPEND_PATH, node_layout.RESUME_PATH, node_layout.POWER_PATH):
+        assert node_layout.FILE_MODES[path] == 0o755
+    for path in (node_layout.SUSPEND_PATH, node_layout.RESUME_PATH):
+        assert f"exec {node_layout.POWER_VENV}/bin/python3 {node_layout.POWER_PATH} " in on[path], path
 
 
 class _Here:

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bootstrap import render
+from bootstrap import node_layout, render, user_data
 from cluster.facts import ClusterFacts, NodeShape, plan_hosts
 from tests.test_infra_mocks import SSH_KEY, run_program, stack_config, user_data_of
 
@@ -136,9 +136,9 @@ def test_scratch_exported_to_the_subnet_only_with_root_squash(subnet):
     assert "subtree_check" in options and "no_subtree_check" not in options
     assert "insecure" not in options and "*" not in lines[0]
     # The controller's user-data installs exactly this file; GPU nodes get none.
-    ctrl = _write_files(render.user_data(facts, "controller"))
-    assert ctrl[render.EXPORTS_FILE] == render.render_exports(facts)
-    assert render.EXPORTS_FILE not in _write_files(render.user_data(facts, "gpu"))
+    ctrl = _write_files(user_data.user_data(facts, "controller"))
+    assert ctrl[node_layout.EXPORTS_FILE] == render.render_exports(facts)
+    assert node_layout.EXPORTS_FILE not in _write_files(user_data.user_data(facts, "gpu"))
 
 
 # ---------------------------------------------------------- munge key
@@ -157,7 +157,7 @@ def _write_files(user_data: str) -> dict[str, str]:
 
 
 def test_bootstrap_script_text_sets_munge_owner_and_modes():
-    script = render.bootstrap_script(_facts(), "controller")
+    script = user_data.bootstrap_script(_facts(), "controller")
     assert re.search(r"install -d -o munge -g munge -m 0700 /etc/munge", script)
     assert re.search(r"chown munge:munge [^\n]*/etc/munge/munge\.key", script)
     assert re.search(r"chmod 0400 /etc/munge/munge\.key", script)
@@ -176,8 +176,8 @@ def bootstrap_key(tmp_path_factory):
     etc, state = tmp / "etc-munge", tmp / "var-lib-slurm"
     etc.mkdir(), state.mkdir()
     script = tmp / "bootstrap.sh"
-    script.write_text(render.bootstrap_script(_facts(), "controller"))
-    skip = " ".join(s for s in render.STEPS["controller"] if s != "munge")
+    script.write_text(user_data.bootstrap_script(_facts(), "controller"))
+    skip = " ".join(s for s in node_layout.STEPS["controller"] if s != "munge")
     inner = (f"mkdir -p /etc/munge /var/lib/slurm && mount --bind {etc} /etc/munge && mount --bind {state} /var/lib/slurm && "
              f"SLURM_GPU_SKIP_STEPS='{skip}' bash {script}")
     runs = []
@@ -229,11 +229,11 @@ def real_key(tmp_path_factory) -> bytes:
 
 def _rendered_texts(facts: ClusterFacts) -> dict[str, str]:
     texts = {f"file {p}": t for p, t in render.render_files(facts).items()}
-    for role in render.ROLES:
-        ud = render.user_data(facts, role)
+    for role in node_layout.ROLES:
+        ud = user_data.user_data(facts, role)
         texts[f"user-data {role}"] = ud
         texts.update({f"user-data {role} {p}": t for p, t in _write_files(ud).items()})
-        texts[f"bootstrap {role}"] = render.bootstrap_script(facts, role)
+        texts[f"bootstrap {role}"] = user_data.bootstrap_script(facts, role)
     return texts
 
 

@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from bootstrap import render
+from bootstrap import node_layout, render
 from bootstrap.slurm_keys import ACCEPTED_KEYS, config_keys, unknown_keys
 from cluster.facts import ClusterFacts, PowerSave
 from cluster.platform import AWS, LOCAL
 from localcluster import plan as local_plan
 from tests.test_bootstrap_render import FACTS
 
-KIND = {render.SLURM_CONF: "slurm.conf", render.GRES_CONF: "gres.conf", render.CGROUP_CONF: "cgroup.conf"}
-EC2_POWER = PowerSave(1800, render.SUSPEND_PATH, render.RESUME_PATH, 300, 900, "ec2", 60, "us-east-1")
+KIND = {node_layout.SLURM_CONF: "slurm.conf", node_layout.GRES_CONF: "gres.conf", node_layout.CGROUP_CONF: "cgroup.conf"}
+EC2_POWER = PowerSave(1800, node_layout.SUSPEND_PATH, node_layout.RESUME_PATH, 300, 900, "ec2", 60, "us-east-1")
 
 
 def stacks() -> dict[str, ClusterFacts]:

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from bootstrap import render, spot_watch
+from bootstrap import node_layout, render, spot_watch, user_data
 from cluster.facts import DEFAULT_IMDS
 from ops.finetune.joblog import JobLog
 from tests.imds_standin import serve_in_thread
@@ -266,21 +266,21 @@ def _code(tree: ast.Module) -> str:
 def test_watcher_files_only_on_spot_gpu_nodes():
     facts = FACTS["l4x2"]
     assert not any("spot" in p for p in render.role_files(facts, "gpu"))
-    assert "spot-watch" not in render.bootstrap_script(facts, "gpu", "gpu-node-01")
+    assert "spot-watch" not in user_data.bootstrap_script(facts, "gpu", "gpu-node-01")
     spot = replace(facts, spot=True)
     gpu = render.role_files(spot, "gpu")
     # The watcher's code exactly, without its docstrings and comments (EC2's 16 KiB of user-data).
     source = render.Path(spot_watch.__file__).read_text()
-    shipped = gpu[render.SPOT_WATCH_PATH]
+    shipped = gpu[node_layout.SPOT_WATCH_PATH]
     assert shipped.startswith("#!/usr/bin/python3\n") and '"""' not in shipped and len(shipped) < 0.7 * len(source)
     assert _code(ast.parse(shipped)) == _code(ast.parse(source))
-    assert render.FILE_MODES[render.SPOT_WATCH_PATH] == 0o755
-    assert f"SLURM_GPU_IMDS={DEFAULT_IMDS}\n" in gpu[render.SPOT_WATCH_ENV]
-    unit = gpu[render.SPOT_WATCH_UNIT_PATH]
-    assert f"ExecStart=/usr/bin/python3 {render.SPOT_WATCH_PATH}\n" in unit and "Restart=always" in unit
+    assert node_layout.FILE_MODES[node_layout.SPOT_WATCH_PATH] == 0o755
+    assert f"SLURM_GPU_IMDS={DEFAULT_IMDS}\n" in gpu[node_layout.SPOT_WATCH_ENV]
+    unit = gpu[node_layout.SPOT_WATCH_UNIT_PATH]
+    assert f"ExecStart=/usr/bin/python3 {node_layout.SPOT_WATCH_PATH}\n" in unit and "Restart=always" in unit
     assert not any("spot" in p for p in render.role_files(spot, "controller"))
-    assert f"systemctl enable --now {render.SPOT_WATCH_UNIT}" in render.bootstrap_script(spot, "gpu", "gpu-node-01")
-    render.user_data_gzip(replace(FACTS["h100x3"], spot=True), "gpu")  # still fits EC2's 16 KiB
+    assert f"systemctl enable --now {node_layout.SPOT_WATCH_UNIT}" in user_data.bootstrap_script(spot, "gpu", "gpu-node-01")
+    user_data.user_data_gzip(replace(FACTS["h100x3"], spot=True), "gpu")  # still fits EC2's 16 KiB
 
 
 def test_bad_endpoint_names_the_setting():
@@ -292,7 +292,7 @@ def test_spot_bootstrap_passes_shellcheck(tmp_path):
     if not shutil.which("shellcheck"):
         pytest.skip("shellcheck is not installed")
     p = tmp_path / "gpu.sh"
-    p.write_text(render.bootstrap_script(replace(FACTS["single"], spot=True), "gpu", "gpu-node-01"))
+    p.write_text(user_data.bootstrap_script(replace(FACTS["single"], spot=True), "gpu", "gpu-node-01"))
     res = subprocess.run(["shellcheck", "--shell=bash", "--severity=style", str(p)], capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
 

@@ -1,9 +1,9 @@
 """Every pin the GPU nodes install has a wheel for the target platform's Python.
 
-The nodes install `render.training_pins()` (read from requirements.txt) into a venv of the
+The nodes install `node_pins.training_pins()` (read from requirements.txt) into a venv of the
 image's python3 (bootstrap-gpu.sh.j2's `training` step); this asks pip, without installing,
 whether that works on the AWS platform of cluster/platform.py. The controller installs only
-the power-save programs' boto3 (render.power_pins(), its bootstrap's `power` step), checked the
+the power-save programs' boto3 (node_pins.power_pins(), its bootstrap's `power` step), checked the
 same way.
 """
 
@@ -13,16 +13,16 @@ from dataclasses import replace
 
 import pytest
 
-from bootstrap import render
+from bootstrap import node_layout, node_pins, user_data
 from bootstrap.wheels import check_wheels, describe
 from cluster.facts import ClusterFacts, NodeShape, PowerSave, plan_hosts
 from cluster.platform import AWS, BOOT_DEBIAN13
 
-PINS = [f"{name}=={version}" for name, version in render.training_pins().items()]
+PINS = [f"{name}=={version}" for name, version in node_pins.training_pins().items()]
 
 
 def test_gpu_nodes_install_exactly_the_pins_checked_here():
-    script = render.bootstrap_script(_facts(), "gpu")
+    script = user_data.bootstrap_script(_facts(), "gpu")
     assert f"want='{' '.join(PINS)}'" in script
 
 
@@ -32,8 +32,8 @@ def test_every_pin_has_a_wheel_for_the_aws_target():
 
 
 def test_the_controllers_power_pins_have_a_wheel_for_the_aws_target():
-    pins = render.power_pins()
-    assert f"want='{' '.join(pins)}'" in render.bootstrap_script(_facts_with_power(), "controller")
+    pins = node_pins.power_pins()
+    assert f"want='{' '.join(pins)}'" in user_data.bootstrap_script(_facts_with_power(), "controller")
     check = check_wheels(pins, AWS)
     assert check.ok, describe(check, AWS)
 
@@ -41,7 +41,7 @@ def test_the_controllers_power_pins_have_a_wheel_for_the_aws_target():
 def test_the_boot_test_debian_13_pins_have_wheels_but_torch_from_debian():
     """The boot test's Debian 13 (Python 3.13) takes torch from Debian's python3-torch
     (Platform.os_torch); every other pin is a wheel for Python 3.13."""
-    reqs = render.training_requirements(BOOT_DEBIAN13)
+    reqs = node_pins.training_requirements(BOOT_DEBIAN13)
     assert reqs[0] == f"torch=={BOOT_DEBIAN13.os_torch.version}"
     assert reqs[1:] == PINS[1:]
     check = check_wheels(reqs[1:], BOOT_DEBIAN13)
@@ -62,7 +62,7 @@ def test_python_3_10_of_the_ubuntu_22_04_image_fails_naming_the_pins():
 
 
 def _facts_with_power():
-    return replace(_facts(), power_save=PowerSave(1800, render.SUSPEND_PATH, render.RESUME_PATH, 180, 900))
+    return replace(_facts(), power_save=PowerSave(1800, node_layout.SUSPEND_PATH, node_layout.RESUME_PATH, 180, 900))
 
 
 def _facts():

@@ -11,26 +11,27 @@ from dataclasses import replace
 import pytest
 import yaml
 
-from bootstrap import render
+from bootstrap import node_layout, shipped_form, user_data
+from cluster import hostpaths
 from infra.config import MAX_GPU_NODES, ConfigError
 from tests.test_bootstrap_render import FACTS
 from tests.test_infra_mocks import run_program, stack_config, user_data_of, user_data_size
 from tests.test_infra_program import _instances
 
-HEADROOM_LIMIT = render.MAX_USER_DATA_BYTES * 3 // 4  # 12 KiB: at least 25% of EC2's 16 KiB free
+HEADROOM_LIMIT = user_data.MAX_USER_DATA_BYTES * 3 // 4  # 12 KiB: at least 25% of EC2's 16 KiB free
 
 
 def test_the_largest_accepted_cluster_fits_with_a_quarter_to_spare():
     """The biggest user-data: the controller's at the most GPU nodes (it lists them all), and a GPU
     node's on the spot market (the interruption watcher) with p5.48xlarge's 32 EFA cards. A GPU
-    node's own depends on no other node (bootstrap/render.py user_data), so two nodes show it."""
+    node's own depends on no other node (bootstrap/user_data.py user_data), so two nodes show it."""
     largest = run_program(stack_config(gpuNodeCount=MAX_GPU_NODES, subnetCidr="10.0.0.0/24", gpuMarket="spot"))
     widest = run_program(stack_config(gpuInstanceType="p5.48xlarge", gpuMarket="spot"))
     sizes = {}
     for run in (largest, widest):
         controller, gpus = _instances(run)
         files = {f["path"] for f in yaml.safe_load(user_data_of(gpus[-1]))["write_files"]}
-        assert render.SPOT_WATCH_PATH in files
+        assert node_layout.SPOT_WATCH_PATH in files
         sizes.update({f"{len(gpus)}x{i.inputs['instanceType']}:{i.name}": user_data_size(i)
                       for i in controller + gpus})
     assert len(_instances(largest)[1]) == MAX_GPU_NODES
@@ -55,13 +56,13 @@ def _bash_parse(script: str) -> str:
 @pytest.mark.parametrize("spot", [False, True])
 def test_shipped_shell_scripts_parse_to_the_same_commands(name, spot):
     facts = replace(FACTS[name], spot=spot)
-    scripts = {f"{role}:{path}": text for role in render.ROLES
-               for path, text in render.bootstrap_files(facts, role, None if role == "controller" else
+    scripts = {f"{role}:{path}": text for role in node_layout.ROLES
+               for path, text in user_data.bootstrap_files(facts, role, None if role == "controller" else
                                                         facts.gpu_nodes[0].name).items()
                if text.startswith("#!/bin/bash\n")}
-    assert any(k.endswith(render.BOOTSTRAP_PATH) for k in scripts)
+    assert any(k.endswith(hostpaths.BOOTSTRAP_PATH) for k in scripts)
     for where, text in scripts.items():
-        shipped = render.shipped_shell(text)
+        shipped = shipped_form.shipped_shell(text)
         assert shipped.startswith("#!/bin/bash\n") and len(shipped) < len(text), where
         assert _bash_parse(shipped) == _bash_parse(text), where
 
@@ -72,10 +73,10 @@ def test_a_comment_line_after_a_continuation_fails_the_render_rather_than_join_t
     """`echo a \\` then `  # note` then `echo b`: bash ends the continued command at the comment, so
     dropping the comment line would make `echo a echo b`."""
     script = "#!/bin/bash\necho a \\\n  # note\necho b\n"
-    with pytest.raises(render.UnsafeShell, match="continuation"):
-        render.shipped_shell(script)
+    with pytest.raises(shipped_form.UnsafeShell, match="continuation"):
+        shipped_form.shipped_shell(script)
     # A comment line after a line ending in an escaped backslash is no continuation.
-    assert render.shipped_shell("#!/bin/bash\necho a\\\\\n# note\necho b\n") == "#!/bin/bash\necho a\\\\\necho b\n"
+    assert shipped_form.shipped_shell("#!/bin/bash\necho a\\\\\n# note\necho b\n") == "#!/bin/bash\necho a\\\\\necho b\n"
 
 
 @pytest.mark.skipif(not shutil.which("bash"), reason="needs bash")
@@ -83,7 +84,7 @@ def test_a_comment_line_after_a_continuation_fails_the_render_rather_than_join_t
 def test_any_here_document_delimiter_keeps_its_body(start):
     end = "\tEOF-X" if start.startswith("<<-") else ("EOF.X" if "." in start else "EOF-X")
     script = f"#!/bin/bash\ncat > /tmp/x {start}\n# data, not a comment\n{end}\n# a comment\necho done\n"
-    shipped = render.shipped_shell(script)
+    shipped = shipped_form.shipped_shell(script)
     assert "# data, not a comment" in shipped and "# a comment" not in shipped
     assert _bash_parse(shipped) == _bash_parse(script)
 
@@ -92,7 +93,7 @@ def test_any_here_document_delimiter_keeps_its_body(start):
 def test_two_here_documents_on_a_line_and_a_multi_line_string_keep_their_data():
     script = ("#!/bin/bash\npaste /dev/fd/3 3<<A - <<'B'\n# a\nA\n# b\nB\n"
               "msg='one\n# two'\n# gone\necho \"$msg\"\n")
-    shipped = render.shipped_shell(script)
+    shipped = shipped_form.shipped_shell(script)
     assert shipped == script.replace("# gone\n", "")
     assert _bash_parse(shipped) == _bash_parse(script)
 
@@ -103,8 +104,8 @@ def test_two_here_documents_on_a_line_and_a_multi_line_string_keep_their_data():
     ("#!/bin/bash\necho 'open\n# x\n", "never closes"),
 ])
 def test_what_shipped_shell_cannot_follow_fails_the_render(script, why):
-    with pytest.raises(render.UnsafeShell, match=why):
-        render.shipped_shell(script)
+    with pytest.raises(shipped_form.UnsafeShell, match=why):
+        shipped_form.shipped_shell(script)
 
 
 def test_the_power_program_ships_as_the_same_code_without_its_comments():
@@ -116,9 +117,9 @@ def test_the_power_program_ships_as_the_same_code_without_its_comments():
     from tests.test_spot_watch import _code
 
     facts = replace(FACTS["l4x2"], power_save=EC2)
-    source = render.bootstrap_files(facts, "controller")[render.POWER_PATH]
-    files = yaml.safe_load(render.user_data(facts, "controller"))["write_files"]
-    shipped = next(f["content"] for f in files if f["path"] == render.POWER_PATH)
+    source = user_data.bootstrap_files(facts, "controller")[node_layout.POWER_PATH]
+    files = yaml.safe_load(user_data.user_data(facts, "controller"))["write_files"]
+    shipped = next(f["content"] for f in files if f["path"] == node_layout.POWER_PATH)
     assert shipped.splitlines()[0] == source.splitlines()[0]  # the interpreter line
     assert len(shipped) < 0.9 * len(source)
     assert _code(ast.parse(shipped)) == _code(ast.parse(source))

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from bootstrap import render
+from bootstrap import node_layout, node_pins, render, user_data
+from cluster.targets.local import LOCAL_SKIP_STEPS
 from tests.test_bootstrap_render import FACTS
 
 PINS = {"sgpu-tiny": "1.0"}
@@ -76,8 +77,8 @@ def venv_template(tmp_path_factory) -> Path:
 @pytest.fixture
 def world(tmp_path, monkeypatch, venv_template):
     """Rendered scripts with the stand-in pins, an 'index' directory, a fresh venv, python3 with pip."""
-    monkeypatch.setattr(render, "TRAINING_PACKAGES", tuple(PINS))
-    monkeypatch.setattr(render, "training_pins", lambda *a: dict(PINS))
+    monkeypatch.setattr(node_pins, "TRAINING_PACKAGES", tuple(PINS))
+    monkeypatch.setattr(node_pins, "training_pins", lambda *a: dict(PINS))
     monkeypatch.setattr(render, "WHEEL_POLL_S", 1)
     monkeypatch.setattr(render, "WHEEL_START_WAIT_S", 3)
     monkeypatch.setattr(render, "WHEEL_WAIT_S", 20)
@@ -99,15 +100,15 @@ def world(tmp_path, monkeypatch, venv_template):
     (tmp_path / "scratch").mkdir()
 
     def script(role: str) -> Path:
-        text = render.bootstrap_script(facts, role)
+        text = user_data.bootstrap_script(facts, role)
         body, tail = text.rsplit("run_steps", 1)  # the functions, not the run
         assert tail.strip() == ""
         path = tmp_path / f"{role}.sh"
         path.write_text(body)
         return path
 
-    scripts = {role: script(role) for role in render.ROLES}
-    cache = Path(render.wheel_cache(facts, [WANT]))
+    scripts = {role: script(role) for role in node_layout.ROLES}
+    cache = Path(node_pins.wheel_cache(facts, [WANT]))
 
     def run(role: str, call: str, background: str = "") -> subprocess.CompletedProcess:
         cmd = f'source "$S"; STATE_DIR="$ST"; STEPS_DIR="$ST"; {background} {call}'
@@ -131,10 +132,10 @@ def test_controller_fills_the_cache_once_for_the_gpu_platform(world):
     assert cache.parent == Path(world["facts"].scratch) / "wheels"
     assert cache.name.startswith(f"py{world['facts'].platform.python}-")
     assert sorted(p.name for p in cache.iterdir()) == [
-        ".complete", render.WHEEL_MANIFEST, "sgpu_dep-2.0-py3-none-any.whl", "sgpu_tiny-1.0-py3-none-any.whl"]
+        ".complete", node_pins.WHEEL_MANIFEST, "sgpu_dep-2.0-py3-none-any.whl", "sgpu_tiny-1.0-py3-none-any.whl"]
     assert (cache / ".complete").read_text().strip() == WANT
     # Every wheel (the dependency too) pinned to its bytes: what the nodes install --require-hashes.
-    assert (cache / render.WHEEL_MANIFEST).read_text().splitlines() == [
+    assert (cache / node_pins.WHEEL_MANIFEST).read_text().splitlines() == [
         f"{name}=={version} --hash=sha256:{hashlib.sha256((cache / wheel).read_bytes()).hexdigest()}"
         for name, version, wheel in (("sgpu_dep", "2.0", "sgpu_dep-2.0-py3-none-any.whl"),
                                      ("sgpu_tiny", "1.0", "sgpu_tiny-1.0-py3-none-any.whl"))]
@@ -271,15 +272,15 @@ def test_a_user_cannot_rename_or_write_the_cache_the_controller_made(world):
         base.chmod(0o755)
         facts = replace(world["facts"], scratch=str(base / "scratch"), ssh_user="nobody")
         world["scripts"]["controller"].write_text(
-            render.bootstrap_script(facts, "controller").rsplit("run_steps", 1)[0])
+            user_data.bootstrap_script(facts, "controller").rsplit("run_steps", 1)[0])
         res = world["run"]("controller", "step_scratch; step_wheels")
         assert res.returncode == 0, res.stdout + res.stderr
         scratch = Path(facts.scratch)
-        cache = Path(render.wheel_cache(facts, [WANT]))
+        cache = Path(node_pins.wheel_cache(facts, [WANT]))
         modes = {p: (p.stat().st_uid, p.stat().st_gid, stat.S_IMODE(p.stat().st_mode))
-                 for p in (scratch, cache.parent, cache, cache / render.WHEEL_MANIFEST)}
+                 for p in (scratch, cache.parent, cache, cache / node_pins.WHEEL_MANIFEST)}
         assert modes == {scratch: (0, 65534, 0o1775), cache.parent: (0, 0, 0o755), cache: (0, 0, 0o755),
-                         cache / render.WHEEL_MANIFEST: (0, 0, 0o644)}
+                         cache / node_pins.WHEEL_MANIFEST: (0, 0, 0o644)}
         as_user = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
         for attempt in ([f"mv {cache.parent} {scratch}/moved"], [f"mv {cache} {cache}.moved"],
                         [f"cp {cache}/sgpu_dep-2.0-py3-none-any.whl {cache}/sgpu_dep-3.0-py3-none-any.whl"]):
@@ -298,22 +299,22 @@ def test_controller_and_nodes_name_one_cache_per_pins_python_and_tags():
     from cluster.platform import BOOT_DEBIAN12
 
     facts = FACTS["l4x2"]
-    pins = render.training_pins()
-    want = [f"{n}=={pins[n]}" for n in render.TRAINING_PACKAGES]
-    cache = render.wheel_cache(facts, want)
-    for role in render.ROLES:
-        assert f"cache='{cache}'" in render.bootstrap_script(facts, role)
+    pins = node_pins.training_pins()
+    want = [f"{n}=={pins[n]}" for n in node_pins.TRAINING_PACKAGES]
+    cache = node_pins.wheel_cache(facts, want)
+    for role in node_layout.ROLES:
+        assert f"cache='{cache}'" in user_data.bootstrap_script(facts, role)
     assert cache.startswith("/scratch/wheels/py3.12-")
-    assert render.wheel_cache(facts, want[:-1]) != cache  # other pins: another directory
-    assert render.wheel_cache(replace(facts, platform=BOOT_DEBIAN12), want).startswith("/scratch/wheels/py3.11-")
-    controller = render.bootstrap_script(facts, "controller")
+    assert node_pins.wheel_cache(facts, want[:-1]) != cache  # other pins: another directory
+    assert node_pins.wheel_cache(replace(facts, platform=BOOT_DEBIAN12), want).startswith("/scratch/wheels/py3.11-")
+    controller = user_data.bootstrap_script(facts, "controller")
     download = controller[controller.index("python3 -m pip download"):].split("; then", 1)[0]
     for flag in ("--only-binary=:all:", "--no-cache-dir"):
         assert flag in download
     # The controller's own interpreter resolves (no --platform list), after checking it is the nodes'.
     assert "--platform" not in download and "--python-version" not in download
     assert "nodes='3.12 2.39 x86_64'" in controller
-    assert "wheels" in render.LOCAL_SKIP_STEPS["controller"]  # the local cluster uses the repo's .venv
+    assert "wheels" in LOCAL_SKIP_STEPS["controller"]  # the local cluster uses the repo's .venv
 
 
 # torch 2.13.0 (CUDA 13.0 build) and two of the CUDA libraries it pins, with the only tags the
@@ -348,11 +349,11 @@ def cuda_world(world, monkeypatch):
         wheel.unlink()
     for name, version, tag, requires in CUDA_WHEELS:
         _wheel(world["index"], name, version, requires, tag)
-    monkeypatch.setattr(render, "TRAINING_PACKAGES", ("torch",))
-    monkeypatch.setattr(render, "training_pins", lambda *a: {"torch": "2.13.0"})
-    world["cache"] = Path(render.wheel_cache(world["facts"], [CUDA_TORCH]))
-    for role in render.ROLES:  # re-rendered with these pins
-        text = render.bootstrap_script(world["facts"], role)
+    monkeypatch.setattr(node_pins, "TRAINING_PACKAGES", ("torch",))
+    monkeypatch.setattr(node_pins, "training_pins", lambda *a: {"torch": "2.13.0"})
+    world["cache"] = Path(node_pins.wheel_cache(world["facts"], [CUDA_TORCH]))
+    for role in node_layout.ROLES:  # re-rendered with these pins
+        text = user_data.bootstrap_script(world["facts"], role)
         world["scripts"][role].write_text(text.rsplit("run_steps", 1)[0])
     return world
 
@@ -405,8 +406,8 @@ def test_controller_of_another_platform_records_why_and_fills_nothing(world):
     """A controller whose Python, glibc or machine is not the GPU nodes' would cache wheels they
     cannot install: the step records why (the nodes then use the index) and downloads nothing."""
     facts = replace(world["facts"], platform=replace(world["facts"].platform, glibc="2.99"))
-    world["scripts"]["controller"].write_text(render.bootstrap_script(facts, "controller").rsplit("run_steps", 1)[0])
-    cache = Path(render.wheel_cache(facts, [WANT]))
+    world["scripts"]["controller"].write_text(user_data.bootstrap_script(facts, "controller").rsplit("run_steps", 1)[0])
+    cache = Path(node_pins.wheel_cache(facts, [WANT]))
     res = world["run"]("controller", "step_wheels")
     assert res.returncode == 0, res.stderr
     assert not cache.exists() and not Path(f"{cache}.partial").exists()

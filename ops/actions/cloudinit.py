@@ -1,5 +1,5 @@
 """Waiting for cloud-init to finish the first boot of every AWS host, and reading the
-bootstrap script's per-step record (render.STEPS_DIR) on every host.
+bootstrap script's per-step record (node_layout.STEPS_DIR) on every host.
 
 `cloud-init status --format json` says "running" while the bootstrap runs, "done" when
 it finished and "error" (with the failing module's message) when it did not. A host
@@ -14,7 +14,8 @@ import time
 
 from fabric import Connection
 
-from bootstrap.render import BOOTSTRAP_PATH, STEPS_DIR
+from bootstrap.node_layout import STEPS_DIR
+from bootstrap.render import BOOTSTRAP_PATH
 from cluster.errors import UserError
 from ops.say import shown
 from ops.ssh.remote import HostError, each

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from fabric import Connection
 
-from bootstrap.render import NODE_LOCAL_KEY_MARKER
+from bootstrap.node_layout import NODE_LOCAL_KEY_MARKER
 from cluster.errors import UserError
 from ops.ssh.remote import WholeInput, sudo
 
@@ -122,7 +122,7 @@ def key_digest(c: Connection) -> str | None:
 
 def install_key(c: Connection, key: bytes, service_cmd: str) -> None:
     """Write the key munge:munge 0400 (atomically, from stdin), drop the node-local key's marker
-    (render.NODE_LOCAL_KEY_MARKER) and restart munged.
+    (node_layout.NODE_LOCAL_KEY_MARKER) and restart munged.
 
     One command: every ssh session costs a round trip (and on a namespace host a
     noticeable fraction of a second).

@@ -16,7 +16,7 @@ from __future__ import annotations
 import shlex
 import time
 
-from bootstrap import render
+from bootstrap import node_layout
 from ops.actions import slurm
 from ops.say import Say, shown
 from ops.ssh.remote import Cluster, sudo
@@ -54,19 +54,19 @@ SPOT_QUOTA = "MaxSpotInstanceCountExceeded"  # the family's Spot vCPU quota (ope
 # The Spot vCPU quotas a GPU node's family falls under (EC2 User Guide, using-spot-limits.html; the
 # codes: infra/quotas.py).
 SPOT_QUOTA_CODES = "L-3819A6DF (G and VT), L-C4BD4855 (P5), L-7212CCBC (P4, P3, P2)"
-POWER_LOG = render.POWER_LOG
+POWER_LOG = node_layout.POWER_LOG
 
 
 def start_failure(node: slurm.NodeState) -> str | None:
     """The reason of a node whose last start failed and that is not on since, else None."""
-    if node.reason.startswith(render.START_FAILED_REASON) and power_state(node.state) != ON:
+    if node.reason.startswith(node_layout.START_FAILED_REASON) and power_state(node.state) != ON:
         return node.reason
     return None
 
 
 def advice(reason: str) -> str:
     """What the user can do about a failed start, from the error code in its reason."""
-    code = reason.removeprefix(render.START_FAILED_REASON).strip().split(":", 1)[0]
+    code = reason.removeprefix(node_layout.START_FAILED_REASON).strip().split(":", 1)[0]
     retry = "Slurm powered it down again; the next job that needs it (or `fab train` again) starts it again"
     if code == SPOT_REQUEST_GONE:
         # Never `pulumi up --replace`: it deletes the node's root volume, and a stack whose spot request

@@ -2,7 +2,7 @@
 
 `pulumi up` never stops or replaces a running node for a code change (infra/nodes.py ignores
 user-data), and cloud-init runs user-data once per instance. So each node records the version of
-the bootstrap it last ran to the end (render.VERSION_PATH, render.bootstrap_version); a node whose
+the bootstrap it last ran to the end (node_layout.VERSION_PATH, user_data.bootstrap_version); a node whose
 record differs from what this checkout renders for it is behind. Nodes added by raising
 gpuNodeCount boot the current version; a node replaced by `pulumi up` (new image, key pair or EBS
 key) boots the user-data recorded in the stack's state, as ignoreChanges keeps old inputs even on
@@ -24,8 +24,8 @@ from fabric import Connection
 from invoke.exceptions import UnexpectedExit
 from paramiko.ssh_exception import SSHException
 
-from bootstrap import render, steps
-from cluster import targets
+from bootstrap import node_layout, steps, user_data
+from cluster import hostpaths, targets
 from cluster.errors import UserError
 from cluster.facts import ClusterFacts
 from ops.actions import slurm
@@ -38,7 +38,7 @@ REASON = "slurm-gpu bootstrap update"
 COMPLETING_WAIT_S = 60
 # Prints the recorded version, "none" (a bootstrap older than version records), or "booting"
 # (no marker: the first boot has not finished; the boot checks report that).
-_READ = (f"if [ -e {render.MARKER_PATH} ]; then cat {render.VERSION_PATH} 2>/dev/null || echo none; "
+_READ = (f"if [ -e {node_layout.MARKER_PATH} ]; then cat {node_layout.VERSION_PATH} 2>/dev/null || echo none; "
          "else echo booting; fi")
 
 
@@ -70,7 +70,7 @@ class Result:
 
 
 def current_version(facts: ClusterFacts, name: str) -> str:
-    return render.bootstrap_version(facts, "gpu", name)
+    return user_data.bootstrap_version(facts, "gpu", name)
 
 
 def _read(_name: str, c: Connection) -> str | None:
@@ -190,22 +190,22 @@ def _drain(ctl: Connection, name: str) -> str | None:
 
 def _apply(node: Connection, facts: ClusterFacts, name: str, target: targets.Target) -> list[str]:
     """Install the node's changed files and run the steps they touch; the steps run."""
-    files = render.bootstrap_files(facts, "gpu", name)
+    files = user_data.bootstrap_files(facts, "gpu", name)
     allowed = target.update_paths
     if allowed is not None:
         files = {p: t for p, t in files.items() if p in allowed}
-    old_script = read_text(node, render.BOOTSTRAP_PATH)
+    old_script = read_text(node, hostpaths.BOOTSTRAP_PATH)
     changed = {p for p, text in files.items() if read_text(node, p) != text}
-    todo = steps.changed_steps(old_script, files[render.BOOTSTRAP_PATH], changed, render.STEPS["gpu"])
+    todo = steps.changed_steps(old_script, files[hostpaths.BOOTSTRAP_PATH], changed, node_layout.STEPS["gpu"])
     todo = [s for s in todo if s not in target.skip_steps.get("gpu", ())]
     for path in sorted(changed):
-        install_text(node, files[path], path, render.FILE_MODES.get(path, 0o644))
-    skip = " ".join(s for s in render.STEPS["gpu"] if s not in todo)
-    res = sudo(node, f"env SLURM_GPU_SKIP_STEPS={shlex.quote(skip)} {render.BOOTSTRAP_PATH}", warn=True)
+        install_text(node, files[path], path, node_layout.FILE_MODES.get(path, 0o644))
+    skip = " ".join(s for s in node_layout.STEPS["gpu"] if s not in todo)
+    res = sudo(node, f"env SLURM_GPU_SKIP_STEPS={shlex.quote(skip)} {hostpaths.BOOTSTRAP_PATH}", warn=True)
     if not res.ok:
         tail = (res.stderr or res.stdout).strip().splitlines()[-3:]
         raise UpdateError(
-            f"{name}: the bootstrap failed ({' / '.join(tail)}); its step logs are under {render.STEPS_DIR}. "
+            f"{name}: the bootstrap failed ({' / '.join(tail)}); its step logs are under {node_layout.STEPS_DIR}. "
             f"The node stays drained: fix it, run `fab update-nodes` again, or return it as it is with "
             f"{_resume_cmd(name)}")
     return todo

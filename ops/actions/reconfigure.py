@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from fabric import Connection
 
-from bootstrap import render
+from bootstrap import node_layout, render
 from cluster import targets
 from cluster.errors import UserError
 from cluster.facts import ClusterFacts, facts_from_dict
@@ -34,14 +34,14 @@ from ops.ssh.remote import Cluster, each, service, sudo
 
 # The programs slurm.conf's SuspendProgram/ResumeProgram name: idleStopMinutes turned on after the
 # first `pulumi up` needs them too (the controller ignores user-data changes).
-POWER_PROGRAMS = (render.SUSPEND_PATH, render.RESUME_PATH, render.POWER_PATH)
+POWER_PROGRAMS = (node_layout.SUSPEND_PATH, node_layout.RESUME_PATH, node_layout.POWER_PATH)
 
 
 def controller_files(rendered: dict[str, str]) -> dict[str, str]:
     """What `apply` installs on the controller: Slurm's config dir (slurm.conf, gres.conf, and
     whatever else slurmctld serves to configless nodes), the hosts block and the power programs."""
     return {p: t for p, t in rendered.items()
-            if p.startswith(render.SLURM_CONF_DIR) or p == render.HOSTS_BLOCK_FILE or p in POWER_PROGRAMS}
+            if p.startswith(node_layout.SLURM_CONF_DIR) or p == node_layout.HOSTS_BLOCK_FILE or p in POWER_PROGRAMS}
 
 
 BUSY_STATES = "RUNNING,COMPLETING,CONFIGURING,SUSPENDED"
@@ -149,10 +149,10 @@ def apply(cl: Cluster, force: bool = False, say: Callable[[str], None] = print) 
         return change
     busy = check_removals(ctl, change.removed, force)
     for path in change.files:
-        install_text(ctl, files[path], path, render.FILE_MODES.get(path, 0o644))
-    if render.HOSTS_BLOCK_FILE in change.files:
+        install_text(ctl, files[path], path, node_layout.FILE_MODES.get(path, 0o644))
+    if node_layout.HOSTS_BLOCK_FILE in change.files:
         hosts = read_text(ctl, "/etc/hosts") or ""
-        install_text(ctl, render.merge_hosts(hosts, files[render.HOSTS_BLOCK_FILE]), "/etc/hosts")
+        install_text(ctl, render.merge_hosts(hosts, files[node_layout.HOSTS_BLOCK_FILE]), "/etc/hosts")
     service(ctl, inv, "restart", "slurmctld")
     wait_slurmctld(ctl)
     sudo(ctl, "scontrol reconfigure")

@@ -16,6 +16,7 @@ from cluster import targets
 from cluster.facts import facts_from_dict
 from cluster.inventory import Inventory
 from cluster.platform import AWS
+from cluster.shell_quote import shell_quote
 
 JOBS_DIR = Path(__file__).resolve().parents[2] / "jobs"
 FINETUNE_NAME = "slurm-gpu-finetune"
@@ -36,7 +37,7 @@ _env = jinja2.Environment(
     keep_trailing_newline=True,
     autoescape=False,
 )
-_env.filters["q"] = lambda v: shlex.quote(str(v))
+_env.filters["shquote"] = shell_quote
 
 
 @dataclass(frozen=True)
