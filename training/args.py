@@ -24,6 +24,7 @@ _WORDS = {"auto": "auto", "true": "true", "on": "true", "yes": "true", "1": "tru
 CHOICES: dict[str, tuple[str, ...]] = {
     "flex_packing": AUTO_SWITCH, "activation_checkpointing": AUTO_SWITCH, "compile_layers": AUTO_SWITCH,
     "cuda_graphs": AUTO_SWITCH, "attention": ("auto", "varlen", "flex"), "step_layout": ("auto", "as_configured"),
+    "long_rows": ("truncate", "drop"),
 }
 
 
@@ -56,10 +57,17 @@ class DataArguments:
 
     dataset_name: str = field(
         default="tatsu-lab/alpaca",
-        metadata={"help": "Hub data set ID, or a local JSON/JSONL/Parquet file or directory with "
-                          "instruction/input/output columns."},
+        metadata={"help": "Hub data set ID, or a local JSON/JSONL/Parquet file or directory. The format comes from "
+                          "the columns: instruction/input/output (Alpaca), prompt/completion, or messages (chat, "
+                          "through the tokenizer's chat template, the loss on the assistant turns only)."},
     )
     dataset_config: str | None = field(default=None, metadata={"help": "Hub data set configuration name."})
+    long_rows: str = field(
+        default="truncate",
+        metadata={"help": "Rows longer than max_length tokens: truncate (keep the first max_length tokens; a chat row "
+                          "with no assistant token left is dropped) or drop. Either way they are counted and "
+                          "reported. One of truncate, drop."},
+    )
     dataset_train_split: str = field(default="train", metadata={"help": "Hub split to train on."})
     n_examples: int = field(
         default=2000, metadata={"help": "Train on the first N rows (0 = all rows)."}
@@ -99,6 +107,7 @@ class DataArguments:
 
     def __post_init__(self):
         self.flex_packing = choice("flex_packing", self.flex_packing)
+        self.long_rows = choice("long_rows", self.long_rows)
         if self.samples < 0 or self.sample_max_new_tokens < 1 or self.sample_max_time_s <= 0:
             raise ValueError("samples must be >= 0, sample_max_new_tokens >= 1 and sample_max_time_s > 0: "
                              f"got {self.samples}, {self.sample_max_new_tokens}, {self.sample_max_time_s}")

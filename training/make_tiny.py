@@ -20,6 +20,12 @@ from training.data import format_prompt
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
+# A ChatML-style chat template without {% generation %} markers (like many models' own), so chat rows run on the
+# tiny model through training/chat.py's prefix-rendering mask.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 # A fixed table the model can memorise: capital questions with an empty `input`.
 CAPITALS = {
@@ -70,7 +76,8 @@ def build_tokenizer(texts: list[str], vocab_size: int = 512):
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN,
+                                   chat_template=CHAT_TEMPLATE)
 
 
 def build_model(tokenizer, seed: int):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from training.data import format_prompt, load_local_rows
+from training.data import DataError, load_local_rows, text_rows
 from training.evaluate import _eager, base_model
 
 SAMPLES_FILE = "samples.md"
@@ -24,8 +24,11 @@ def sample_prompts(k: int, samples_file: str | None, eval_rows) -> list[dict]:
     if not k:
         return []
     if samples_file:
-        rows = load_local_rows(samples_file)[:k]
-        return [{"prompt": format_prompt(r["instruction"], r["input"]), "reference": r["output"]} for r in rows]
+        rows = load_local_rows(samples_file)
+        if rows.format == "chat":
+            raise DataError(f"samples_file {samples_file}: give instruction/input/output or prompt/completion rows "
+                            "(chat rows are answered from the held-out rows: leave samples_file unset)")
+        return [{"prompt": r["prompt"], "reference": r["completion"]} for r in text_rows(rows)[:k]]
     if eval_rows is None:
         return []
     return [{"prompt": eval_rows[i]["prompt"], "reference": eval_rows[i]["completion"]}

@@ -38,8 +38,9 @@ from training import cost_cap, interrupts, tensorboard_events
 from training import samples as sample_answers
 from training.args import DataArguments, ModelArguments, TrainConfig, gpu_available, parse_args, switch
 from training.callbacks import FAULT_RANK_ENV, FAULT_STEP_ENV, LOG_PREFIX, PhaseTimingCallback, make_callbacks
+from training.chat import prepare_dataset as format_rows
 from training.checkpoints import with_background_checkpoints
-from training.data import DataError, load_instruction_dataset
+from training.data import DataError, load_rows
 from training.evaluate import EvalEveryCallback, base_model, evaluate, log_eval, split_eval
 from training.interrupts import CheckpointOnSignal, mark_interrupted
 from training.outputs import (
@@ -79,18 +80,30 @@ def resolve_flex_packing(setting: bool | None, gpu: bool | None = None) -> bool:
     return setting
 
 
-def prepare_dataset(data_args: DataArguments):
-    """Load and validate the rows (before any model is loaded, so bad data fails in seconds)."""
-    return load_instruction_dataset(data_args.dataset_name, split=data_args.dataset_train_split,
-                                    config=data_args.dataset_config, n_examples=data_args.n_examples or None)
+def prepare_dataset(data_args: DataArguments, tokenizer=None, max_length: int | None = None,
+                    reports: dict | None = None, rows=None):
+    """Load and validate the rows (before any model is loaded, so bad data fails in seconds), then format them
+    (training/chat.py). `reports` (when given) gets their Report (format, template, rows left out or
+    truncated) as "train". `rows`: already loaded ones."""
+    rows = rows if rows is not None else load_rows(data_args.dataset_name, split=data_args.dataset_train_split,
+                     config=data_args.dataset_config, n_examples=data_args.n_examples or None)
+    dataset, report = format_rows(rows, tokenizer, max_length, data_args.long_rows)
+    if reports is not None:
+        reports["train"] = report
+    return dataset
 
 
-def prepare_datasets(data_args: DataArguments, seed: int):
-    """(training rows, held-out rows or None): eval_split's rows held out, or eval_dataset_name's file."""
-    dataset = prepare_dataset(data_args)
+def prepare_datasets(data_args: DataArguments, seed: int, tokenizer=None, max_length: int | None = None,
+                     reports: dict | None = None, rows=None):
+    """(training rows, held-out rows or None): eval_split's rows held out, or eval_dataset_name's file.
+    `reports` (when given) gets each file's Report: "train" and "eval"."""
+    dataset = prepare_dataset(data_args, tokenizer, max_length, reports, rows)
     separate = None
     if data_args.eval_dataset_name:
-        separate = load_instruction_dataset(data_args.eval_dataset_name, split="train")
+        separate, eval_report = format_rows(load_rows(data_args.eval_dataset_name, split="train"), tokenizer,
+                                            max_length, data_args.long_rows)
+        if reports is not None:
+            reports["eval"] = eval_report
     return split_eval(dataset, data_args.eval_split, seed, separate)
 
 
@@ -143,6 +156,10 @@ def build_trainer(model, tokenizer, dataset, model_args: ModelArguments, train_a
         raise ValueError("completion_only_loss is off: the loss would cover the prompt; leave it unset or true")
     trainer.choices = {"path": {"value": path.NAME, "by": "config" if switch(getattr(
         train_args, "flex_packing_setting", "auto")) is not None else "auto"}, **run_choices(trainer)}
+    if "assistant_masks" in dataset.column_names:  # chat rows: the labels come from the assistant masks
+        labels = trainer.train_dataset[0]["labels"]
+        if all(y != -100 for y in labels):
+            raise ValueError("the chat rows' labels cover every token: the loss would include the user's turns")
     return trainer
 
 
@@ -186,9 +203,15 @@ def main(argv: list[str] | None = None) -> dict | None:
     # Rank 0 first: it fills the (shared) HF_HOME cache from the hub, then the other ranks read it.
     with train_args.main_process_first(local=False, desc="loading data and model"):
         with phases.phase("data"):
-            dataset, eval_rows = prepare_datasets(data_args, train_args.seed)  # bad data fails here
-            prompts = sample_answers.sample_prompts(data_args.samples, data_args.samples_file, eval_rows)
+            rows = load_rows(data_args.dataset_name, split=data_args.dataset_train_split,  # bad data fails here,
+                             config=data_args.dataset_config, n_examples=data_args.n_examples or None)  # first
             tokenizer = load_tokenizer(model_args, train_args)
+            reports: dict = {}
+            dataset, eval_rows = prepare_datasets(data_args, train_args.seed, tokenizer, train_args.max_length,
+                                                  reports, rows)
+            prompts = sample_answers.sample_prompts(data_args.samples, data_args.samples_file, eval_rows)
+        if phases.rank == 0:  # the format, the template and the rows left out: printed, and kept in metrics.json
+            print(reports["train"].line(), flush=True)
         log.info("%d examples from %s; %s", len(dataset), data_args.dataset_name,
                  f"{len(eval_rows)} held out for evaluation" if eval_rows is not None else "no evaluation")
         timing["data_ready"] = time.time()
@@ -209,6 +232,10 @@ def main(argv: list[str] | None = None) -> dict | None:
                                 [*make_callbacks(train_args.final_checkpoint), clock, every, on_signal,
                                  *([cap] if cap else []), hangs], eval_rows)
     every.trainer = trainer
+    report = reports["train"]
+    trainer.choices["data_format"] = {"value": report.format, "by": "auto: the data's columns"}
+    if report.template:
+        trainer.choices["chat_template"] = {"value": report.template["sha256"][:12], "by": report.template["how"]}
     timing["trainer_built"] = time.time()
     if trainer.is_world_process_zero():
         log_choices(trainer.choices)
@@ -271,6 +298,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     metrics["compile_reason"] = getattr(trainer, "compile_reason", None)
     metrics["choices"] = trainer.choices
     metrics["train_rows"] = len(dataset)
+    metrics["data"] = {name: report.as_dict() for name, report in reports.items()}
     if cap:
         metrics.update(cap.report())
     if evaluation:

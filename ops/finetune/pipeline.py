@@ -299,7 +299,8 @@ def check_inputs(cl: Cluster, opts: TrainOptions, say: Say) -> None:
         if not res.ok:
             why = (res.stderr or res.stdout).strip().splitlines() or [f"exit {res.exited}"]
             raise TrainError(f"{_where(opts, 'data')}: {why[-1]} (checked on {name} before uploading anything)")
-        say(f"      {_where(opts, 'data')}: {res.stdout.strip()} valid rows")
+        # stderr: "N valid rows, format F (...); left out: ..." (training/data.py main): the format is printed here.
+        say(f"      {_where(opts, 'data')}: {(res.stderr or '').strip() or res.stdout.strip() + ' valid rows'}")
 
 
 def launch(cl: Cluster, opts: TrainOptions, nodes: int, gpus: int, say: Say,
