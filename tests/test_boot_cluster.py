@@ -416,8 +416,8 @@ def _metadata_as_each_user(bc) -> dict[str, str]:
 
 def test_only_root_and_slurm_reach_the_controllers_metadata(booted):
     """Booted for real: the guard's unit loaded the rules at boot (nftables in the container's own
-    network namespace); the admin's SSH user and the jobs' user (a job's Slurm trigger runs there as it) are
-    refused; the power programs' user gets the role."""
+    network namespace); the admin's SSH user and the jobs' user are refused; the power programs' user gets
+    the role."""
     from bootstrap.node_layout import IMDS_GUARD_UNIT
 
     bc = booted

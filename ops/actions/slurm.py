@@ -233,7 +233,18 @@ def make_job_dir(ctl: Connection, inv, job_dir: str, *writable: str) -> None:
     theirs = [q(f"{job_dir}/{name}") for name in writable] + [q(f"{inv.scratch}/{d}") for d in ("logs", "hf-cache")]
     cmd = (f"install -d -o {q(ctl.user)} -m 0755 {q(job_dir)} && "
            f"install -d -o {q(user)} -g {q(user)} -m 0755 {' '.join(theirs)}")
-    sudo(ctl, f"sh -c {q(cmd)}")
+    res = sudo(ctl, f"sh -c {q(cmd)}", warn=True)
+    if not res.ok:
+        raise SlurmError(f"cannot make {job_dir} for a job of {user}: "
+                         f"{_with_hint((res.stderr or res.stdout).strip(), user)}")
+
+
+def _with_hint(why: str, user: str) -> str:
+    """Slurm's or the tools' words, and the fix where the controller lacks the job user."""
+    if re.search(r"unknown user|invalid (user|group)", why):
+        why += (f" (this controller was made before jobs ran as {user}: replace it, or run its bootstrap's "
+                f"jobuser and scratch steps, `sudo {BOOTSTRAP_PATH}`)")
+    return why
 
 
 def submit(ctl: Connection, script: str, *args: str, user: str) -> str:
@@ -242,11 +253,7 @@ def submit(ctl: Connection, script: str, *args: str, user: str) -> str:
     cmd = " ".join(["sbatch", "--parsable", *map(shlex.quote, args), shlex.quote(script)])
     res = as_job_user(ctl, user, cmd, warn=True)
     if not res.ok:
-        why = (res.stderr or res.stdout).strip()
-        if "unknown user" in why:
-            why += (f" (this controller was made before jobs ran as {user}: replace it, or run its bootstrap's "
-                    f"jobuser and scratch steps, `sudo {BOOTSTRAP_PATH}`)")
-        raise SlurmError(f"sbatch {script} as {user} failed: {why}")
+        raise SlurmError(f"sbatch {script} as {user} failed: {_with_hint((res.stderr or res.stdout).strip(), user)}")
     job_id = res.stdout.strip().split(";")[0]
     if not job_id.isdigit():
         raise SlurmError(f"sbatch gave no job id: {res.stdout.strip()!r}")

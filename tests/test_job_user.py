@@ -1,0 +1,106 @@
+"""Jobs run as the cluster's job user, never the admin user fab connects as (docs/SECURITY.md).
+
+What fab sends to the controller for it: the job's folder made as root (the admin's, its writable
+folders the job user's), sbatch and release as the job user, each value quoted. The boot test runs
+the same path for real (tests/test_boot_cluster.py::test_jobs_run_as_their_own_user_...)."""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+
+import pytest
+from invoke.runners import Result
+
+from bootstrap import render
+from cluster.facts import JOB_USER, ClusterFacts
+from cluster.inventory import Inventory, Node
+from localcluster.plan import cluster_facts
+from ops.actions import slurm
+
+
+class Controller:
+    """A Fabric connection that records what it is asked to run and answers `answer`."""
+
+    def __init__(self, user: str, answer: Result | None = None) -> None:
+        self.user, self.calls = user, []
+        self.answer = answer if answer is not None else Result(stdout="42;cluster\n", exited=0)
+
+    def run(self, cmd: str, **kw):
+        self.calls.append(("as " + self.user, cmd))
+        return self.answer
+
+    def sudo(self, cmd: str, user: str = "root", **kw):
+        self.calls.append(("sudo as " + user, cmd))
+        return self.answer
+
+
+def inventory(job_user: str = JOB_USER, ssh_user: str = "ubuntu") -> Inventory:
+    return Inventory(target="aws", cluster_name="c", ssh_user=ssh_user, controller=Node("controller", "10.0.0.10", "controller"),
+                     gpu_nodes=(), gpus_per_node=1, gpu_type="l4", nvlink=False, efa=True, python="/p",
+                     service_cmd="systemctl {action} {service}", job_user=job_user)
+
+
+def inner(cmd: str) -> list[str]:
+    """The words of the command under `sh -c '...'`."""
+    words = shlex.split(cmd)
+    assert words[:2] == ["sh", "-c"] and len(words) == 3, cmd
+    return shlex.split(words[2])
+
+
+def test_sbatch_and_release_run_as_the_job_user_through_sudo():
+    ctl = Controller("ubuntu")
+    assert slurm.submit(ctl, "/scratch/j x/finetune.sbatch", "--hold", user=JOB_USER) == "42"
+    slurm.as_job_user(ctl, JOB_USER, "rm -f /scratch/logs/a.out && scontrol release 42")
+    (who1, cmd1), (who2, cmd2) = ctl.calls
+    assert who1 == who2 == f"sudo as {JOB_USER}"
+    assert inner(cmd1) == ["sbatch", "--parsable", "--hold", "/scratch/j x/finetune.sbatch"]
+    # Both halves run as the job user: one shell under sudo, not `sudo rm ... && scontrol ...`.
+    assert inner(cmd2) == ["rm", "-f", "/scratch/logs/a.out", "&&", "scontrol", "release", "42"]
+
+
+def test_the_job_folder_is_the_admins_and_only_its_work_folders_the_jobs():
+    ctl, job_dir = Controller("ubuntu"), "/scratch/slurm-gpu/jobs/x'; touch /pwned; '"
+    slurm.make_job_dir(ctl, inventory(), job_dir, "work", "output")
+    [(who, cmd)] = ctl.calls
+    assert who == "sudo as root"
+    words = inner(cmd)
+    cut = words.index("&&")
+    assert words[:cut] == ["install", "-d", "-o", "ubuntu", "-m", "0755", job_dir]
+    assert words[cut + 1:] == ["install", "-d", "-o", JOB_USER, "-g", JOB_USER, "-m", "0755", f"{job_dir}/work",
+                               f"{job_dir}/output", "/scratch/logs", "/scratch/hf-cache"]
+
+
+def test_as_root_the_job_user_is_reached_through_runuser_and_root_jobs_run_directly():
+    ctl = Controller("root")
+    slurm.submit(ctl, "/s/a.sbatch", user=JOB_USER)
+    slurm.submit(ctl, "/s/a.sbatch", user="root")  # the local cluster: jobs run as root
+    (who1, cmd1), (who2, cmd2) = ctl.calls
+    assert who1 == who2 == "as root"
+    assert shlex.split(cmd1)[:4] == ["runuser", "-u", JOB_USER, "--"]
+    assert inner(cmd1.split(" -- ", 1)[1]) == ["sbatch", "--parsable", "/s/a.sbatch"]
+    assert inner(cmd2) == ["sbatch", "--parsable", "/s/a.sbatch"]
+
+
+@pytest.mark.parametrize("said", ["sudo: unknown user slurmjob", "install: invalid user 'slurmjob'"])
+def test_a_controller_without_the_job_user_is_named_with_the_fix(said):
+    ctl = Controller("ubuntu", Result(stderr=said, exited=1))
+    with pytest.raises(slurm.SlurmError, match="made before jobs ran as slurmjob.*jobuser and scratch steps"):
+        slurm.make_job_dir(ctl, inventory(), "/scratch/j")
+    with pytest.raises(slurm.SlurmError, match="made before jobs ran as slurmjob"):
+        slurm.submit(ctl, "/scratch/j/a.sbatch", user=JOB_USER)
+
+
+def test_who_jobs_run_as_per_target():
+    assert slurm.job_user(inventory()) == JOB_USER
+    assert slurm.job_user(inventory(job_user="")) == "ubuntu"  # an inventory from before: as then
+    local = cluster_facts(2, 1)
+    assert (local.job_user, local.job_uid) == ("root", 0)
+    assert ClusterFacts.__dataclass_fields__["job_user"].default == JOB_USER
+
+
+@pytest.mark.parametrize("user,uid", [("ubuntu; rm -rf /", 2950), ("root", 2950), ("jobs", 0), ("Jobs", 2950)])
+def test_a_job_user_the_bootstrap_cannot_make_is_refused(user, uid):
+    facts = dataclasses.replace(cluster_facts(2, 1), job_user=user, job_uid=uid)
+    with pytest.raises(ValueError, match="job_user"):
+        render.render_files(facts)
