@@ -79,7 +79,7 @@ from bootstrap.node_pins import (
     wheel_cache,
 )
 from bootstrap.shipped_form import shipped_python
-from cluster.facts import DEFAULT_IMDS, STACK_TAG, ClusterFacts
+from cluster.facts import DEFAULT_IMDS, JOB_SCRATCH_DIRS, STACK_TAG, ClusterFacts
 from cluster.hostpaths import BOOTSTRAP_PATH, HEALTHCHECK_PATH
 from cluster.shell_quote import shell_quote
 from cluster.targets.local import LOCAL_SKIP_STEPS
@@ -128,6 +128,7 @@ def _context(facts: ClusterFacts) -> dict:
     gpu_files = f"{prefix}0" if last == 0 else f"{prefix}[0-{last}]"
     return {
         "facts": facts,
+        "job_scratch_dirs": JOB_SCRATCH_DIRS,
         "platform": facts.platform,
         "cluster_name": facts.cluster_name,
         "spot": facts.spot,

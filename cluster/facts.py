@@ -120,6 +120,10 @@ STACK_TAG = "slurm-gpu:stack"
 # talk to Slurm as another user. Its uid is fixed: Slurm and the NFS export compare uids across hosts.
 JOB_USER = "slurmjob"
 JOB_UID = 2950
+# The folders of the shared scratch that every job writes, the job user's: the job logs (slurmstepd
+# opens them as the job's user), the Hugging Face cache and torch's compile cache. Shared by all jobs:
+# a job can change what later jobs load from them (docs/SECURITY.md).
+JOB_SCRATCH_DIRS = ("logs", "hf-cache", "torch-compile-cache")
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,11 @@ the same path for real (tests/test_boot_cluster.py::test_jobs_run_as_their_own_u
 from __future__ import annotations
 
 import dataclasses
+import grp
+import os
+import pwd
 import shlex
+import subprocess
 
 import pytest
 from invoke.runners import Result
@@ -65,10 +69,41 @@ def test_the_job_folder_is_the_admins_and_only_its_work_folders_the_jobs():
     [(who, cmd)] = ctl.calls
     assert who == "sudo as root"
     words = inner(cmd)
-    cut = words.index("&&")
-    assert words[:cut] == ["install", "-d", "-o", "ubuntu", "-m", "0755", job_dir]
-    assert words[cut + 1:] == ["install", "-d", "-o", JOB_USER, "-g", JOB_USER, "-m", "0755", f"{job_dir}/work",
-                               f"{job_dir}/output", "/scratch/logs", "/scratch/hf-cache"]
+    first = words.index("install")
+    assert words[first:first + 7] == ["install", "-d", "-o", "ubuntu", "-m", "0755", job_dir]
+    last = words.index("install", first + 1)
+    assert words[last:] == ["install", "-d", "-o", JOB_USER, "-g", JOB_USER, "-m", "0755", f"{job_dir}/work",
+                            f"{job_dir}/output", "/scratch/logs", "/scratch/hf-cache", "/scratch/torch-compile-cache"]
+
+
+class LocalRoot(Controller):
+    """The controller is this machine, we are root on it: commands really run."""
+
+    def run(self, cmd: str, **kw):
+        res = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True)
+        return Result(stdout=res.stdout, stderr=res.stderr, exited=res.returncode)
+
+
+@pytest.mark.root
+def test_shared_folders_of_another_user_become_the_job_users_once_and_nothing_linked_in_later(tmp_path):
+    """Run for real (as root, `daemon` standing in for the job user): a cluster from before jobs had
+    their own user has its shared folders, with their files, handed over; a folder already the job
+    user's is left as it is, so a root file a job linked into it never becomes the job's."""
+    scratch, job = tmp_path / "scratch", "daemon"
+    (scratch / "logs").mkdir(parents=True)
+    (scratch / "logs" / "old.out").write_text("an old job's log")
+    (scratch / "hf-cache").mkdir()
+    os.chown(scratch / "hf-cache", pwd.getpwnam(job).pw_uid, grp.getgrnam(job).gr_gid)
+    (scratch / "hf-cache" / "linked-in").write_text("root's")  # what a hard link to a root file would be
+    inv = dataclasses.replace(inventory(job_user=job), scratch=str(scratch))
+    slurm.make_job_dir(LocalRoot("root"), inv, str(scratch / "jobs" / "a"), "work")
+
+    def owner(p):
+        return pwd.getpwuid((scratch / p).stat().st_uid).pw_name
+
+    assert [owner(p) for p in ("logs", "logs/old.out", "hf-cache", "torch-compile-cache", "jobs/a/work")] == [job] * 5
+    assert owner("hf-cache/linked-in") == "root" and owner("jobs/a") == "root"
+    assert oct((scratch / "jobs" / "a").stat().st_mode & 0o7777) == "0o755"
 
 
 def test_as_root_the_job_user_is_reached_through_runuser_and_root_jobs_run_directly():

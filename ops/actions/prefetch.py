@@ -148,7 +148,8 @@ def run(conn, python: str, manifest: dict, what: str, say: Say) -> dict:
     conn.put(io.BytesIO(SCRIPT.read_bytes()), remote=remote)
     result: dict = {}
     try:
-        res = conn.run(f"{shlex.quote(python)} {shlex.quote(remote)}", hide=True, warn=True,
+        # -I: nothing a job left in /tmp beside the script is imported (it runs as the admin user).
+        res = conn.run(f"{shlex.quote(python)} -I {shlex.quote(remote)}", hide=True, warn=True,
                        in_stream=io.StringIO(json.dumps(manifest)),
                        out_stream=_Lines(lambda line: on_line(line, what, say, result)))
     finally:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from fabric import Connection
 
 from cluster.errors import UserError
+from cluster.facts import JOB_SCRATCH_DIRS
 from cluster.hostpaths import BOOTSTRAP_PATH
 from ops.say import shown
 from ops.ssh.remote import Cluster, sudo
@@ -169,7 +170,7 @@ def jobs_on(ctl: Connection, names: list[str]) -> list[QueuedJob]:
 def _busy_text(busy: list[QueuedJob]) -> str:
     ids = " ".join(j.id for j in busy)
     return (", ".join(shown(j.describe()) for j in busy) + " to free the nodes; cancel with "
-            f"`fab cancel --job {busy[0].id}` (ours) or `scancel {ids}` on the controller, or wait")
+            f"`fab cancel --job {busy[0].id}` (ours) or `sudo scancel {ids}` on the controller, or wait")
 
 
 def wait_idle(ctl: Connection, names: list[str], timeout_s: float = 120, poll_s: float = 2.0,
@@ -230,8 +231,14 @@ def make_job_dir(ctl: Connection, inv, job_dir: str, *writable: str) -> None:
     it runs. In it the folders the job writes (`writable`, names), the job user's, as are the shared
     job logs (slurmstepd opens them as the job's user) and Hugging Face cache. One command, as root."""
     q, user = shlex.quote, job_user(inv)
-    theirs = [q(f"{job_dir}/{name}") for name in writable] + [q(f"{inv.scratch}/{d}") for d in ("logs", "hf-cache")]
-    cmd = (f"install -d -o {q(ctl.user)} -m 0755 {q(job_dir)} && "
+    shared = [q(f"{inv.scratch}/{d}") for d in JOB_SCRATCH_DIRS]
+    theirs = [q(f"{job_dir}/{name}") for name in writable] + shared
+    # A shared folder that is another user's (a cluster from before jobs had their own user: its jobs
+    # ran as the admin user) becomes the job user's with what is in it, once: judged by the folder's
+    # own owner, which no job can change, never by what a job may have linked into it.
+    cmd = (f"for d in {' '.join(shared)}; do if [ -d \"$d\" ] && [ \"$(stat -c %U \"$d\")\" != {q(user)} ]; "
+           f"then chown -R {q(user)}:{q(user)} \"$d\"; fi; done && "
+           f"install -d -o {q(ctl.user)} -m 0755 {q(job_dir)} && "
            f"install -d -o {q(user)} -g {q(user)} -m 0755 {' '.join(theirs)}")
     res = sudo(ctl, f"sh -c {q(cmd)}", warn=True)
     if not res.ok:

@@ -269,7 +269,9 @@ def check_data_on(node: Connection, python: str, data: str):
     remote = f"/tmp/slurm-gpu-check-data-{uuid.uuid4().hex[:12]}.py"
     node.put(io.BytesIO((TRAINING_DIR / "data.py").read_bytes()), remote=remote)
     try:
-        return node.run(f"{q(python)} {q(remote)} {q(data)}", hide=True, warn=True, in_stream=False)
+        # -I: isolated. /tmp is every job's to write; without it Python would import a json.py a job
+        # left beside the script, as the admin user (who has sudo).
+        return node.run(f"{q(python)} -I {q(remote)} {q(data)}", hide=True, warn=True, in_stream=False)
     finally:
         node.run(f"rm -f {q(remote)}", hide=True, warn=True, in_stream=False)
 
@@ -347,7 +349,8 @@ def launch(cl: Cluster, opts: TrainOptions, nodes: int, gpus: int, say: Say,
     if not released.ok:
         raise TrainError(f"job {job_id} is held and could not be released: "
                          f"{(released.stderr or released.stdout).strip()}; "
-                         f"run `scontrol release {job_id}` on the controller or `fab cancel --job {job_id}`")
+                         f"run `sudo -u {user} scontrol release {job_id}` on the controller or "
+                         f"`fab cancel --job {job_id}`")
     step(say, 5, f"submitted job {job_id}: {nodes} node(s) x {gpus} rank(s), code and config in {job_dir}; "
                  f"log {log_path}")
     return job_id, job_dir, log_path
