@@ -19,13 +19,13 @@ from localcluster.state import ClusterState, HostEntry, HostSpec
 
 
 def build(nodes: int, gpus: int, fresh_keys: bool, out: Callable[[str], None],
-          idle_stop_s: int = 0) -> Inventory:
+          idle_stop_s: int = 0, cred_expire: int | None = None) -> Inventory:
     """Make the cluster (options already checked, no cluster present); returns its inventory."""
     t0 = time.monotonic()
     specs = plan.host_specs(nodes)
-    facts = plan.cluster_facts(nodes, gpus, idle_stop_s)
+    facts = plan.cluster_facts(nodes, gpus, idle_stop_s, cred_expire)
     saved = ClusterState(nodes=nodes, gpus=gpus, fresh_keys=fresh_keys, idle_stop_s=idle_stop_s,
-                      started=time.time())
+                         cred_expire=cred_expire, started=time.time())
     layout.STATE.mkdir(parents=True, exist_ok=True)
     state.save(saved)  # from here on, `down` knows what to remove
     made = []
@@ -77,7 +77,7 @@ def build(nodes: int, gpus: int, fresh_keys: bool, out: Callable[[str], None],
     daemons.poll("slurmctld on controller", lambda: daemons.slurmctld_up(pids[ctl.name]), 30, 0.2)
     out(f"  munged, sshd, slurmctld running ({time.monotonic() - t0:.1f} s)")
 
-    inventory = plan.make_inventory(nodes, gpus, idle_stop_s)
+    inventory = plan.make_inventory(nodes, gpus, idle_stop_s, cred_expire)
     files.write_file(layout.INVENTORY, inventory.to_json() + "\n", 0o600)
     if not fresh_keys:
         # Exactly what `fab train` does on AWS: the controller's key to every node.

@@ -48,20 +48,24 @@ def _saved(out: Out, then: str = "") -> ClusterState | None:
 
 
 def up(nodes=layout.DEFAULT_NODES, gpus=layout.DEFAULT_GPUS, fresh_keys: bool = False,
-       out: Out = print, idle_stop_s=0) -> Inventory:
+       out: Out = print, idle_stop_s=0, cred_expire: int | None = None) -> Inventory:
     """Bring the cluster up (see the module docstring); returns its inventory.
-    idle_stop_s > 0: Slurm stops a GPU host's slurmd after that many idle seconds."""
+    idle_stop_s > 0: Slurm stops a GPU host's slurmd after that many idle seconds.
+    cred_expire: AuthInfo=cred_expire, the wait before a requeued job starts again (None: plan.CRED_EXPIRE_S,
+    which a cluster that loses a node needs)."""
     nodes, gpus = validate(nodes, gpus)
     idle_stop_s = power.validate_idle_stop(idle_stop_s)
     preflight()
     with op_lock():
         saved = _saved(out, "taking down what is left of that cluster")
         if saved is not None:
-            if (saved.nodes, saved.gpus, saved.idle_stop_s) != (nodes, gpus, idle_stop_s):
+            wanted = (nodes, gpus, idle_stop_s, cred_expire)
+            if (saved.nodes, saved.gpus, saved.idle_stop_s, saved.cred_expire) != wanted:
                 raise ClusterError(
                     f"a local cluster with {saved.nodes} GPU hosts x {saved.gpus} GPUs "
-                    f"(idle stop {saved.idle_stop_s} s) is already up; run `fab local.down` first "
-                    f"to make one with {nodes} x {gpus} (idle stop {idle_stop_s} s)")
+                    f"(idle stop {saved.idle_stop_s} s, cred_expire {saved.cred_expire or 'default'}) is already "
+                    f"up; run `fab local.down` first to make one with {nodes} x {gpus} (idle stop {idle_stop_s} s, "
+                    f"cred_expire {cred_expire or 'default'})")
             problems = health.problems(saved)
             if not problems:
                 out(f"local cluster already up ({nodes} GPU hosts x {gpus} GPUs); nothing to do")
@@ -70,7 +74,7 @@ def up(nodes=layout.DEFAULT_NODES, gpus=layout.DEFAULT_GPUS, fresh_keys: bool = 
         if saved is not None or layout.STATE_FILE.exists() or leftovers(None):
             teardown(saved, out=_silent)
         try:
-            return build(nodes, gpus, fresh_keys, out, idle_stop_s)
+            return build(nodes, gpus, fresh_keys, out, idle_stop_s, cred_expire)
         except BaseException:
             out("local.up failed; taking down what was made")
             teardown(_saved(_silent), out=_silent)

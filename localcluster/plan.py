@@ -33,7 +33,14 @@ def machine_shape(gpus: int) -> NodeShape:
                      gpu_type=layout.GPU_TYPE, sockets=sockets, threads_per_core=threads)
 
 
-def cluster_facts(nodes: int, gpus: int, idle_stop_s: int = 0) -> ClusterFacts:
+# How long a requeued job waits before it starts again (AuthInfo=cred_expire). It must stay above
+# slurmctld's 60 s retry of the terminate request to a lost node, or that late retry kills the new
+# attempt (same job id) when the node is back. A cluster where no node is ever lost (a job that
+# requeues itself: a hang, a spot notice) may pass a shorter one (up's cred_expire).
+CRED_EXPIRE_S = 70
+
+
+def cluster_facts(nodes: int, gpus: int, idle_stop_s: int = 0, cred_expire: int | None = None) -> ClusterFacts:
     ctl, gpu_hosts = plan_hosts(layout.SUBNET, nodes)
     return ClusterFacts(
         cluster_name=layout.CLUSTER_NAME, controller=ctl, gpu_nodes=gpu_hosts,
@@ -43,10 +50,9 @@ def cluster_facts(nodes: int, gpus: int, idle_stop_s: int = 0) -> ClusterFacts:
         job_user="root", job_uid=0,
         scratch="/scratch", platform=LOCAL, efa=False, nvlink=False,
         # A lost host is marked DOWN (and its job requeued) in seconds, not AWS's 180 s. The
-        # requeued job waits cred_expire before it starts again; it must stay above slurmctld's
-        # 60 s retry of the terminate request to the lost node, or that late retry kills the new
-        # attempt (same job id) when the node is back.
-        slurmd_timeout=15, cred_expire=70, power_save=power.power_save(idle_stop_s),
+        # requeued job waits cred_expire before it starts again (CRED_EXPIRE_S above).
+        slurmd_timeout=15, cred_expire=CRED_EXPIRE_S if cred_expire is None else cred_expire,
+        power_save=power.power_save(idle_stop_s),
         # A removed stand-in GPU drains its node within 15 s (AWS: 60 s between checks).
         health_check_interval=15,
         # A requeued job starts within seconds of its start time (Slurm's next pass: 60 s by default).
@@ -54,8 +60,8 @@ def cluster_facts(nodes: int, gpus: int, idle_stop_s: int = 0) -> ClusterFacts:
     )
 
 
-def make_inventory(nodes: int, gpus: int, idle_stop_s: int = 0) -> Inventory:
-    facts = cluster_facts(nodes, gpus, idle_stop_s)
+def make_inventory(nodes: int, gpus: int, idle_stop_s: int = 0, cred_expire: int | None = None) -> Inventory:
+    facts = cluster_facts(nodes, gpus, idle_stop_s, cred_expire)
     return from_facts(
         facts, target="local", controller_public_ip=facts.controller.ip,
         # Hosts share this machine's filesystem, so the repo's venv is the nodes' Python.

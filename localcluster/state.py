@@ -52,6 +52,7 @@ class ClusterState:
     gpus: int  # stand-in GPUs per GPU host
     fresh_keys: bool = False
     idle_stop_s: int = 0  # power saving (0: off); files from before it existed have none
+    cred_expire: int | None = None  # AuthInfo=cred_expire; None: plan.CRED_EXPIRE_S
     hosts: tuple[HostEntry, ...] = ()  # made so far, controller first
     made_mount_points: tuple[str, ...] = ()  # made by `up` on the root filesystem; `down` removes them
     started: float = 0.0  # time.time() when `up` began
@@ -84,6 +85,7 @@ class ClusterState:
         return cls(
             nodes=_get(data, "nodes", int), gpus=_get(data, "gpus", int),
             fresh_keys=_get(data, "fresh_keys", bool, False), idle_stop_s=_get(data, "idle_stop_s", int, 0),
+            cred_expire=_get(data, "cred_expire", (int, type(None)), None),
             hosts=tuple(_host(h, i) for i, h in enumerate(hosts)),
             made_mount_points=tuple(_strings(_get(data, "made_mount_points", list, []), "made_mount_points")),
             started=float(_get(data, "started", (int, float), 0.0)),

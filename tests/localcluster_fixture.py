@@ -28,8 +28,10 @@ def cluster_lock():
 
 
 @contextmanager
-def fresh_cluster(nodes: int = 2, gpus: int = 2, fresh_keys: bool = False, idle_stop_s: int = 0):
-    """Yield (inventory, job_dirs) of a new cluster; job_dirs collects /scratch paths to remove."""
+def fresh_cluster(nodes: int = 2, gpus: int = 2, fresh_keys: bool = False, idle_stop_s: int = 0,
+                  cred_expire: int | None = None):
+    """Yield (inventory, job_dirs) of a new cluster; job_dirs collects /scratch paths to remove.
+    cred_expire: see localcluster.lifecycle.up (a shorter requeue wait where no node is lost)."""
     from localcluster import lifecycle as cluster
     from localcluster import topology as layout
 
@@ -38,7 +40,7 @@ def fresh_cluster(nodes: int = 2, gpus: int = 2, fresh_keys: bool = False, idle_
         try:
             cluster.down(out=_quiet)  # start clean (also after an earlier crash)
             yield cluster.up(nodes=nodes, gpus=gpus, fresh_keys=fresh_keys, out=_quiet,
-                             idle_stop_s=idle_stop_s), job_dirs
+                             idle_stop_s=idle_stop_s, cred_expire=cred_expire), job_dirs
         finally:
             try:
                 cluster.down(out=_quiet)

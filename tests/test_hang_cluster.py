@@ -24,9 +24,14 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 STALL = "3:6:inf"  # rank 3, when step 7 begins, for ever (the first attempt only)
 
 
+# No node is lost here (the job script requeues itself after the hang): the requeued job need not wait out the
+# default cred_expire (localcluster.plan.CRED_EXPIRE_S, kept for a lost node's late terminate retry).
+CRED_EXPIRE_S = 20
+
+
 @pytest.fixture(scope="module")
 def local_cluster():
-    with fresh_cluster(nodes=2, gpus=2, fresh_keys=False) as (inv, job_dirs):
+    with fresh_cluster(nodes=2, gpus=2, fresh_keys=False, cred_expire=CRED_EXPIRE_S) as (inv, job_dirs):
         yield inv, job_dirs
 
 

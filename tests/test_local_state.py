@@ -38,7 +38,7 @@ def made(nodes: int = 2) -> ClusterState:
     """A cluster whose controller holder is ready and whose GPU hosts' are not yet."""
     ctl, *gpu_hosts = (HostEntry.of(s) for s in plan.host_specs(nodes))
     hosts = (dataclasses.replace(ctl, pid=123, ns=("net:[1]", "uts:[2]")), *gpu_hosts)
-    return ClusterState(nodes=nodes, gpus=3, fresh_keys=False, idle_stop_s=30, hosts=hosts,
+    return ClusterState(nodes=nodes, gpus=3, fresh_keys=False, idle_stop_s=30, cred_expire=20, hosts=hosts,
                         made_mount_points=("/etc/slurm-gpu",), started=12.5)
 
 
@@ -52,7 +52,8 @@ def test_round_trip(state_file):
         ("controller", "10.213.0.10", "controller", 0, "sgpu-controller"),
         ("gpu-node-01", "10.213.0.11", "gpu", 1, "sgpu-gpu-node-01"),
         ("gpu-node-02", "10.213.0.12", "gpu", 2, "sgpu-gpu-node-02")]
-    assert (data["nodes"], data["gpus"], data["idle_stop_s"], data["hosts"][0]["pid"]) == (2, 3, 30, 123)
+    assert (data["nodes"], data["gpus"], data["idle_stop_s"], data["cred_expire"], data["hosts"][0]["pid"]) == \
+        (2, 3, 30, 20, 123)
     assert not state_file.with_suffix(".tmp").exists()
 
 
@@ -66,7 +67,7 @@ def test_no_file_is_no_cluster(state_file):
 def test_a_file_from_before_idle_stop_reads(state_file):
     state_file.write_text(json.dumps(OLD_FILE))
     old = state.load()
-    assert (old.nodes, old.gpus, old.fresh_keys, old.idle_stop_s) == (1, 2, True, 0)
+    assert (old.nodes, old.gpus, old.fresh_keys, old.idle_stop_s, old.cred_expire) == (1, 2, True, 0, None)
     assert old.made_mount_points == ("/scratch",) and old.complete
     ctl = old.host("controller")
     assert (ctl.pid, ctl.ns, ctl.netns) == (4242, ("mnt:[4026532001]", "net:[4026532000]"), "sgpu-controller")
@@ -82,6 +83,7 @@ def test_a_file_from_before_idle_stop_reads(state_file):
     (json.dumps({k: v for k, v in OLD_FILE.items() if k != "hosts"}), "no 'hosts'"),
     (json.dumps({**OLD_FILE, "nodes": "2"}), "'nodes' is '2'"),
     (json.dumps({**OLD_FILE, "gpus": True}), "'gpus' is True"),
+    (json.dumps({**OLD_FILE, "cred_expire": "20"}), "'cred_expire' is '20'"),
     (json.dumps({**OLD_FILE, "hosts": [{k: v for k, v in OLD_FILE["hosts"][0].items() if k != "ip"}]}),
      "hosts[0]: no 'ip'"),
     (json.dumps({**OLD_FILE, "hosts": ["controller"]}), "hosts[0]: not an object"),

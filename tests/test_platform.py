@@ -68,6 +68,18 @@ def test_local_cluster_shortens_only_its_own_timers():
     assert facts_from_dict(facts_to_dict(local_plan.cluster_facts(2, 2))).sched_interval == 5
 
 
+def test_a_local_cluster_may_shorten_the_requeue_wait():
+    """cred_expire (how long a requeued job waits) is the lost-node-safe default unless a cluster asks
+    for a shorter one (the hang and spot tests, where no node is lost); the inventory carries it."""
+    from tests.test_bootstrap_render import settings
+
+    assert settings(render.render_slurm_conf(local_plan.cluster_facts(2, 2)))["AuthInfo"] == \
+        f"cred_expire={local_plan.CRED_EXPIRE_S}"
+    short = local_plan.cluster_facts(2, 2, cred_expire=20)
+    assert settings(render.render_slurm_conf(short))["AuthInfo"] == "cred_expire=20"
+    assert local_plan.make_inventory(2, 2, cred_expire=20).facts["cred_expire"] == 20  # `fab reconfigure` renders from it
+
+
 def test_wheel_tags_are_pips_own_for_the_platforms_glibc():
     """`Platform.wheel_platforms` is the list pip itself accepts on that glibc (what a node's `pip
     install` takes): checked against pip's tag code on this machine, whose glibc is LOCAL's."""

@@ -27,9 +27,14 @@ PORT = 18169  # each host's own 127.0.0.1: the stand-in metadata service
 NODES = ("gpu-node-01", "gpu-node-02")
 
 
+# No node is lost here (the job script requeues itself after the notice): the requeued job need not wait out the
+# default cred_expire (localcluster.plan.CRED_EXPIRE_S, kept for a lost node's late terminate retry).
+CRED_EXPIRE_S = 20
+
+
 @pytest.fixture(scope="module")
 def local_cluster():
-    with fresh_cluster(nodes=2, gpus=2, fresh_keys=False) as (inv, job_dirs):
+    with fresh_cluster(nodes=2, gpus=2, fresh_keys=False, cred_expire=CRED_EXPIRE_S) as (inv, job_dirs):
         yield inv, job_dirs
 
 
