@@ -81,7 +81,10 @@ cat {answer}
 
 
 class LocalController(Context):
-    """The controller's shell, run here by invoke (the same `run(cmd, hide=, warn=, in_stream=)` as Fabric)."""
+    """The controller's shell, run here by invoke (the same `run(cmd, hide=, warn=, in_stream=)` as Fabric),
+    logged in as the inventory's user, who is also its jobs' (an inventory without job_user)."""
+
+    user = "ubuntu"
 
     def open(self) -> None:
         pass

@@ -11,7 +11,11 @@ import grp
 import os
 import pwd
 import shlex
+import shutil
 import subprocess
+import tempfile
+import types
+from pathlib import Path
 
 import pytest
 from invoke.runners import Result
@@ -139,3 +143,36 @@ def test_a_job_user_the_bootstrap_cannot_make_is_refused(user, uid):
     facts = dataclasses.replace(cluster_facts(2, 1), job_user=user, job_uid=uid)
     with pytest.raises(ValueError, match="job_user"):
         render.render_files(facts)
+
+
+@pytest.fixture
+def open_dir():
+    """A folder any user can reach (pytest's tmp_path is root's alone)."""
+    d = Path(tempfile.mkdtemp(prefix="sgpu-jobuser-"))
+    d.chmod(0o755)
+    yield d
+    shutil.rmtree(d)
+
+
+@pytest.mark.root
+def test_a_model_the_jobs_user_cannot_read_is_refused_before_anything_is_written(open_dir):
+    """Run for real (as root, `daemon` standing in for the jobs' user): weights saved 0600 by their maker
+    (safetensors does) are named with the fix before any job folder exists, and pass once readable."""
+    from ops.actions.options import TrainOptions
+    from ops.finetune import pipeline
+
+    model = open_dir / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    weights = model / "model.safetensors"
+    weights.write_bytes(b"weights")
+    weights.chmod(0o600)
+    inv = dataclasses.replace(inventory(job_user="daemon"), scratch=str(open_dir))
+    cl = types.SimpleNamespace(inventory=inv, controller=LocalRoot("root"), nodes={})
+    opts = TrainOptions(target="aws", stack=None, config=Path("c.yaml"), nodes=None, gpus_per_node=None,
+                        examples=None, model=str(model), data=None, identity=None)
+    with pytest.raises(pipeline.TrainError, match=r"jobs' user daemon cannot read .*model\.safetensors.*chmod -R a\+rX"):
+        pipeline.check_inputs(cl, opts, print)
+    assert sorted(p.name for p in open_dir.iterdir()) == ["model"]  # nothing else written
+    weights.chmod(0o644)
+    pipeline.check_inputs(cl, opts, print)

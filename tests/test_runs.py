@@ -69,7 +69,7 @@ def test_job_script_samples_gpus_where_nvidia_smi_is(tmp_path):
                         log_dir="/scratch/logs", job_dir="/scratch/jobs/x", work_dir="/scratch/jobs/x/work", config="c.yaml",
                         output_dir="/scratch/jobs/x/output")
     script = jobs.render_finetune(spec)
-    assert "export GPU_SAMPLES=/scratch/jobs/x/output" in script
+    assert "export GPU_SAMPLES='/scratch/jobs/x/output'" in script
     assert ("if command -v nvidia-smi >/dev/null 2>&1; then mkdir -p \"$GPU_SAMPLES\"; TZ=UTC nvidia-smi "
             "--query-gpu=timestamp,index,utilization.gpu,memory.used,power.draw --format=csv,noheader,nounits "
             "-l 5 >>\"$GPU_SAMPLES/gpus-$(hostname).csv\"") in script

@@ -122,6 +122,8 @@ def make_tiny(out: Path, examples: int = 400, seed: int = 0) -> tuple[Path, Path
     model_dir = out / "model"
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
+    for f in model_dir.iterdir():  # safetensors writes 0600: the jobs' user (not its maker) reads it
+        f.chmod(0o644)
     return model_dir, data_file
 
 

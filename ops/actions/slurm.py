@@ -246,6 +246,13 @@ def make_job_dir(ctl: Connection, inv, job_dir: str, *writable: str) -> None:
                          f"{_with_hint((res.stderr or res.stdout).strip(), user)}")
 
 
+def let_admin_read(ctl: Connection, inv, path: str) -> None:
+    """Make what jobs wrote under `path` readable by the admin user fab reads it as: safetensors saves
+    with mode 0600, and the jobs' user is not the admin. Done as the jobs' user, so only its own files
+    change, never a file of another user a job may have linked in (chmod -R follows no link)."""
+    as_job_user(ctl, job_user(inv), f"chmod -R a+rX {shlex.quote(path)}", warn=True, hide=True)
+
+
 def _with_hint(why: str, user: str) -> str:
     """Slurm's or the tools' words, and the fix where the controller lacks the job user."""
     if re.search(r"unknown user|invalid (user|group)", why):

@@ -34,6 +34,7 @@ from fabric import Connection
 
 from cluster.errors import UserError
 from cluster.inventory import Inventory, InventoryError
+from ops.actions import slurm
 from ops.actions.options import ClusterOptions
 from ops.cost import estimate as est
 from ops.cost import still_bills
@@ -241,6 +242,8 @@ def check_ready(cl: Cluster, runs_dir: Path, how: str, stack: str | None, done_j
     `drop_unfinished`) an unfinished run keeps a checkpoint. `done_job`: see jobs_in_flight."""
     flag = _stack_flag(stack)
     refuse_busy(cl.controller, how, flag, done_job)
+    # Adapters a job saved 0600 (safetensors) and fab never brought home: readable, so their sums can be taken.
+    slurm.let_admin_read(cl.controller, cl.inventory, f"{cl.inventory.scratch}/slurm-gpu/jobs")
     found = remote_runs(cl.controller, cl.inventory.scratch)
     missing = not_home(found, runs_dir)
     pulumi_cmd = f"`pulumi destroy{flag}` (it checks nothing)"

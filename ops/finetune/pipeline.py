@@ -294,6 +294,13 @@ def check_inputs(cl: Cluster, opts: TrainOptions, say: Say) -> None:
         if flag == "model" and not exists(ctl, f"{value}/config.json"):
             raise TrainError(f"{_where(opts, flag)}: not a model directory (no config.json in it); give the "
                              "directory that `save_pretrained` wrote (config.json, weights, tokenizer)")
+        # The job reads it as the jobs' user, not as the user that made it (safetensors saves 0600).
+        res = slurm.as_job_user(ctl, slurm.job_user(inv), f"find {shlex.quote(value)} -maxdepth 1 ! -readable -print",
+                                warn=True)
+        if res.stdout.strip() or not res.ok:
+            hidden = res.stdout.split("\n")[0].strip() or (res.stderr or "").strip()[:200]
+            raise TrainError(f"{_where(opts, flag)}: the jobs' user {slurm.job_user(inv)} cannot read "
+                             f"{shown(hidden)}; on the controller: sudo chmod -R a+rX {shlex.quote(value)}")
     data = opts.data_path
     if data and data.startswith("/") and data not in tiny:
         name = inv.gpu_nodes[0].name
@@ -522,6 +529,7 @@ def finish(cl: Cluster, job_id: str, followed: stream.Followed, say: Say,
     dest = run_dir(job_id, job_dir)
     got: list[str] = []
     if job_dir:
+        slurm.let_admin_read(cl.controller, cl.inventory, f"{job_dir}/output")
         got = download(cl.controller, f"{job_dir}/output", dest, say)
     if log_path:
         dest.mkdir(parents=True, exist_ok=True)
