@@ -1,8 +1,11 @@
 """The sbatch templates rendered for AWS (L4 and H100) and the local cluster, checked by bash and shellcheck."""
 
+import dataclasses
 import re
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import jinja2
 import pytest
@@ -11,6 +14,8 @@ from cluster.facts import ClusterFacts, NodeShape, plan_hosts
 from cluster.inventory import Inventory, Node, from_facts
 from cluster.platform import BOOT_DEBIAN12, BOOT_DEBIAN13
 from ops.finetune import sbatch as jobs
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def inventory(target="aws", gpu_type="l4", nvlink=False, gpus=4, nodes=2):
@@ -98,7 +103,8 @@ def test_common_directives_and_launch(nodes):
     # flags are shell-quoted and None values dropped
     assert "--model_name_or_path '/scratch/my model'" in s and "--n_examples 64" in s and "--x " not in s
     # bounded requeue
-    assert '[ "$failures" -gt 3 ]' in s and "SLURM_RESTART_COUNT" in s
+    assert "-m training.requeue start '/scratch/slurm-gpu/jobs/20260101-abc/output' \"$restart\" 3" in s
+    assert "SLURM_RESTART_COUNT" in s
 
 
 def test_a_torch_without_libuv_keeps_the_rendezvous_in_a_file():
@@ -169,10 +175,10 @@ def _head_runs(tmp_path, restart: int, spot_lines: int) -> subprocess.CompletedP
         (out / "SPOT_REQUEUES").write_text("".join(f"17000000{i} stop at T\n" for i in range(spot_lines)))
     spec = jobs.base_spec(inventory(), jobs.FINETUNE_NAME, 2, 4, str(tmp_path), config=str(tmp_path / "c.yaml"),
                           output_dir=str(out), script_path=str(tmp_path / "finetune.sbatch"))
-    text = jobs.render_finetune(spec)
+    text = jobs.render_finetune(dataclasses.replace(spec, python=sys.executable))
     head = text[:text.index("# The rendezvous host")] + "echo REACHED\n"
     env = {"PATH": "/usr/bin:/bin", "SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": str(restart),
-           "SLURM_JOB_NODELIST": "gpu-node-[01-02]"}
+           "SLURM_JOB_NODELIST": "gpu-node-[01-02]", "PYTHONPATH": str(REPO)}
     return subprocess.run(["bash", "-c", head], env=env, capture_output=True, text=True)
 
 

@@ -8,7 +8,9 @@ import time
 
 from transformers import TrainerCallback
 
-LOG_PREFIX = "SLURM_GPU_LOG "
+from training import protocol
+
+LOG_PREFIX = protocol.prefix(protocol.LOG)
 # Test-only fault injection: the rank SLURM_GPU_FAULT_RANK raises after optimizer step SLURM_GPU_FAULT_STEP.
 FAULT_RANK_ENV = "SLURM_GPU_FAULT_RANK"
 FAULT_STEP_ENV = "SLURM_GPU_FAULT_STEP"

@@ -13,9 +13,11 @@ import sys
 import time
 from pathlib import Path
 
-MARKER = "HUNG"  # in output_dir: the job script reports the hang and requeues when it finds it
+from training import protocol
+
+MARKER = protocol.HUNG  # in output_dir: the job script reports the hang and requeues when it finds it
 HANGS_DIR = "hangs"  # in output_dir: every rank's stack and flight recorder dump, brought home with the run
-PREFIX = "SLURM_GPU_HANG "  # the job script's line for `fab train` (ops/finetune/joblog.py)
+PREFIX = protocol.prefix(protocol.HANG)  # the job script's line for `fab train` (ops/finetune/joblog.py)
 SIGNAL = signal.SIGURG  # faulthandler's "dump your stacks": ignored by default, used by nothing else here
 POLL_S = 1.0
 GRACE_S = 10.0  # after the marker: time for the other ranks' watchers to see it and dump theirs

@@ -19,12 +19,14 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from training import protocol
+
 log = logging.getLogger(__name__)
 
 NONE, CHECKPOINT, STOP = 0, 1, 2
 SIGNALS = {signal.SIGUSR1: STOP, signal.SIGUSR2: CHECKPOINT}
-PREFIX = "SLURM_GPU_SPOT "  # rank 0's line for `fab train` (ops/finetune/joblog.py)
-MARKER = "INTERRUPTED"  # in output_dir: the job script requeues the job when it finds it
+PREFIX = protocol.prefix(protocol.SPOT)  # rank 0's line for `fab train` (ops/finetune/joblog.py)
+MARKER = protocol.INTERRUPTED  # in output_dir: the job script requeues the job when it finds it
 
 
 # What the signals asked since the last step. Module state, so handlers installed at the process's

@@ -8,12 +8,14 @@ import os
 import re
 from pathlib import Path
 
+from training import protocol
+
 log = logging.getLogger("training.train")
 
-METRICS_PREFIX = "SLURM_GPU_METRICS "
+METRICS_PREFIX = protocol.prefix(protocol.METRICS)
 # Written last, after the adapters, trainer_state.json and metrics.json: a requeued instance of a
 # job that finished (a node lost after training, e.g. munged killed) sees it and does not retrain.
-COMPLETED_MARKER = "COMPLETED"
+COMPLETED_MARKER = protocol.COMPLETED
 
 
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from training import cost_cap, interrupts, tensorboard_events
+from training import cost_cap, interrupts, protocol, tensorboard_events
 from training import samples as sample_answers
 from training.args import DataArguments, ModelArguments, TrainConfig, gpu_available, parse_args, switch
 from training.callbacks import FAULT_RANK_ENV, FAULT_STEP_ENV, LOG_PREFIX, PhaseTimingCallback, make_callbacks
@@ -60,7 +60,7 @@ __all__ = ["COMPLETED_MARKER", "FAULT_RANK_ENV", "FAULT_STEP_ENV", "LOG_PREFIX",
 
 log = logging.getLogger("training.train")
 
-RESUME_PREFIX = "SLURM_GPU_RESUMED "
+RESUME_PREFIX = protocol.prefix(protocol.RESUMED)
 _RUNS = 0  # main() calls in this process
 
 

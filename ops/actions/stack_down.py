@@ -42,7 +42,7 @@ from ops.finetune import sbatch as jobs
 from ops.say import Say
 from ops.ssh import remote
 from ops.ssh.remote import Cluster
-from training.outputs import COMPLETED_MARKER  # written after the adapters
+from training.protocol import COMPLETED as COMPLETED_MARKER  # written after the adapters
 
 _NAME = re.compile(r"^[A-Za-z0-9][\w.-]*$")  # a job directory's name as new_job_dir makes it
 _HASH = re.compile(r"^(?P<sha>[0-9a-f]{64})  (?P<file>adapter_[\w.-]+)$")

@@ -30,10 +30,11 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ops.actions import slurm
+from training import protocol
 
 _LABEL = re.compile(r"^\s*\d+: ")
-_TAGS = ("SLURM_GPU_JOB", "SLURM_GPU_LOG", "SLURM_GPU_RESUMED", "SLURM_GPU_METRICS", "SLURM_GPU_SPOT",
-         "SLURM_GPU_HANG")
+# The tags read here (training/protocol.py); END is the timeline's (ops/finetune/timeline.py).
+_TAGS = (protocol.JOB, protocol.LOG, protocol.RESUMED, protocol.METRICS, protocol.SPOT, protocol.HANG)
 _TAGGED = re.compile(r"^(?P<tag>" + "|".join(_TAGS) + r") (?P<body>\{.*\})\s*$")
 _HF_DICT = re.compile(r"^\{'(?:loss|train_runtime)'.*\}$")
 _BAR = re.compile(r"(?P<step>\d+)/(?P<total>\d+) \[")
@@ -150,22 +151,22 @@ class JobLog:
         return self.started or any(s.get("_tagged") for s in self.steps)
 
     def _tagged(self, tag: str, body: dict, now: float) -> Event | None:
-        if tag == "SLURM_GPU_JOB":
+        if tag == protocol.JOB:
             restarts = int(body.get("restart", 0))
             self.started = True
             self.job_dir = job_dir(body.get("job_dir")) or self.job_dir
             self.restarts = restarts
             self.nodes = slurm.hostlist(body.get("nodes")) or self.nodes
             return Event("start", body)
-        if tag == "SLURM_GPU_SPOT":
+        if tag == protocol.SPOT:
             return Event("spot", body)
-        if tag == "SLURM_GPU_HANG":
+        if tag == protocol.HANG:
             self.hangs.append(body)
             return Event("hang", body)
-        if tag == "SLURM_GPU_RESUMED":
+        if tag == protocol.RESUMED:
             self.resumed_from = int(body.get("step", 0))
             return Event("resumed", body)
-        if tag == "SLURM_GPU_METRICS":
+        if tag == protocol.METRICS:
             self.metrics = body
             return Event("metrics", body)
         body = {**_floats(body), "_tagged": True}

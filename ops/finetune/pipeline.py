@@ -570,7 +570,7 @@ def succeeded(followed: stream.Followed) -> bool:
     return followed.log.metrics is not None
 
 
-COMPLETED_MARKER = stack_down.COMPLETED_MARKER  # training.train.COMPLETED_MARKER, written after the adapters
+COMPLETED_MARKER = stack_down.COMPLETED_MARKER  # training/protocol.py's COMPLETED, written after the adapters
 
 
 def training_completed(ctl: Connection, job_dir: str | None) -> bool:

@@ -17,6 +17,7 @@ from cluster.facts import facts_from_dict
 from cluster.inventory import Inventory
 from cluster.platform import AWS
 from cluster.shell_quote import shell_quote
+from training import protocol, requeue
 
 JOBS_DIR = Path(__file__).resolve().parents[2] / "jobs"
 FINETUNE_NAME = "slurm-gpu-finetune"
@@ -96,8 +97,14 @@ def train_flags(flags: dict[str, object]) -> tuple[str, ...]:
     return tuple(f"--{k} {shlex.quote(str(v))}" for k, v in flags.items() if v is not None)
 
 
+def context(spec: JobSpec) -> dict:
+    """The spec, the job protocol's names (training/protocol.py: `tags.JOB`, `markers.COMPLETED`) and the
+    requeue policy's "go on and train" status (training/requeue.py)."""
+    return {**asdict(spec), **protocol.template_context(), "requeue_continue": requeue.CONTINUE}
+
+
 def render(template: str, spec: JobSpec) -> str:
-    return _env.get_template(template).render(**asdict(spec))
+    return _env.get_template(template).render(**context(spec))
 
 
 def render_finetune(spec: JobSpec) -> str:
@@ -111,4 +118,4 @@ def render_sanity(spec: JobSpec) -> str:
 def render_netcheck(spec: JobSpec, sizes: tuple[int, ...], budget_s: float, gloo_ifname: str | None) -> str:
     """The network check's script; `gloo_ifname`: the interface gloo must use (None: gloo's own choice)."""
     return _env.get_template("netcheck.sbatch.j2").render(
-        **asdict(spec), sizes=",".join(str(s) for s in sizes), budget_s=budget_s, gloo_ifname=gloo_ifname or "")
+        **context(spec), sizes=",".join(str(s) for s in sizes), budget_s=budget_s, gloo_ifname=gloo_ifname or "")

@@ -22,6 +22,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from training import protocol
+
 # Canonical phases, in run order: key -> label. The estimate (ops/cost/estimate.py) predicts the same keys.
 LABELS: dict[str, str] = {
     "setup": "flag checks, inventory",
@@ -52,7 +54,7 @@ LABELS: dict[str, str] = {
 _MARKS = (("args_parsed", "startup"), ("data_ready", "data"), ("model_loaded", "model"),
           ("trainer_built", "build"), ("first_step_done", "first_step"), ("trained", "steps"),
           ("adapters_written", "save"))
-_STAMP = re.compile(r"\b(?P<tag>SLURM_GPU_JOB|SLURM_GPU_END) (?P<body>\{.*\})\s*$")
+_STAMP = re.compile(r"\b(?P<tag>" + protocol.JOB + "|" + protocol.END + r") (?P<body>\{.*\})\s*$")
 GAP = "gap"  # a span no phase covers
 
 
@@ -191,7 +193,7 @@ def log_stamps(log_text: str) -> tuple[float | None, float | None]:
                 t = float(json.loads(m["body"]).get("t"))
             except (ValueError, TypeError, json.JSONDecodeError):
                 continue
-            if m["tag"] == "SLURM_GPU_JOB":
+            if m["tag"] == protocol.JOB:
                 start, end = t, None  # a requeued attempt starts the count again
             else:
                 end = t
