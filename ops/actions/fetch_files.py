@@ -6,7 +6,8 @@ manifest as JSON on stdin:
 
     {"source": "https://host/base" | "/a/local/dir", "dest": "/scratch/hub/models/x",
      "root": "/scratch/hub" (optional: the fetch area above dest),
-     "files": [{"path": "model.safetensors", "size": 123, "sha256": "..." (optional)}]}
+     "files": [{"path": "model.safetensors", "size": 123, "sha256": "..." (optional)}],
+     "token": "hf_..." (optional: the user's Hugging Face token, for a gated or private repository)}
 
 Prints one `FETCH {...}` JSON line per progress tick (done, total bytes, rate, seconds left) and
 a final `FETCH_DONE {...}`; exits 1 with a `fetch error: ...` line naming the file on failure.
@@ -22,18 +23,25 @@ O_NOFOLLOW, one step at a time (`_folder`), and every file is opened, renamed an
 to its folder's descriptor, so a link found on the way is refused, never followed. The name check
 also guards fab's own downloads (ops/finetune/pipeline.py `download`, ops/actions/prefetch.py): it
 lives here because this file must run alone on the controller with the standard library.
+
+The token (a gated model's) arrives only on stdin, so no command line (`ps`), environment or file on
+this host holds it: it is sent as `Authorization: Bearer` to the manifest's source alone (`open_url`:
+a redirect to another host, such as the Hub's CDN with its signed address, goes without it), is
+never written, and is masked in every line this program prints (`redact`).
 """
 
 from __future__ import annotations
 
 import errno
 import hashlib
+import http.client
 import json
 import os
 import stat
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 CHUNK = 1 << 20
@@ -154,13 +162,41 @@ class Progress:
                                          "left_s": None if left is None else round(left, 1)}), flush=True)
 
 
-def _open(source: str, rel: str, offset: int):
+def _origin(url: str) -> tuple[str, str, int | None]:
+    parts = urllib.parse.urlsplit(url)
+    return parts.scheme, (parts.hostname or ""), parts.port
+
+
+class _AuthToSameOrigin(urllib.request.HTTPRedirectHandler):
+    """Redirects as urllib follows them, except that Authorization goes only to the origin (scheme,
+    host, port) it was meant for: urllib copies every header but the body's to the new address
+    (urllib/request.py, HTTPRedirectHandler.redirect_request), and the Hub sends a file's bytes from
+    another host (a CDN address signed for this one download, which needs no token)."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if new is not None and _origin(newurl) != _origin(req.full_url):
+            new.remove_header("Authorization")
+        return new
+
+
+def open_url(url: str, token: str | None = None, headers: dict | None = None, timeout: float = 60):
+    """urlopen(url) with `headers`, and `token` as `Authorization: Bearer` to url's origin alone."""
+    req = urllib.request.Request(url, headers=headers or {})
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    return urllib.request.build_opener(_AuthToSameOrigin).open(req, timeout=timeout)
+
+
+def redact(text: str, token: str | None) -> str:
+    """`text` with `token` masked: an error may quote what a server or a library said about it."""
+    return text.replace(token, "[token]") if token else text
+
+
+def _open(source: str, rel: str, offset: int, token: str | None = None):
     """A readable stream of `rel` from byte `offset` on (HTTP Range, or a seek into a local file)."""
     if source.startswith(("http://", "https://")):
-        req = urllib.request.Request(f"{source.rstrip('/')}/{rel}")
-        if offset:
-            req.add_header("Range", f"bytes={offset}-")
-        resp = urllib.request.urlopen(req, timeout=60)  # noqa: S310 (the manifest names the source)
+        resp = open_url(f"{source.rstrip('/')}/{rel}", token, {"Range": f"bytes={offset}-"} if offset else None)
         if offset and resp.status != 206:
             raise OSError(f"the source ignored the byte range (HTTP {resp.status}); cannot resume")
         return resp
@@ -169,7 +205,7 @@ def _open(source: str, rel: str, offset: int):
     return f
 
 
-def fetch_one(source: str, dest: int, entry: dict, progress: Progress) -> None:
+def fetch_one(source: str, dest: int, entry: dict, progress: Progress, token: str | None = None) -> None:
     """One file into the folder of descriptor `dest`, never through a symbolic link (_folder, _open_in)."""
     rel, size = entry["path"], int(entry["size"])
     *dirs, name = safe_name(rel, nested=True).split("/")
@@ -182,7 +218,7 @@ def fetch_one(source: str, dest: int, entry: dict, progress: Progress) -> None:
             progress.add(-have)
             have = 0
         if have < size:
-            with _open(source, rel, have) as src, \
+            with _open(source, rel, have, token) as src, \
                     os.fdopen(_open_in(folder, part, os.O_WRONLY | os.O_APPEND | os.O_CREAT, rel), "ab") as out:
                 while block := src.read(CHUNK):
                     out.write(block)
@@ -208,7 +244,7 @@ def _in_place(dest: int, rel: str) -> tuple[int | None, int | None]:
         os.close(folder)
 
 
-def fetch(manifest: dict, dest: int) -> dict:
+def fetch(manifest: dict, dest: int, token: str | None = None) -> dict:
     """The manifest's files into the folder of descriptor `dest` (opened by `open_dest`)."""
     source = manifest["source"]
     digest = _digest(manifest)
@@ -230,7 +266,7 @@ def fetch(manifest: dict, dest: int) -> dict:
     progress = Progress(total, done)
     fetched_from = done
     for entry in todo:
-        fetch_one(source, dest, entry, progress)
+        fetch_one(source, dest, entry, progress, token)
     progress.add(0, force=True)
     try:
         os.unlink(".complete.tmp", dir_fd=dest)  # whatever is there (a link itself, not its target)
@@ -263,6 +299,7 @@ def open_dest(manifest: dict) -> int:
 
 def main() -> int:
     manifest = json.load(sys.stdin)
+    token = manifest.pop("token", None) or None  # stdin alone brings it; from here on, only in memory
     try:
         for f in manifest["files"]:  # every name first: nothing is written when one would leave dest
             safe_name(f["path"], nested=True)
@@ -273,11 +310,14 @@ def main() -> int:
             need = sum(int(f["size"]) for f in manifest["files"] if _in_place(dest, f["path"])[0] is None)
             if free < need:
                 raise OSError(f"{manifest['dest']}: {need / 1e9:.1f} GB needed, {free / 1e9:.1f} GB free")
-            result = fetch(manifest, dest)
+            result = fetch(manifest, dest, token)
         finally:
             os.close(dest)
-    except (OSError, urllib.error.URLError, ValueError, KeyError) as exc:
-        print(f"fetch error: {exc}", file=sys.stderr, flush=True)
+    except (OSError, urllib.error.URLError, http.client.HTTPException, ValueError, KeyError) as exc:
+        print(f"fetch error: {redact(str(exc), token)}", file=sys.stderr, flush=True)
+        return 1
+    except Exception as exc:  # no traceback: a library's words may quote the token  # noqa: BLE001
+        print(f"fetch error: {type(exc).__name__}: {redact(str(exc), token)}", file=sys.stderr, flush=True)
         return 1
     print("FETCH_DONE " + json.dumps(result), flush=True)
     return 0

@@ -4,6 +4,12 @@ ops/actions/fetch_files.py does the fetching on a cluster host (the controller, 
 /scratch): resumable, verified, skipped when complete. This module builds its manifest, runs
 it there and turns its progress lines into "3.2 of 8.1 GB at 140 MB/s, 35 s left", so a failed
 download fails before any GPU is allocated, and every rank can then run offline.
+
+A gated or private model needs the user's Hugging Face token (`hub_token`: HF_TOKEN, else the login
+`hf auth login` stored). It is read here, sent with this machine's one API call (`hub_manifest`)
+and written only into the fetch program's stdin on the controller (`run`): never into a command
+line, the environment, a file, user-data, a job or a log. A refusal from the Hub (401, 403) is an
+error naming the model's page and the fix before anything is submitted (`_refused`).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cluster.errors import UserError
-from ops.actions.fetch_files import UnsafeName, safe_name
+from ops.actions.fetch_files import UnsafeName, open_url, redact, safe_name
 from ops.say import Say, shown
 
 SCRIPT = Path(__file__).resolve().parent / "fetch_files.py"
@@ -48,18 +54,70 @@ def hub_endpoint() -> str:
     return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
 
 
+class HubToken(str):
+    """The user's Hugging Face token; `where` names its source for the errors (never the value)."""
+
+    where: str = "HF_TOKEN"
+
+    def __repr__(self) -> str:  # a traceback's or a debug print's view of it
+        return "HubToken([hidden])"
+
+
+def hub_token() -> HubToken | None:
+    """The user's Hugging Face token, found as huggingface_hub finds it (`get_token`: HF_TOKEN, then
+    the token file `hf auth login` writes under HF_HOME; huggingface_hub/utils/_auth.py); None when
+    there is none. Only printable characters: the value becomes an HTTP header."""
+    import os
+
+    from huggingface_hub import get_token
+
+    value = get_token()
+    if not value:
+        return None
+    token = HubToken(value)
+    token.where = ("HF_TOKEN" if os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN")
+                   else "your Hugging Face login (`hf auth login`)")
+    if not re.fullmatch(r"[\x21-\x7e]+", token):
+        raise PrefetchError(f"the Hugging Face token from {token.where} has a space or a character that is not "
+                            "printable ASCII; set HF_TOKEN to the token alone (https://huggingface.co/settings/tokens)")
+    return token
+
+
+def _refused(repo_id: str, page: str, status: int, token: HubToken | None) -> PrefetchError:
+    """The Hub's 401 or 403 as the fix: no token for a gated (or private) repository, a token the
+    Hub does not know, or a token whose user has not accepted the license (gated repositories:
+    https://huggingface.co/docs/hub/models-gated; the codes as huggingface_hub's hf_raise_for_status
+    reads them, huggingface_hub/utils/_http.py)."""
+    if token is None:
+        return PrefetchError(f"{repo_id} is gated or private and no Hugging Face token was found: set HF_TOKEN or run "
+                             f"`hf auth login` ({page})")
+    if status == 403:
+        return PrefetchError(f"{repo_id} is gated and the Hugging Face token from {token.where} has no access to it: "
+                             f"accept the license at {page} and use a token with access (HF_TOKEN or `hf auth login`)")
+    return PrefetchError(f"the Hub refuses the Hugging Face token from {token.where} for {repo_id} (HTTP 401: "
+                         "expired, revoked or mistyped): make a new read token at "
+                         "https://huggingface.co/settings/tokens and set HF_TOKEN or run `hf auth login` "
+                         f"(then accept the license at {page} if the model is gated)")
+
+
 def hub_manifest(repo_id: str, dest_root: str, kind: str = "models", revision: str = "main",
-                 endpoint: str | None = None) -> dict:
+                 endpoint: str | None = None, token: HubToken | None = None) -> dict:
     """The manifest of a Hub repository's files at `revision` (sizes and LFS sha256 from the Hub's
-    API, read from here) into <dest_root>/<kind>/<repo>@<commit>: a new commit is a new directory."""
+    API, read from here with `token` when given) into <dest_root>/<kind>/<repo>@<commit>: a new
+    commit is a new directory."""
     import urllib.error
-    import urllib.request
 
     endpoint = endpoint or hub_endpoint()
     url = f"{endpoint}/api/{kind}/{repo_id}/revision/{revision}?blobs=true"
+    prefix = "" if kind == "models" else f"{kind}/"
     try:
-        with urllib.request.urlopen(url, timeout=30) as resp:  # noqa: S310 (the Hub's API)
+        with open_url(url, token, timeout=30) as resp:  # the Hub's API
             info = json.load(resp)
+    except urllib.error.HTTPError as exc:
+        if exc.code in (401, 403):
+            raise _refused(repo_id, f"{endpoint}/{prefix}{repo_id}", exc.code, token) from None
+        raise PrefetchError(f"{repo_id}: the Hub's file list ({url}) could not be read: HTTP {exc.code}; check "
+                            "the ID and this machine's network (or HF_ENDPOINT)") from None
     except (urllib.error.URLError, ValueError) as exc:
         raise PrefetchError(f"{repo_id}: the Hub's file list ({url}) could not be read: {exc}; check the ID "
                             "and this machine's network (or HF_ENDPOINT)") from None
@@ -89,7 +147,6 @@ def hub_manifest(repo_id: str, dest_root: str, kind: str = "models", revision: s
         raise PrefetchError(f"{repo_id}: the Hub's answer ({url}) names {exc}; nothing is fetched") from None
     sizes = {s["rfilename"]: s["size"] for s in siblings if s.get("size") is not None}
     sums = {s["rfilename"]: s["lfs"]["sha256"] for s in siblings if (s.get("lfs") or {}).get("sha256")}
-    prefix = "" if kind == "models" else f"{kind}/"
     return manifest_of_dir(f"{endpoint}/{prefix}{repo_id}/resolve/{sha}", f"{dest_root}/{kind}/{repo_id}@{sha}",
                            sizes, sums, root=dest_root)
 
@@ -101,11 +158,13 @@ def fetch_inputs(cl, opts, say: Say):
     import dataclasses
 
     changes = {}
-    for flag, kind, value in (("model", "models", opts.model_path), ("data", "datasets", opts.data_path)):
-        if not value or value.startswith("/"):
-            continue
-        manifest = hub_manifest(value, f"{cl.inventory.scratch}/hub", kind)
-        run(cl.controller, "python3", manifest, f"{flag} {value}", lambda s: say("      " + s))
+    wanted = [(flag, kind, value) for flag, kind, value in (("model", "models", opts.model_path),
+                                                            ("data", "datasets", opts.data_path))
+              if value and not value.startswith("/")]
+    token = hub_token() if wanted else None
+    for flag, kind, value in wanted:
+        manifest = hub_manifest(value, f"{cl.inventory.scratch}/hub", kind, token=token)
+        run(cl.controller, "python3", manifest, f"{flag} {value}", lambda s: say("      " + s), token=token)
         path = manifest["dest"]
         if kind == "datasets" and any(f["path"].startswith("data/") for f in manifest["files"]):
             path += "/data"  # the data files of a Hub data set (training/data.py reads a directory of them)
@@ -142,22 +201,25 @@ def on_line(line: str, what: str, say: Say, result: dict) -> None:
         say(shown(describe(json.loads(line[len("FETCH "):]), what)))  # the controller's words
 
 
-def run(conn, python: str, manifest: dict, what: str, say: Say) -> dict:
-    """Fetch `manifest` on the host of `conn` (ops/actions/fetch_files.py with its python3); the result dict."""
+def run(conn, python: str, manifest: dict, what: str, say: Say, token: str | None = None) -> dict:
+    """Fetch `manifest` on the host of `conn` (ops/actions/fetch_files.py with its python3); the result
+    dict. `token` travels inside the program's stdin (beside the manifest), the one way to that host
+    that no command line, environment or file shows."""
     remote = f"/tmp/slurm-gpu-fetch-{uuid.uuid4().hex[:12]}.py"
     conn.put(io.BytesIO(SCRIPT.read_bytes()), remote=remote)
     result: dict = {}
     try:
         # -I: nothing a job left in /tmp beside the script is imported (it runs as the admin user).
         res = conn.run(f"{shlex.quote(python)} -I {shlex.quote(remote)}", hide=True, warn=True,
-                       in_stream=io.StringIO(json.dumps(manifest)),
+                       in_stream=io.StringIO(json.dumps({**manifest, **({"token": str(token)} if token else {})})),
                        out_stream=_Lines(lambda line: on_line(line, what, say, result)))
     finally:
         conn.run(f"rm -f {shlex.quote(remote)}", hide=True, warn=True, in_stream=False)
     if not res.ok or not result:
-        why = [ln for ln in (res.stderr or "").splitlines() if ln.startswith("fetch error:")]
+        err = redact(res.stderr or "", token)  # masked there already; and here, whatever printed it
+        why = [ln for ln in err.splitlines() if ln.startswith("fetch error:")]
         raise PrefetchError(f"fetching {what} into {manifest['dest']} failed: "
-                            f"{shown(why[-1] if why else (res.stderr or '').strip()[-400:])}")
+                            f"{shown(why[-1] if why else err.strip()[-400:])}")
     say(f"{what}: already complete in {manifest['dest']}" if result.get("skipped") else
         f"{what}: {result['bytes'] / 1e9:.2f} GB fetched into {manifest['dest']}, verified")
     return result
