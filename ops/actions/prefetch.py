@@ -19,6 +19,7 @@ from pathlib import Path
 from cluster.errors import UserError
 from ops.actions.fetch_files import UnsafeName, safe_name
 from ops.say import Say, shown
+from ops.ssh.remote import put_bytes
 
 SCRIPT = Path(__file__).resolve().parent / "fetch_files.py"
 # A Hub commit: the revision API's "sha" is the commit's 40 hex digits
@@ -145,7 +146,7 @@ def on_line(line: str, what: str, say: Say, result: dict) -> None:
 def run(conn, python: str, manifest: dict, what: str, say: Say) -> dict:
     """Fetch `manifest` on the host of `conn` (ops/actions/fetch_files.py with its python3); the result dict."""
     remote = f"/tmp/slurm-gpu-fetch-{uuid.uuid4().hex[:12]}.py"
-    conn.put(io.BytesIO(SCRIPT.read_bytes()), remote=remote)
+    put_bytes(conn, SCRIPT.read_bytes(), remote)
     result: dict = {}
     try:
         # -I: nothing a job left in /tmp beside the script is imported (it runs as the admin user).
