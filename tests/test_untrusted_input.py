@@ -24,7 +24,7 @@ import paramiko
 import pytest
 
 from ops.actions import fetch_files, netcheck, prefetch, slurm
-from ops.finetune import pipeline, run_home, runs, spot_notice, stream
+from ops.finetune import launch, run_home, runs, spot_notice, stream
 from ops.finetune.joblog import JobLog
 
 JOB_DIR = "/scratch/slurm-gpu/jobs/20261207-031700-abc123"
@@ -378,7 +378,7 @@ def test_the_training_archive_refuses_a_link_and_holds_plain_names_under_trainin
     import io
     import tarfile
 
-    with tarfile.open(fileobj=io.BytesIO(pipeline.training_tarball())) as tar:
+    with tarfile.open(fileobj=io.BytesIO(launch.training_tarball())) as tar:
         members = tar.getmembers()
     assert members and all(m.isreg() or m.isdir() for m in members)
     assert all(m.name == "training" or m.name.startswith("training/") for m in members)
@@ -386,15 +386,15 @@ def test_the_training_archive_refuses_a_link_and_holds_plain_names_under_trainin
     planted.mkdir()
     (planted / "train.py").write_text("")
     (planted / "keys").symlink_to("/root/.ssh")
-    monkeypatch.setattr(pipeline, "TRAINING_DIR", planted)
-    with pytest.raises(pipeline.TrainError, match="training/keys is not a regular file or folder"):
-        pipeline.training_tarball()
+    monkeypatch.setattr(launch, "TRAINING_DIR", planted)
+    with pytest.raises(launch.TrainError, match="training/keys is not a regular file or folder"):
+        launch.training_tarball()
 
 
 def test_fab_logs_downloads_only_from_a_job_dir_of_ours():
-    assert os.path.basename(JOB_DIR)  # the shape pipeline.new_job_dir makes
+    assert os.path.basename(JOB_DIR)  # the shape launch.new_job_dir makes
     inv = SimpleNamespace(scratch="/scratch")
-    made = pipeline.new_job_dir(inv)
+    made = launch.new_job_dir(inv)
     log = JobLog()
     log.feed("SLURM_GPU_JOB " + json.dumps({"job_id": "7", "restart": 0, "job_dir": made, "nodes": "n1"}) + "\n")
     assert log.job_dir == made
@@ -594,7 +594,7 @@ def test_fab_trains_finish_summarises_a_run_whose_metrics_line_is_malformed(tmp_
     log.feed('SLURM_GPU_METRICS {"cost": "abc", "train_steps": "x"}\n')  # was AttributeError in the summary
     said: list[str] = []
     cl = SimpleNamespace(controller=None, inventory=inventory(target="local", gpus=1))
-    with pytest.raises(pipeline.TrainError, match="holds no adapters"):  # the usual end of a run without output
+    with pytest.raises(launch.TrainError, match="holds no adapters"):  # the usual end of a run without output
         run_home.finish(cl, "12", stream.Followed(None, log), said.append)
     assert any("warning: the job log's SLURM_GPU_METRICS line: train_steps must be a count" in s for s in said)
     assert any(s.startswith("job 12: completed") for s in said)  # the summary is printed all the same
