@@ -11,7 +11,7 @@ from invoke import Collection, task
 from invoke.exceptions import Exit
 
 from localcluster.tasks import ns as local_ns
-from ops.actions import billing_status, node_update, options, slurm, spot_requests, stack_down, status_view
+from ops.actions import billing_status, netcheck, node_update, options, slurm, spot_requests, stack_down, status_view
 from ops.actions import reconfigure as reconf
 from ops.actions.cluster_task import cluster_task
 from ops.cost import estimate as est
@@ -69,7 +69,7 @@ def check(c, where):
     `fab train` runs the same check first (--skip-check skips it).
     """
     with open_cluster(where) as cl:
-        finetune.check_network(cl, where.stack)
+        netcheck.check(cl, where.stack)
 
 
 @cluster_task(help={
@@ -130,7 +130,7 @@ def down(c, where, drop_unfinished=False):
     cluster has `fab local.down`. `fab train --down` does the same after its run.
     """
     options.check_down(where.target)
-    stack_down.down(where, finetune.RUNS, drop_unfinished=bool(drop_unfinished))
+    stack_down.down(where, runs.RUNS, drop_unfinished=bool(drop_unfinished))
 
 
 @cluster_task(help={"job": "job id (default: our latest fine-tune job)",
@@ -224,7 +224,7 @@ def runs_(c, job=None):
     the instances' cost. Reads only local files; `tensorboard --logdir runs` compares the curves.
     """
     try:
-        lines = runs.show(finetune.RUNS, str(job)) if job else runs.table(finetune.RUNS)
+        lines = runs.show(runs.RUNS, str(job)) if job else runs.table(runs.RUNS)
     except runs.RunsError as exc:
         raise Exit(f"fab runs: {exc}", code=2) from None
     print("\n".join(lines))

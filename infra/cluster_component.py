@@ -7,7 +7,7 @@ from dataclasses import asdict
 import pulumi
 
 from bootstrap.node_layout import TRAINING_PYTHON
-from cluster.facts import ClusterFacts
+from cluster.facts import STACK_TAG, ClusterFacts
 from cluster.inventory import from_facts
 from infra.ami import Ami, ImagesComponent
 from infra.config import SPOT, StackConfig
@@ -16,7 +16,7 @@ from infra.market import Reservation, ignored_on_update, instance_args, market_k
 from infra.network import NetworkComponent
 from infra.nodes import NodesComponent
 from infra.power_role import PowerSaveComponent
-from infra.quotas import STACK_TAG, stack_name
+from infra.quotas import stack_name
 from infra.security import SecurityComponent
 from infra.spot_guard import SpotRequestGuard, provider_account
 

@@ -113,7 +113,8 @@ def ignored_on_update(cfg: StackConfig) -> list[str]:
 def _nodes_outside_blocks() -> bool:
     """Whether this stack has GPU instances (any state but terminated) outside a Capacity Block
     (DescribeInstances filter instance-lifecycle capacity-block: EC2 API Reference, DescribeInstances)."""
-    from infra.quotas import EXISTING, STACK_TAG, stack_name
+    from cluster.facts import STACK_TAG
+    from infra.quotas import EXISTING, stack_name
 
     mine = [{"name": f"tag:{STACK_TAG}", "values": [stack_name()]}, {"name": "tag:Role", "values": ["gpu"]}]
     try:
@@ -219,7 +220,8 @@ def _own_nodes_in(rid: str) -> int:
     """This stack's GPU instances that hold a place in the reservation now: pending or running in it
     (DescribeInstances filter capacity-reservation-id). A stopped one has freed its place, which
     AvailableInstanceCount already counts; one outside the block (another market) holds none."""
-    from infra.quotas import RUNNING, STACK_TAG, stack_name
+    from cluster.facts import STACK_TAG
+    from infra.quotas import RUNNING, stack_name
 
     try:
         return len(aws.ec2.get_instances(filters=[{"name": f"tag:{STACK_TAG}", "values": [stack_name()]},

@@ -39,8 +39,8 @@ from collections.abc import Sequence
 import pulumi
 import pulumi_aws as aws
 
-from cluster.facts import ClusterFacts, Host
-from infra.quotas import STACK_TAG, stack_name
+from cluster.facts import STACK_TAG, ClusterFacts, Host
+from infra.quotas import stack_name
 
 # What the provider does when an instance input changes on `pulumi up` (pulumi_aws 7.x
 # ec2.Instance input docs: "Updates to this field will trigger a stop/start of the EC2 instance";

@@ -22,7 +22,7 @@ from ops.actions import options
 from ops.cost import cap as cost_cap
 from ops.cost import estimate as est
 from ops.finetune import pipeline as finetune
-from ops.finetune import summary
+from ops.finetune import runs, summary
 from ops.finetune.joblog import JobLog
 from training import cost_cap as run_cap
 from training.args import parse_args
@@ -207,7 +207,7 @@ class HostTouched(AssertionError):
 def local_inventory(monkeypatch, tmp_path):
     """`fab train --target local` with a 2 x 2 inventory and no cluster: connecting is an error."""
     monkeypatch.setattr(finetune.targets, "load", lambda target, stack=None: plan.make_inventory(2, 2))
-    monkeypatch.setattr(finetune, "RUNS", tmp_path)
+    monkeypatch.setattr(runs, "RUNS", tmp_path)
 
     def connect(*_a, **_k):
         raise HostTouched("a host was contacted")

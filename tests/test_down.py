@@ -154,7 +154,7 @@ def finished_run(scratch: Path, job_id: str = "12", name: str = JOB_DIR_NAME, co
 
 
 def bring_home(runs: Path, job_dir: Path, job_id: str = "12") -> Path:
-    """What pipeline.finish leaves in runs/<job>/: the job_dir marker and the adapters."""
+    """What run_home.finish leaves in runs/<job>/: the job_dir marker and the adapters."""
     dest = runs / job_id
     dest.mkdir(parents=True)
     (dest / "job_dir").write_text(f"{job_dir}\n")
@@ -307,7 +307,7 @@ def test_a_finished_run_not_home_refuses_naming_the_run_until_its_adapters_match
 
 
 def test_a_completed_run_without_adapters_is_not_home_though_its_folder_is(tmp_path, tools, opened):
-    """pipeline.run_dir writes runs/<job>/job_dir before the download: the marker alone proves nothing, and a
+    """runs.run_dir writes runs/<job>/job_dir before the download: the marker alone proves nothing, and a
     COMPLETED run must have its adapter_config.json and adapter_model.* on both sides."""
     _, log = tools
     scratch, runs = tmp_path / "scratch", tmp_path / "runs"
@@ -391,9 +391,9 @@ def test_a_failed_destroy_says_the_stack_may_be_partly_up(tmp_path, tools):
 def train_down(tmp_path, monkeypatch, the_run, say) -> None:
     key = tmp_path / "id_test"
     key.write_text("not a key: never used, no host is reached\n")
-    from ops.finetune import pipeline
+    from ops.finetune import pipeline, runs
 
-    monkeypatch.setattr(pipeline, "RUNS", tmp_path / "runs")
+    monkeypatch.setattr(runs, "RUNS", tmp_path / "runs")
     monkeypatch.setattr(pipeline, "connect", lambda inv, identity: Cluster(inv, LocalController(), {}))
     monkeypatch.setattr(pipeline, "run", the_run)
     opts = options.parse(target="aws", stack="dev", down=True, identity=str(key),
@@ -444,7 +444,7 @@ def test_train_down_refused_after_its_run_still_says_what_bills(tmp_path, tools,
 
 def test_train_down_destroys_the_stack_once_its_run_is_home(tmp_path, tools, monkeypatch):
     """`fab train --down` end to end around the run itself (which other tests cover): squeue empty, the run
-    brought home (as pipeline.finish leaves it), then the checks, `pulumi destroy` and what it removed."""
+    brought home (as run_home.finish leaves it), then the checks, `pulumi destroy` and what it removed."""
     _, log = tools
     scratch, runs = tmp_path / "scratch", tmp_path / "runs"
     from ops.actions import nccl

@@ -15,9 +15,8 @@ import pytest
 import yaml
 
 from ops.actions import options, slurm
-from ops.finetune import pipeline as flow
+from ops.finetune import inputs, job_end, stream
 from ops.finetune import sbatch as jobs
-from ops.finetune import stream
 from ops.finetune.joblog import JobLog
 from tests.test_bad_input import FAB, _host_state, _made
 from tests.test_jobs_render import inventory
@@ -93,9 +92,9 @@ def test_the_job_reads_the_configs_paths_and_flags_win(tmp_path):
                                     "dataset_name": "/scratch/mine/data.jsonl"})
     opts = options.parse(target="local", config=str(path))
     assert (opts.model_path, opts.data_path) == ("/scratch/mine/model", "/scratch/mine/data.jsonl")
-    assert flow._where(opts, "model") == f"model_name_or_path /scratch/mine/model (from --config {path.name})"
+    assert inputs.where(opts, "model") == f"model_name_or_path /scratch/mine/model (from --config {path.name})"
     opts = options.parse(target="local", config=str(path), data="/scratch/other.jsonl")
-    assert opts.data_path == "/scratch/other.jsonl" and flow._where(opts, "data") == "--data /scratch/other.jsonl"
+    assert opts.data_path == "/scratch/other.jsonl" and inputs.where(opts, "data") == "--data /scratch/other.jsonl"
 
 
 def test_fab_train_with_a_bad_config_touches_nothing(tmp_path):
@@ -155,7 +154,7 @@ def test_requeued_job_with_completed_training_exits_0_without_training(tmp_path)
 
 
 def test_the_marker_name_is_the_one_fab_and_the_job_check():
-    assert flow.COMPLETED_MARKER == train.COMPLETED_MARKER
+    assert job_end.COMPLETED_MARKER == train.COMPLETED_MARKER
     assert f"/{train.COMPLETED_MARKER}" in (REPO / "jobs" / "finetune.sbatch.j2").read_text()
 
 
@@ -180,7 +179,7 @@ def test_a_failed_job_shows_the_logs_own_error_lines():
     log.feed(FAILED_LOG)
     job = slurm.Job("9", jobs.FINETUNE_NAME, "FAILED", "1:0", "00:00:40", 0, "gpu-node-[01-02]",
                     "NonZeroExitCode", "")
-    msg = str(flow.failure("9", stream.Followed(job, log), "/scratch/logs/x-9.out"))
+    msg = str(job_end.failure("9", stream.Followed(job, log), "/scratch/logs/x-9.out"))
     assert msg.startswith("job 9 FAILED (exit 1:0, NonZeroExitCode); the job log's error lines:\n"), msg
     cause = msg.split("error lines:\n", 1)[1].split("\nlast lines of")[0].splitlines()
     assert cause[0] == ("  ValueError: Target modules {'nope_proj'} not found in the base model. "
@@ -195,7 +194,7 @@ def test_a_failed_job_without_error_lines_says_so():
     log = JobLog()
     log.feed("SLURM_GPU_JOB {\"job_id\": \"3\", \"restart\": 0}\nsome output\n")
     job = slurm.Job("3", jobs.FINETUNE_NAME, "CANCELLED", "0:15", "", 0, "", "None", "")
-    msg = str(flow.failure("3", stream.Followed(job, log), "/l"))
+    msg = str(job_end.failure("3", stream.Followed(job, log), "/l"))
     assert "the job log has no error line (see its last lines)" in msg and "  some output" in msg
 
 

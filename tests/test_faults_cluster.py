@@ -36,8 +36,7 @@ import yaml
 from localcluster import daemons
 from localcluster import topology as layout
 from ops.actions import slurm
-from ops.finetune import pipeline as flow
-from ops.finetune import stream
+from ops.finetune import job_end, stream
 from ops.finetune.joblog import JobLog
 from ops.ssh import remote
 from tests.localcluster_fixture import fresh_cluster
@@ -216,7 +215,7 @@ def test_slurmctld_down_is_said_and_waited_out(lc):
         with pytest.raises(slurm.ControllerUnreachable) as info:
             stream.follow(cl.controller, job_id, log, say=said.append, raw=True, controller_wait_s=2)
         assert f"job {job_id} may still be running" in "\n".join(said), said
-        msg = str(flow.controller_lost(info.value, job_id, "local"))
+        msg = str(job_end.controller_lost(info.value, job_id, "local"))
         assert "slurmctld does not answer" in msg and f"gave up waiting for job {job_id}" in msg, msg
         assert f"Reattach with `fab logs --target local --job {job_id}`" in msg, msg
 
@@ -364,9 +363,9 @@ def test_a_requeued_finished_run_is_kept_not_retrained(lc, runs):
     # Slurm reporting the end as a failure (NODE_FAIL) does not lose it either: the marker decides.
     said: list[str] = []
     lost = slurm.Job(job_id, "slurm-gpu-finetune", "NODE_FAIL", "0:0", "", 1, "", "NodeDown", "")
-    assert flow.outcome(cl, job_id, stream.Followed(lost, JobLog()), job_dir, said.append)
+    assert job_end.outcome(cl, job_id, stream.Followed(lost, JobLog()), job_dir, said.append)
     assert f"job {job_id} ended NODE_FAIL (NodeDown), but its training had completed" in said[0], said
-    assert not flow.outcome(cl, job_id, stream.Followed(lost, JobLog()), "/scratch/none", said.append)
+    assert not job_end.outcome(cl, job_id, stream.Followed(lost, JobLog()), "/scratch/none", said.append)
     wait_for("all nodes idle", all_idle, 60)
 
 

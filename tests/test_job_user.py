@@ -159,7 +159,7 @@ def test_a_model_the_jobs_user_cannot_read_is_refused_before_anything_is_written
     """Run for real (as root, `daemon` standing in for the jobs' user): weights saved 0600 by their maker
     (safetensors does) are named with the fix before any job folder exists, and pass once readable."""
     from ops.actions.options import TrainOptions
-    from ops.finetune import pipeline
+    from ops.finetune import inputs
 
     model = open_dir / "model"
     model.mkdir()
@@ -171,8 +171,8 @@ def test_a_model_the_jobs_user_cannot_read_is_refused_before_anything_is_written
     cl = types.SimpleNamespace(inventory=inv, controller=LocalRoot("root"), nodes={})
     opts = TrainOptions(target="aws", stack=None, config=Path("c.yaml"), nodes=None, gpus_per_node=None,
                         examples=None, model=str(model), data=None, identity=None)
-    with pytest.raises(pipeline.TrainError, match=r"jobs' user daemon cannot read .*model\.safetensors.*chmod -R a\+rX"):
-        pipeline.check_inputs(cl, opts, print)
+    with pytest.raises(inputs.TrainError, match=r"jobs' user daemon cannot read .*model\.safetensors.*chmod -R a\+rX"):
+        inputs.check_inputs(cl, opts, print)
     assert sorted(p.name for p in open_dir.iterdir()) == ["model"]  # nothing else written
     weights.chmod(0o644)
-    pipeline.check_inputs(cl, opts, print)
+    inputs.check_inputs(cl, opts, print)

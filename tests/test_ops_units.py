@@ -136,16 +136,16 @@ def test_summary_and_loss_png(tmp_path):
 
 
 def test_run_dir_never_overwrites_another_jobs_run(tmp_path, monkeypatch):
-    from ops.finetune import pipeline as flow
+    from ops.finetune import runs
 
-    monkeypatch.setattr(flow, "RUNS", tmp_path)
-    first = flow.run_dir("2", "/scratch/slurm-gpu/jobs/20261203-091312-aaaaaa")
+    monkeypatch.setattr(runs, "RUNS", tmp_path)
+    first = runs.run_dir("2", "/scratch/slurm-gpu/jobs/20261203-091312-aaaaaa")
     (first / "metrics.json").write_text("{}")
     assert first == tmp_path / "2"
     # The same job again (fab logs --job 2) comes home to the same place.
-    assert flow.run_dir("2", "/scratch/slurm-gpu/jobs/20261203-091312-aaaaaa") == first
+    assert runs.run_dir("2", "/scratch/slurm-gpu/jobs/20261203-091312-aaaaaa") == first
     # A new local cluster's job 2 is another run: it must not land on the first one.
-    other = flow.run_dir("2", "/scratch/slurm-gpu/jobs/20261203-101500-bbbbbb")
+    other = runs.run_dir("2", "/scratch/slurm-gpu/jobs/20261203-101500-bbbbbb")
     assert other != first and other.name == "2-20261203-101500-bbbbbb"
     assert (first / "metrics.json").exists()
 

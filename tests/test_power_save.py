@@ -21,7 +21,7 @@ import pytest
 
 import tests.test_infra_mocks as harness
 from bootstrap import node_layout, node_pins, render, user_data
-from cluster.facts import ClusterFacts, NodeShape, PowerSave, plan_hosts
+from cluster.facts import STACK_TAG, ClusterFacts, NodeShape, PowerSave, plan_hosts
 from infra.config import ConfigError, StackConfig
 from ops.actions import node_power as power
 from ops.actions import slurm
@@ -58,7 +58,6 @@ def facts(power_save: PowerSave | None, cluster: str = "mini") -> ClusterFacts:
 EC2 = PowerSave(suspend_time=1800, suspend_program="/usr/local/sbin/slurm-gpu-suspend",
                 resume_program="/usr/local/sbin/slurm-gpu-resume", suspend_timeout=180,
                 resume_timeout=900, provider="ec2", region="ap-northeast-2", stack="acme/slurm-gpu/prod")
-STACK_TAG = "slurm-gpu:stack"  # cluster/facts.py: unique per stack, unlike the Cluster tag
 
 
 def conf_keys(text: str) -> dict[str, str]:

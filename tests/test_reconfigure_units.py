@@ -9,6 +9,7 @@ import pytest
 from cluster.facts import ClusterFacts, NodeShape, facts_to_dict, plan_hosts
 from cluster.inventory import Inventory, Node
 from ops.actions import reconfigure
+from ops.ssh import remote
 
 
 def _inventory(**kw) -> Inventory:
@@ -85,12 +86,12 @@ def test_install_text_writes_the_mode_it_is_given(tmp_path):
 
     for name, mode in (("slurm-gpu-resume", 0o755), ("slurm.conf", 0o644)):
         path = tmp_path / "sbin" / name
-        reconfigure.install_text(_Here(), f"#!/bin/sh\necho {name}\n", str(path), mode)
+        remote.install_text(_Here(), f"#!/bin/sh\necho {name}\n", str(path), mode)
         assert path.read_text() == f"#!/bin/sh\necho {name}\n"
         assert stat.S_IMODE(path.stat().st_mode) == mode and path.stat().st_uid == 0, (name, oct(path.stat().st_mode))
     # Rewritten in place (the local cluster bind-mounts some of these files): same inode.
     inode = path.stat().st_ino
-    reconfigure.install_text(_Here(), "changed\n", str(path))
+    remote.install_text(_Here(), "changed\n", str(path))
     assert path.stat().st_ino == inode and path.read_text() == "changed\n"
 
 
@@ -99,7 +100,7 @@ def test_install_text_quotes_a_path_with_shell_characters(tmp_path):
     """The path goes inside `sh -c '...'`: quoted as a whole, a quote in it cannot end the string (issue 44)."""
     marker = tmp_path / "ran"
     path = tmp_path / f"a'; touch {marker}; echo '$(id)`id`" / "slurm.conf"
-    reconfigure.install_text(_Here(), "x\n", str(path))
+    remote.install_text(_Here(), "x\n", str(path))
     assert path.read_text() == "x\n" and not marker.exists()
 
 

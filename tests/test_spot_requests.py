@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from botocore.stub import ANY, Stubber
 
+from cluster.facts import STACK_TAG
 from infra import spot_guard
-from infra.quotas import STACK_TAG
 from ops.actions import spot_requests
 from tests.test_infra_mocks import ACCOUNT, run_program, stack_config
 
@@ -250,8 +250,7 @@ def test_create_tags_the_request_with_the_stack():
 
 # ------------------------------------------------------------ fab spot-requests
 
-def test_fab_and_the_stack_agree_on_the_stack_tag():
-    assert spot_requests.STACK_TAG == STACK_TAG
+def test_fab_and_the_stack_agree_on_the_live_states():
     assert spot_requests.LIVE_STATES == spot_guard.LIVE_STATES
 
 

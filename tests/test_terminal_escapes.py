@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from ops.actions import cloudinit
-from ops.finetune import pipeline, runs, spot_notice, stream
+from ops.finetune import job_end, runs, spot_notice, stream
 from ops.finetune.joblog import JobLog
 from ops.say import shown
 
@@ -59,7 +59,7 @@ def test_fab_logs_streams_a_hostile_log_line_escaped(capsys):
 def test_the_job_logs_error_and_tail_lines_are_escaped():
     log = JobLog()
     log.feed(f"0: RuntimeError: {OSC52}boom\n1: {CSI}last words\n")
-    err = pipeline.failure("7", stream.Followed(None, log), "/scratch/logs/x.out")
+    err = job_end.failure("7", stream.Followed(None, log), "/scratch/logs/x.out")
     _clean(str(err))
     assert "RuntimeError: \\x1b]52;c;" in str(err) and "\\x1b[2J\\x1b[1;1Hlast words" in str(err)
 

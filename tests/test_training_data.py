@@ -288,7 +288,7 @@ def test_make_tiny_same_seed_same_weights(tmp_path):
 
 
 def test_data_py_runs_alone_as_the_node_side_check(tmp_path):
-    """fab copies training/data.py by itself to a GPU node and runs it (ops.finetune.pipeline.check_data_on)."""
+    """fab copies training/data.py by itself to a GPU node and runs it (ops.finetune.inputs.check_data_on)."""
     import shutil
     import subprocess
     import sys

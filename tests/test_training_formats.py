@@ -87,7 +87,7 @@ def test_unknown_columns_fail_before_the_model_loads(tmp_path):
 
 
 def test_node_side_check_prints_the_format_and_refuses_unknown_columns(tmp_path):
-    """fab runs training/data.py alone on a node (ops.finetune.pipeline.check_data_on) and prints its stderr line."""
+    """fab runs training/data.py alone on a node (ops.finetune.inputs.check_data_on) and prints its stderr line."""
     good = write_jsonl(tmp_path / "chat.jsonl", chat_rows(4) + [{"messages": CONVERSATION[:2]}])
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"text": "x"}])
     script = REPO / "training" / "data.py"

@@ -3,7 +3,7 @@
 What a job writes (its log, its output directory) and what the Hub answers are read as an attacker
 would write them: through the real parser (ops/finetune/joblog.py), the real code that builds the
 controller's commands (ops/finetune/stream.py, spot_notice.py) with a Connection that records what
-it is asked to run, the real download (ops/finetune/pipeline.py) over a fake SFTP listing, and the
+it is asked to run, the real download (ops/finetune/run_home.py) over a fake SFTP listing, and the
 real Hub manifest and controller-side fetch (ops/actions/prefetch.py, fetch_files.py) over loopback.
 """
 
@@ -24,7 +24,7 @@ import paramiko
 import pytest
 
 from ops.actions import fetch_files, netcheck, prefetch, slurm
-from ops.finetune import pipeline, spot_notice, stream
+from ops.finetune import launch, run_home, runs, spot_notice, stream
 from ops.finetune.joblog import JobLog
 
 JOB_DIR = "/scratch/slurm-gpu/jobs/20261207-031700-abc123"
@@ -173,7 +173,7 @@ def test_a_hostile_listing_writes_nothing_outside_the_run_folder(tmp_path, capsy
     victim = tmp_path / "victim"
     victim.write_text("mine")
     (dest / "metrics.json.part").symlink_to(victim)  # planted beside: a symbolic link pointing out
-    got = pipeline.download(SimpleNamespace(sftp=lambda: sftp), out, dest)  # says refusals with print
+    got = run_home.download(SimpleNamespace(sftp=lambda: sftp), out, dest)  # says refusals with print
     said = capsys.readouterr().out.splitlines()
     assert got == ["adapter_model.safetensors", "tensorboard/"]
     assert victim.read_text() == "mine"
@@ -186,14 +186,14 @@ def test_a_hostile_listing_writes_nothing_outside_the_run_folder(tmp_path, capsy
 
 def test_a_download_never_writes_over_fabs_own_records(tmp_path, capsys):
     out = f"{JOB_DIR}/output"
-    own = sorted(pipeline.OWN_RECORDS)
+    own = sorted(run_home.OWN_RECORDS)
     sftp = FakeSFTP({out: [_attr("adapter_model.safetensors", REG), *(_attr(n, REG) for n in own),
                            _attr("tensorboard", DIR)],
                      f"{out}/tensorboard": [_attr("events.1", REG), _attr("gpus", REG)]})
     dest = tmp_path / "runs" / "7"
     dest.mkdir(parents=True)
     (dest / "job_dir").write_text(JOB_DIR + "\n")  # fab's record, written before the download
-    got = pipeline.download(SimpleNamespace(sftp=lambda: sftp), out, dest)
+    got = run_home.download(SimpleNamespace(sftp=lambda: sftp), out, dest)
     said = capsys.readouterr().out
     assert got == ["adapter_model.safetensors", "tensorboard/"]
     assert (dest / "job_dir").read_text() == JOB_DIR + "\n"
@@ -205,8 +205,8 @@ def test_a_download_never_writes_over_fabs_own_records(tmp_path, capsys):
 
 
 def test_a_download_stops_at_its_size_caps(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(pipeline, "MAX_FILE_BYTES", 1000)
-    monkeypatch.setattr(pipeline, "MAX_RUN_BYTES", 1500)
+    monkeypatch.setattr(run_home, "MAX_FILE_BYTES", 1000)
+    monkeypatch.setattr(run_home, "MAX_RUN_BYTES", 1500)
     out = f"{JOB_DIR}/output"
     names = ["a_huge", "b_grows", "c_ok", "d_ok", "e_over_total"]
     sftp = FakeSFTP({out: [_attr(n, REG) for n in names]},
@@ -216,7 +216,7 @@ def test_a_download_stops_at_its_size_caps(tmp_path, capsys, monkeypatch):
                          f"{out}/d_ok": (REG, 600, b"d" * 600),
                          f"{out}/e_over_total": (REG, 200, b"e" * 200)})
     dest = tmp_path / "run"
-    got = pipeline.download(SimpleNamespace(sftp=lambda: sftp), out, dest)
+    got = run_home.download(SimpleNamespace(sftp=lambda: sftp), out, dest)
     said = capsys.readouterr().out
     assert got == ["c_ok", "d_ok"]
     assert sorted(p.name for p in dest.iterdir()) == ["c_ok", "d_ok"]  # no left-over .part
@@ -235,7 +235,7 @@ def test_a_file_swapped_for_a_link_after_the_listing_is_not_followed(tmp_path, c
                          f"{out}/samples.md": (stat.S_IFCHR | 0o666, 0, b"\0")})
     real_lstat = sftp.lstat
     sftp.lstat = lambda p: real_lstat(p) if not p.endswith("samples.md") else _attr("samples.md", REG)
-    got = pipeline.download(SimpleNamespace(sftp=lambda: sftp), out, tmp_path / "run")
+    got = run_home.download(SimpleNamespace(sftp=lambda: sftp), out, tmp_path / "run")
     said = capsys.readouterr().out
     assert got == ["adapter_model.safetensors"]
     assert sftp.read == len(f"from {out}/adapter_model.safetensors")
@@ -378,7 +378,7 @@ def test_the_training_archive_refuses_a_link_and_holds_plain_names_under_trainin
     import io
     import tarfile
 
-    with tarfile.open(fileobj=io.BytesIO(pipeline.training_tarball())) as tar:
+    with tarfile.open(fileobj=io.BytesIO(launch.training_tarball())) as tar:
         members = tar.getmembers()
     assert members and all(m.isreg() or m.isdir() for m in members)
     assert all(m.name == "training" or m.name.startswith("training/") for m in members)
@@ -386,15 +386,15 @@ def test_the_training_archive_refuses_a_link_and_holds_plain_names_under_trainin
     planted.mkdir()
     (planted / "train.py").write_text("")
     (planted / "keys").symlink_to("/root/.ssh")
-    monkeypatch.setattr(pipeline, "TRAINING_DIR", planted)
-    with pytest.raises(pipeline.TrainError, match="training/keys is not a regular file or folder"):
-        pipeline.training_tarball()
+    monkeypatch.setattr(launch, "TRAINING_DIR", planted)
+    with pytest.raises(launch.TrainError, match="training/keys is not a regular file or folder"):
+        launch.training_tarball()
 
 
 def test_fab_logs_downloads_only_from_a_job_dir_of_ours():
-    assert os.path.basename(JOB_DIR)  # the shape pipeline.new_job_dir makes
+    assert os.path.basename(JOB_DIR)  # the shape launch.new_job_dir makes
     inv = SimpleNamespace(scratch="/scratch")
-    made = pipeline.new_job_dir(inv)
+    made = launch.new_job_dir(inv)
     log = JobLog()
     log.feed("SLURM_GPU_JOB " + json.dumps({"job_id": "7", "restart": 0, "job_dir": made, "nodes": "n1"}) + "\n")
     assert log.job_dir == made
@@ -575,7 +575,6 @@ HOSTILE_RECORDS = [  # the reviewer's probes (4 of 5 were tracebacks in `fab run
 
 @pytest.mark.parametrize("files,named", HOSTILE_RECORDS)
 def test_fab_runs_job_names_a_malformed_record_in_one_line(tmp_path, files, named):
-    from ops.finetune import runs
 
     d = tmp_path / "12"
     d.mkdir()
@@ -590,12 +589,12 @@ def test_fab_runs_job_names_a_malformed_record_in_one_line(tmp_path, files, name
 def test_fab_trains_finish_summarises_a_run_whose_metrics_line_is_malformed(tmp_path, monkeypatch):
     from tests.test_jobs_render import inventory
 
-    monkeypatch.setattr(pipeline, "RUNS", tmp_path)
+    monkeypatch.setattr(runs, "RUNS", tmp_path)
     log = JobLog()
     log.feed('SLURM_GPU_METRICS {"cost": "abc", "train_steps": "x"}\n')  # was AttributeError in the summary
     said: list[str] = []
     cl = SimpleNamespace(controller=None, inventory=inventory(target="local", gpus=1))
-    with pytest.raises(pipeline.TrainError, match="holds no adapters"):  # the usual end of a run without output
-        pipeline.finish(cl, "12", stream.Followed(None, log), said.append)
+    with pytest.raises(launch.TrainError, match="holds no adapters"):  # the usual end of a run without output
+        run_home.finish(cl, "12", stream.Followed(None, log), said.append)
     assert any("warning: the job log's SLURM_GPU_METRICS line: train_steps must be a count" in s for s in said)
     assert any(s.startswith("job 12: completed") for s in said)  # the summary is printed all the same

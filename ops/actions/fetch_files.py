@@ -21,7 +21,7 @@ jobs (/scratch), so a symbolic link may be planted in it at any time: every fold
 manifest's `root` (the fetch area, `dest` when absent) down to each file is opened with
 O_NOFOLLOW, one step at a time (`_folder`), and every file is opened, renamed and removed relative
 to its folder's descriptor, so a link found on the way is refused, never followed. The name check
-also guards fab's own downloads (ops/finetune/pipeline.py `download`, ops/actions/prefetch.py): it
+also guards fab's own downloads (ops/finetune/run_home.py `download`, ops/actions/prefetch.py): it
 lives here because this file must run alone on the controller with the standard library.
 
 The token (a gated model's) arrives only on stdin, so no command line (`ps`), environment or file on

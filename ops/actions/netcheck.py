@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import io
 import json
 import math
 import re
@@ -36,9 +35,10 @@ from pathlib import Path
 from cluster import targets
 from cluster.errors import UserError
 from cluster.inventory import Inventory
-from ops.actions import nccl, slurm
+from ops.actions import nccl, node_power, slurm
+from ops.finetune import runs, timeline
 from ops.finetune import sbatch as jobs
-from ops.ssh.remote import Cluster, sudo
+from ops.ssh.remote import Cluster, put_bytes, put_text, read_remote, sudo
 
 DATA = Path(__file__).resolve().parents[1] / "data"  # ops/data/
 # Message sizes: one small (latency), one mid, one large (bandwidth; its busbw is judged). GPUs get
@@ -435,13 +435,12 @@ def run(cl: Cluster, stack: str | None, say, nodes: int | None = None) -> Checke
     n = nodes or len(inv.gpu_nodes)
     cdir = f"{inv.scratch}/slurm-gpu/netcheck/{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     slurm.make_job_dir(ctl, inv, cdir, jobs.WORK)  # the check's result and rendezvous: its work folder
-    ctl.put(io.BytesIO(jobs.NETCHECK_PROGRAM.read_bytes()), remote=f"{cdir}/allreduce_check.py")
+    put_bytes(ctl, jobs.NETCHECK_PROGRAM.read_bytes(), f"{cdir}/allreduce_check.py")
     spec = jobs.base_spec(inv, jobs.NETCHECK_NAME, n, inv.gpus_per_node, cdir,
                           script_path=f"{cdir}/netcheck.sbatch", time_limit=TIME_LIMIT)
     sizes = GPU_SIZES if target.real_gpus else CPU_SIZES
     script = jobs.render_netcheck(spec, sizes, BUDGET_S, target.gloo_ifname)
-    ctl.put(io.BytesIO(script.encode()), remote=spec.script_path)
-    ctl.sftp().chmod(spec.script_path, 0o755)
+    put_text(ctl, script, spec.script_path, 0o755)
     job_id = slurm.submit(ctl, spec.script_path, user=slurm.job_user(inv))
     say(f"      network check: job {job_id} on {n} node(s) x {inv.gpus_per_node} rank(s), "
         f"{', '.join(_size(s) for s in sizes)} all-reduces")
@@ -452,8 +451,8 @@ def run(cl: Cluster, stack: str | None, say, nodes: int | None = None) -> Checke
         raise NetCheckError(f"network check job {job_id} did not finish ({exc}); cancelled it. "
                             "See `fab status`, or pass --skip-check to train without the check") from None
     log_path = f"{inv.scratch}/logs/{jobs.NETCHECK_NAME}-{job_id}.out"
-    text = _read(ctl, log_path)
-    result = parse_result(_read(ctl, f"{spec.work_dir}/result.json"))
+    text = read_remote(ctl, log_path, missing_ok=True)
+    result = parse_result(read_remote(ctl, f"{spec.work_dir}/result.json", missing_ok=True))
     if result is None or not job.ok:
         raise NetCheckError(f"network check job {job_id} {job.state} (exit {job.exit_code}) without a result; "
                             f"{log_excerpt(text, log_path)}")
@@ -466,6 +465,32 @@ def run(cl: Cluster, stack: str | None, say, nodes: int | None = None) -> Checke
     v = judge(result, exp, transports_of(result, text, backend_nccl=result.get("backend") == "nccl"))
     checked = Checked(v, result, job_id, text, cdir)
     checked.drained = drain(ctl, v.failed)
+    return checked
+
+
+def check(cl: Cluster, stack: str | None, say=print) -> Checked:
+    """`fab check`: nodes awake and idle, the check, its table; runs/<job>/network.json and timeline.json.
+    A failed node is drained with the reason and the task fails naming it."""
+    tl = timeline.Timeline(started=timeline.process_started(), cluster=cl.inventory.cluster_name)
+    names = [n.name for n in cl.inventory.gpu_nodes]
+    with tl.phase("wake"):
+        node_power.wake(cl, say)
+    with tl.phase("service"):  # down or earlier-drained nodes back to service, so every node is checked
+        slurm.wait_idle(cl.controller, names, say=say)
+    with tl.phase("network"):
+        checked = run(cl, stack, say)
+    for line in table(checked.verdict):
+        say(line)
+    dest = runs.run_dir(checked.job_id, checked.check_dir)
+    tl.job_id = checked.job_id
+    save(dest / "network.json", checked.verdict, checked.result, checked.job_id, checked.drained)
+    tl.save(dest / "timeline.json")
+    say(f"network check took {tl.seconds('network'):.1f} s; results in {dest}/network.json")
+    if not checked.verdict.ok:
+        drained = (f"; drained {', '.join(checked.drained)}: `fab train` returns them to service and checks "
+                   "them again, or `scontrol update nodename=NODE state=resume` on the controller"
+                   ) if checked.drained else ""
+        raise NetCheckError(f"{checked.verdict.problems()}{drained}")
     return checked
 
 
@@ -484,10 +509,3 @@ def _size(n: int) -> str:
     return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
 
 
-
-def _read(ctl, path: str) -> str:
-    try:
-        with ctl.sftp().open(path, "rb") as f:
-            return f.read().decode("utf-8", errors="replace")
-    except OSError:
-        return ""

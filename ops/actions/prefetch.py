@@ -25,6 +25,7 @@ from pathlib import Path
 from cluster.errors import UserError
 from ops.actions.fetch_files import UnsafeName, open_url, redact, safe_name
 from ops.say import Say, shown
+from ops.ssh.remote import put_bytes
 
 SCRIPT = Path(__file__).resolve().parent / "fetch_files.py"
 # A Hub commit: the revision API's "sha" is the commit's 40 hex digits
@@ -206,7 +207,7 @@ def run(conn, python: str, manifest: dict, what: str, say: Say, token: str | Non
     dict. `token` travels inside the program's stdin (beside the manifest), the one way to that host
     that no command line, environment or file shows."""
     remote = f"/tmp/slurm-gpu-fetch-{uuid.uuid4().hex[:12]}.py"
-    conn.put(io.BytesIO(SCRIPT.read_bytes()), remote=remote)
+    put_bytes(conn, SCRIPT.read_bytes(), remote)
     result: dict = {}
     try:
         # -I: nothing a job left in /tmp beside the script is imported (it runs as the admin user).

@@ -15,10 +15,8 @@ its processes running on the node, unmanaged (seen on the local cluster; docs/AW
 
 from __future__ import annotations
 
-import io
 import shlex
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -30,7 +28,7 @@ from cluster.errors import UserError
 from cluster.facts import ClusterFacts, facts_from_dict
 from cluster.inventory import Inventory
 from ops.actions import cloudinit, munge, slurm
-from ops.ssh.remote import Cluster, each, service, sudo
+from ops.ssh.remote import Cluster, each, install_text, read_text, service, sudo
 
 # The programs slurm.conf's SuspendProgram/ResumeProgram name: idleStopMinutes turned on after the
 # first `pulumi up` needs them too (the controller ignores user-data changes).
@@ -81,20 +79,6 @@ def busy_jobs(ctl: Connection, node: str) -> list[str]:
     """The ids of the jobs on `node` (squeue's output: only what has a job id's shape, slurm.JOB_ID)."""
     out = ctl.run(f"squeue -h -w {shlex.quote(node)} -t {BUSY_STATES} -o %i", hide=True, warn=True).stdout
     return [j for j in out.split() if slurm.JOB_ID.fullmatch(j)]
-
-
-def read_text(c: Connection, path: str) -> str | None:
-    r = c.run(f"cat {shlex.quote(path)}", hide=True, warn=True)
-    return r.stdout if r.ok else None
-
-
-def install_text(c: Connection, text: str, path: str, mode: int = 0o644) -> None:
-    """Write `path` (root, `mode`) keeping its inode: the local cluster bind-mounts some of them."""
-    tmp = f"/tmp/slurm-gpu-{uuid.uuid4().hex[:8]}"
-    c.put(io.BytesIO(text.encode()), remote=tmp)
-    q, t = shlex.quote(path), shlex.quote(tmp)
-    inner = f'mkdir -p "$(dirname {q})" && cat {t} > {q} && chown root:root {q} && chmod {mode:04o} {q}'
-    sudo(c, f"sh -c {shlex.quote(inner)}; rc=$?; rm -f {t}; exit $rc")
 
 
 def plan(ctl: Connection, facts: ClusterFacts, files: dict[str, str]) -> Change:

@@ -21,11 +21,9 @@ from dataclasses import dataclass
 
 from cluster import aws_session
 from cluster.errors import UserError
+from cluster.facts import STACK_TAG  # on instances and requests: the owning Pulumi stack
 from ops.say import Say
 
-# The instance and request tag naming the owning Pulumi stack: infra/quotas.py STACK_TAG (ops may not
-# import infra; tests/test_spot_requests.py checks that they agree).
-STACK_TAG = "slurm-gpu:stack"
 # Request states in which it can still launch or restart an instance (EC2 API Reference,
 # SpotInstanceRequest.State: open | active | closed | cancelled | failed | disabled).
 LIVE_STATES = ("open", "active", "disabled")

@@ -178,7 +178,7 @@ def finished_runs(ctl: Connection, scratch: str) -> list[RemoteRun]:
 
 
 def local_runs(runs_dir: Path) -> dict[str, Path]:
-    """job directory name -> runs/<job>/ that brought it home (its `job_dir` marker: pipeline.run_dir)."""
+    """job directory name -> runs/<job>/ that brought it home (its `job_dir` marker: ops/finetune/runs.py run_dir)."""
     out = {}
     for marker in sorted(runs_dir.glob("*/job_dir")):
         name = marker.read_text().strip().rsplit("/", 1)[-1]

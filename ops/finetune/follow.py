@@ -10,11 +10,11 @@ import re
 import shlex
 
 from ops.actions import slurm
-from ops.finetune import pipeline as flow
+from ops.finetune import job_end, run_home, stream
 from ops.finetune import sbatch as jobs
-from ops.finetune import stream
+from ops.finetune.trainstep import TrainError
 from ops.say import Say, shown
-from ops.ssh.remote import Cluster
+from ops.ssh.remote import Cluster, exists
 
 _LOG_NAME = re.compile(rf"^{re.escape(jobs.FINETUNE_NAME)}-(\d+)\.out$")
 
@@ -42,7 +42,7 @@ def latest(cl: Cluster, running_only: bool = False) -> str:
         if ids:
             return str(max(ids))
     what = "running fine-tune job" if running_only else "fine-tune job"
-    raise flow.TrainError(f"no {what} of ours on this cluster; start one with `fab train`")
+    raise TrainError(f"no {what} of ours on this cluster; start one with `fab train`")
 
 
 def follow(cl: Cluster, job: str | None, progress: bool = False, say: Say = print) -> None:
@@ -52,30 +52,30 @@ def follow(cl: Cluster, job: str | None, progress: bool = False, say: Say = prin
     path = log_path(cl, job)
     say(f"fab logs: job {job}, {path}")
     known = slurm.job(cl.controller, job)
-    if known is None and not flow.exists(cl.controller, path):
-        raise flow.TrainError(f"no job {job} on this cluster: Slurm does not know it and there is no "
+    if known is None and not exists(cl.controller, path):
+        raise TrainError(f"no job {job} on this cluster: Slurm does not know it and there is no "
                               f"log {path}; `fab status` lists the queue")
     if known is not None and not known.name.startswith(jobs.FINETUNE_NAME):
-        raise flow.TrainError(f"job {job} is {known.name!r}, not a fine-tune job of `fab train`; "
+        raise TrainError(f"job {job} is {known.name!r}, not a fine-tune job of `fab train`; "
                               f"its output is {shown(known.stdout or 'unknown')}")
     try:
         followed = stream.follow(cl.controller, job, path, raw=not progress)
     except KeyboardInterrupt:
-        say(flow.reattach_hint(job, cl.inventory.target))
+        say(job_end.reattach_hint(job, cl.inventory.target))
         raise
     except slurm.ControllerUnreachable as exc:
-        raise flow.controller_lost(exc, job, cl.inventory.target) from None
+        raise job_end.controller_lost(exc, job, cl.inventory.target) from None
     # The job directory comes from the log (its SLURM_GPU_JOB line): only one of ours is downloaded.
     job_dir = followed.log.job_dir
     if job_dir and not job_dir.startswith(f"{cl.inventory.scratch}/slurm-gpu/jobs/"):
         say(f"fab logs: the log names {job_dir!r} as the job directory, not one under "
             f"{cl.inventory.scratch}/slurm-gpu/jobs/: nothing is downloaded from it")
         job_dir = followed.log.job_dir = None
-    ok = flow.outcome(cl, job, followed, job_dir, say)
+    ok = job_end.outcome(cl, job, followed, job_dir, say)
     if ok and job_dir:
-        flow.finish(cl, job, followed, say, log_path=path)
+        run_home.finish(cl, job, followed, say, log_path=path)
     elif not ok:
-        raise flow.failure(job, followed, path)
+        raise job_end.failure(job, followed, path)
 
 
 def cancel(cl: Cluster, job: str | None, say: Say = print) -> None:

@@ -39,7 +39,7 @@ _TAGGED = re.compile(r"^(?P<tag>" + "|".join(_TAGS) + r") (?P<body>\{.*\})\s*$")
 _HF_DICT = re.compile(r"^\{'(?:loss|train_runtime)'.*\}$")
 _BAR = re.compile(r"(?P<step>\d+)/(?P<total>\d+) \[")
 _RANK = re.compile(r"^\[(?:rank|default)\d+\]:\s*")
-# `fab train`'s job directories (ops/finetune/pipeline.py new_job_dir): absolute, plain characters, no "..".
+# `fab train`'s job directories (ops/finetune/launch.py new_job_dir): absolute, plain characters, no "..".
 _JOB_DIR = re.compile(r"(?:/[A-Za-z0-9_.-]+)+/slurm-gpu/jobs/[0-9]{8}-[0-9]{6}-[0-9a-f]{6}")
 # A log line that states a cause: an exception's last line, srun/slurm errors, our own messages.
 _ERROR = re.compile(r"^(?:[\w.]*(?:Error|Exception|Interrupt)\b:?|.*\berror: |slurm-gpu: |training data error)")

@@ -8,25 +8,44 @@ shows "-" there.
 from __future__ import annotations
 
 import json
+import os
+import posixpath
 import re
 import time
 from pathlib import Path
 
+from ops.actions.options import REPO
 from ops.finetune import summary
 from ops.finetune.joblog import JobLog
 from ops.say import shown
+
+# Where runs come home; SLURM_GPU_RUNS moves it (the tests keep the repo clean with it).
+RUNS = Path(os.environ.get("SLURM_GPU_RUNS", REPO / "runs"))
 
 COLUMNS = ("job", "date", "model", "rows", "nodes x GPUs", "train loss", "eval loss base -> tuned", "tokens/s",
            "wall", "cost")
 
 
 # A run's directory under runs/: the job id, or `<job id>-<job dir name>` when that id was taken before
-# (ops/finetune/pipeline.py). Nothing else: `--job ../x` would read outside runs/.
+# (run_dir). Nothing else: `--job ../x` would read outside runs/.
 RUN_NAME = re.compile(r"[0-9]+(?:-[A-Za-z0-9_.-]+)?")
 
 
 class RunsError(ValueError):
     pass
+
+
+def run_dir(job_id: str, job_dir: str | None) -> Path:
+    """runs/<job-id>/, unless it holds another job's run (a new local cluster numbers its jobs
+    from 1 again): then runs/<job-id>-<job dir name>/, so no earlier run is overwritten."""
+    dest = RUNS / job_id
+    marker = dest / "job_dir"
+    if job_dir and dest.exists() and (not marker.exists() or marker.read_text().strip() != job_dir):
+        dest = RUNS / f"{job_id}-{posixpath.basename(job_dir)}"
+    if job_dir:
+        dest.mkdir(parents=True, exist_ok=True)
+        (dest / "job_dir").write_text(job_dir + "\n")
+    return dest
 
 
 def _read(path: Path) -> dict:

@@ -225,7 +225,7 @@ def loss_history(trainer_state: dict | None, log: JobLog | None = None) -> list[
 
 def build(job_id: str, slurm_runtime: str, log: JobLog, run_dir: Path | None) -> RunSummary:
     """The run's summary from its records; SummaryError (one line naming the record) when one a job wrote is
-    of the wrong shape (pipeline.finish then summarises without them, `fab runs --job` says which)."""
+    of the wrong shape (run_home.finish then summarises without them, `fab runs --job` says which)."""
     metrics, state = dict(checked_metrics(log.metrics or {}, "the job log's SLURM_GPU_METRICS line")), None
     if run_dir is not None:
         if (run_dir / "metrics.json").exists():

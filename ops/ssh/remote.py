@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import io
 import shlex
+import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -189,6 +190,56 @@ def service(c: Connection, inv: Inventory, action: str, name: str, **kwargs):
     """start/stop/restart a daemon (munge, slurmd, slurmctld) on the host behind `c`."""
     cmd = inv.service_cmd.format(action=shlex.quote(action), service=shlex.quote(name))
     return sudo(c, cmd, **kwargs)
+
+
+# ---------------------------------------------------------------- files on a host (over SFTP or the shell)
+
+
+def put_bytes(c: Connection, data: bytes, path: str, mode: int | None = None) -> None:
+    """Write `data` to `path` on the host, as the login user, over SFTP; then chmod it to `mode` when given.
+    The folder must exist and be the login user's to write (a job directory, /tmp)."""
+    c.put(io.BytesIO(data), remote=path)
+    if mode is not None:
+        c.sftp().chmod(path, mode)
+
+
+def put_text(c: Connection, text: str, path: str, mode: int = 0o644) -> None:
+    """Write `text` (UTF-8) to `path` on the host as the login user, mode `mode` (put_bytes)."""
+    put_bytes(c, text.encode(), path, mode)
+
+
+def read_remote(c: Connection, path: str, missing_ok: bool = False) -> str:
+    """The text of `path` on the host, read over SFTP as the login user (bytes that are not UTF-8
+    replaced: a log line may hold anything). An unreadable or missing file raises OSError, or gives ""
+    with `missing_ok` (a job that died before writing its log)."""
+    try:
+        with c.sftp().open(path, "rb") as f:
+            return f.read().decode("utf-8", errors="replace")
+    except OSError:
+        if missing_ok:
+            return ""
+        raise
+
+
+def exists(c: Connection, path: str) -> bool:
+    """Whether `path` exists on the host (`test -e` as the login user)."""
+    return c.run(f"test -e {shlex.quote(path)}", hide=True, warn=True).ok
+
+
+def read_text(c: Connection, path: str) -> str | None:
+    """`path`'s text on the host as `cat` gives it to the login user; None when it cannot be read."""
+    r = c.run(f"cat {shlex.quote(path)}", hide=True, warn=True)
+    return r.stdout if r.ok else None
+
+
+def install_text(c: Connection, text: str, path: str, mode: int = 0o644) -> None:
+    """Write `path` (root, `mode`) keeping its inode: the local cluster bind-mounts some of them.
+    Uploaded to /tmp as the login user first, then copied into place as root (sudo)."""
+    tmp = f"/tmp/slurm-gpu-{uuid.uuid4().hex[:8]}"
+    c.put(io.BytesIO(text.encode()), remote=tmp)
+    q, t = shlex.quote(path), shlex.quote(tmp)
+    inner = f'mkdir -p "$(dirname {q})" && cat {t} > {q} && chown root:root {q} && chmod {mode:04o} {q}'
+    sudo(c, f"sh -c {shlex.quote(inner)}; rc=$?; rm -f {t}; exit $rc")
 
 
 def reason(exc: BaseException) -> str:
