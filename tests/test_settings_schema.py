@@ -231,3 +231,29 @@ def test_the_cache_is_written_whole_by_a_rename(cache):
     settings_schema.schema()
     assert [p.name for p in cache.iterdir()] == [cache_files(cache)[0].name]  # no temporary file left behind
     assert settings_schema.valid(json.loads(cache_files(cache)[0].read_text()), settings_schema.cache_key())
+
+
+def test_runs_at_once_never_read_half_a_file(cache):
+    """Writers replace the file while a reader reads it: the reader sees a whole schema every time (a write
+    in place would show it an empty or cut-short file)."""
+    import threading
+
+    data = settings_schema.schema()
+    key, path = data["key"], cache_files(cache)[0]
+    stop = threading.Event()
+
+    def write():
+        while not stop.is_set():
+            settings_schema._write(path, data)
+
+    writers = [threading.Thread(target=write) for _ in range(3)]
+    for w in writers:
+        w.start()
+    try:
+        reads = [settings_schema._read(path, key) for _ in range(300)]
+    finally:
+        stop.set()
+        for w in writers:
+            w.join()
+    assert all(r == data for r in reads)
+    assert cache_files(cache) == [path] and [p.name for p in cache.iterdir()] == [path.name]
