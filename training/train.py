@@ -36,10 +36,11 @@ from transformers import TrainerCallback
 
 from training import cost_cap, interrupts, protocol, tensorboard_events
 from training import samples as sample_answers
-from training.args import DataArguments, ModelArguments, TrainConfig, gpu_available, parse_args, switch
+from training.args import DataArguments, ModelArguments, TrainConfig, gpu_available, parse_args
 from training.callbacks import FAULT_RANK_ENV, FAULT_STEP_ENV, LOG_PREFIX, PhaseTimingCallback, make_callbacks
 from training.chat import prepare_dataset as format_rows
 from training.checkpoints import with_background_checkpoints
+from training.choices import switch
 from training.data import DataError, load_rows
 from training.evaluate import EvalEveryCallback, base_model, evaluate, log_eval, split_eval
 from training.interrupts import CheckpointOnSignal, mark_interrupted

@@ -2,17 +2,18 @@
 
 TrlParser would refuse an unknown key or a wrong type only inside the job, minutes later and
 buried in a log. `check_config` applies the same rules to the YAML mapping (the settings are
-the dataclasses of training/args.py) plus ranges, and names the key and the fix.
+the dataclasses of training/args.py) plus ranges, and names the key and the fix. The settings' types
+and defaults come from training/settings_schema.py (cached: no TRL, transformers or torch import once
+warm); importable wherever training/ is (the GPU nodes too).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
-import enum
-import types
-import typing
 from collections.abc import Callable
+
+from training import settings_schema
+from training.choices import CHOICES, choice
 
 _BOOL_WORDS = {"true", "false", "yes", "no", "t", "f", "y", "n", "1", "0"}
 
@@ -46,31 +47,18 @@ class ConfigProblem(ValueError):
     pass
 
 
-def settings() -> dict[str, tuple[object, list]]:
-    """Every setting training.train accepts: name -> (type hint, allowed choices or [])."""
-    from training.args import DataArguments, ModelArguments, TrainConfig
-
-    hints: dict[str, tuple[object, list]] = {}
-    for cls in (DataArguments, ModelArguments, TrainConfig):
-        try:
-            resolved = typing.get_type_hints(cls)
-        except Exception:  # noqa: BLE001 - an unresolvable hint is then not type-checked
-            resolved = {}
-        for f in dataclasses.fields(cls):
-            if f.init:
-                hints.setdefault(f.name, (resolved.get(f.name, object), list(f.metadata.get("choices") or [])))
-    return hints
+def settings() -> dict[str, dict]:
+    """Every setting training.train accepts: name -> {"type": form, "describe": text, "choices": [...]}
+    (training/settings_schema.py; cached, so the check imports no TRL once the cache is warm)."""
+    return settings_schema.schema()["settings"]
 
 
 def default(key: str):
     """The default of setting `key` in training/args.py (None when it has none)."""
-    from training.args import DataArguments, ModelArguments, TrainConfig
-
-    for cls in (DataArguments, ModelArguments, TrainConfig):
-        for f in dataclasses.fields(cls):
-            if f.name == key:
-                return None if f.default is dataclasses.MISSING else f.default
-    return None
+    schema = settings_schema.schema()
+    if key in schema["opaque_defaults"]:
+        return settings_schema.live_default(key)
+    return schema["defaults"].get(key)
 
 
 # Text settings whose documented values include plain numbers (training/args.py: eval_split is a count, a
@@ -78,61 +66,52 @@ def default(key: str):
 NUMBERS_AS_TEXT = frozenset({"eval_split"})
 
 
-def _fits(value, hint) -> bool:
-    """Whether TrlParser would accept `value` (from YAML) for a field of type `hint`."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        enums = [a for a in args if isinstance(a, type) and issubclass(a, enum.Enum)]
+def _fits(value, form: dict) -> bool:
+    """Whether TrlParser would accept `value` (from YAML) for a field whose type has shape `form`
+    (training/settings_schema.py's `form`, which follows these branches)."""
+    kind = form["kind"]
+    if kind == "union":
+        enums = [a for a in form["of"] if a["kind"] == "enum"]
         if enums and isinstance(value, str):  # `SaveStrategy | str`: the string must name a member
             return any(_fits(value, e) for e in enums)
-        return any(_fits(value, a) for a in args)
-    if hint is type(None):
+        return any(_fits(value, a) for a in form["of"])
+    if kind == "none":
         return value is None
-    if origin is typing.Literal:
-        return value in args
-    if hint is bool:
+    if kind == "literal":
+        return value in form["values"]
+    if kind == "bool":
         return isinstance(value, bool) or (isinstance(value, (str, int)) and str(value).lower() in _BOOL_WORDS)
-    if hint in (int, float):
+    if kind in ("int", "float"):
         if isinstance(value, bool):
             return False
-        if isinstance(value, int) or (hint is float and isinstance(value, float)):
+        if isinstance(value, int) or (kind == "float" and isinstance(value, float)):
             return True
         if isinstance(value, str):  # argparse converts string defaults ("2e-4")
             try:
-                hint(value)
+                (int if kind == "int" else float)(value)
                 return True
             except ValueError:
                 return False
         return False
-    if hint is str:  # `model_name_or_path: 12` is a mistake, not the Hub ID "12": YAML must give a string
+    if kind == "str":  # `model_name_or_path: 12` is a mistake, not the Hub ID "12": YAML must give a string
         return isinstance(value, str)
-    if isinstance(hint, type) and issubclass(hint, enum.Enum):
-        return value in {m.value for m in hint} or value in {m.name for m in hint}
-    if origin is list:  # a string is accepted too (e.g. lora_target_modules: all-linear)
+    if kind == "enum":
+        return value in form["values"] or value in form["names"]
+    if kind == "list":  # a string is accepted too (e.g. lora_target_modules: all-linear)
         if isinstance(value, str):
             return True
-        return isinstance(value, list) and (not args or all(_fits(v, args[0]) for v in value))
-    if origin is dict or hint is dict:
+        return isinstance(value, list) and (form["item"] is None or all(_fits(v, form["item"]) for v in value))
+    if kind == "mapping":
         return isinstance(value, (dict, str))
     return True  # anything else: left to the parser
 
 
-def _describe(hint) -> str:
-    """What a value must be, for the message: 'true or false', 'one of: no, steps, epoch', 'int'."""
-    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
-    enums = [a for a in args if isinstance(a, type) and issubclass(a, enum.Enum)]
-    if enums:
-        return "one of: " + ", ".join(str(m.value) for m in enums[0])
-    if args == [bool]:
-        return "true or false"
-    names = [getattr(a, "__name__", None) or str(a).replace("typing.", "") for a in args]
-    words = {"int": "a whole number", "float": "a number", "str": "a string", "list": "a list", "dict": "a mapping"}
-    return " or ".join(words.get(n.split("[")[0], n) for n in names)
+_INT, _FLOAT = {"kind": "int"}, {"kind": "float"}
 
 
-def _number(value, hint):
-    for t in (int, float):
-        if _fits(value, t) and (t is float or not isinstance(value, float)):
+def _number(value):
+    for t, shape in ((int, _INT), (float, _FLOAT)):
+        if _fits(value, shape) and (t is float or not isinstance(value, float)):
             try:
                 return t(value)
             except (TypeError, ValueError):
@@ -142,8 +121,6 @@ def _number(value, hint):
 
 def check_config(data: dict, source: str) -> None:
     """Raise ConfigProblem naming every bad key of the training config `data` (read from `source`)."""
-    from training.args import CHOICES, choice
-
     known = settings()
     problems = []
     for key, value in data.items():
@@ -153,7 +130,7 @@ def check_config(data: dict, source: str) -> None:
             problems.append(f"unknown setting '{key}': {hint}remove it or fix its name "
                             "(the settings are the fields of training/args.py and TRL's SFTConfig)")
             continue
-        hint, choices = known[key]
+        shape, choices = known[key]["type"], known[key]["choices"]
         if key in CHOICES:  # auto/true/false switches and other fixed lists: the parser's own check
             try:
                 choice(key, value)
@@ -161,15 +138,15 @@ def check_config(data: dict, source: str) -> None:
                 problems.append(str(e))
             continue
         numeric_text = key in NUMBERS_AS_TEXT and isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not numeric_text and not _fits(value, hint):
-            problems.append(f"{key}: {value!r} is the wrong type; set {key} to {_describe(hint)}")
+        if not numeric_text and not _fits(value, shape):
+            problems.append(f"{key}: {value!r} is the wrong type; set {key} to {known[key]['describe']}")
             continue
         if choices and value not in choices:
             problems.append(f"{key}: {value!r} is not allowed; set {key} to one of: {', '.join(choices)}")
             continue
         if key in RANGES and value is not None:
             ok, what = RANGES[key]
-            number = _number(value, hint)
+            number = _number(value)
             if number is not None and not ok(number):
                 problems.append(f"{key}: {value!r} is out of range; it must be {what}")
     if problems:

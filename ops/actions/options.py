@@ -106,7 +106,8 @@ def _config(value: str | None, target: Target) -> tuple[Path, dict]:
         raise OptionError(f"--config {path} is not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise OptionError(f"--config {path} must be a YAML mapping of training settings (key: value)")
-    from training.validate import ConfigProblem, check_config  # imports TRL: only for `fab train`
+    # The settings come from training/settings_schema.py's cache; only a cold one imports TRL (seconds).
+    from training.validate import ConfigProblem, check_config
 
     try:
         check_config(data, str(path))
@@ -125,7 +126,7 @@ class ClusterOptions:
 
 def parse_cluster(target=None, stack=None, identity=None) -> ClusterOptions:
     """--target, --stack and --identity checked on their own (no inventory, no training config: the
-    tasks other than `fab train` read no config, and checking one imports TRL, seconds per task)."""
+    tasks other than `fab train` read no config, and checking one may import TRL: seconds)."""
     try:
         tgt = targets.get(target)
     except targets.TargetError as exc:
@@ -204,7 +205,7 @@ def parse_train(where: ClusterOptions, config=None, nodes=None, gpus_per_node=No
                           "pass it with --down (or `fab down --drop-unfinished`)")
     if down:  # before the config: the fix does not depend on it
         check_down(where.target, "--down")
-    skip_check, healthy_only = parse_check_flags(skip_check, healthy_only)  # before the config: no TRL import
+    skip_check, healthy_only = parse_check_flags(skip_check, healthy_only)  # before the config (may import TRL)
     from ops.cost import cap as cost_cap
 
     try:
