@@ -220,6 +220,9 @@ PLACEHOLDER_VOLUME_ID = "vol-00000000000000000"
 # The volume is attached only once the instance runs (infra/nodes.py): the step waits this long.
 SCRATCH_VOLUME_WAIT_S = 600
 # nfs-server starts only once /scratch is mounted: it never exports the root file system's folder.
+# nfs-server.service is nfs-utils' own unit name; Debian/Ubuntu's nfs-kernel-server.service (what the
+# `nfs` step enables) is an alias of it, and a drop-in under the unit's name applies whichever name
+# starts it (systemd.unit(5), "drop-in" directories).
 SCRATCH_NFS_DROPIN = "/etc/systemd/system/nfs-server.service.d/slurm-gpu-scratch.conf"
 
 
