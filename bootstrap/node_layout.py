@@ -122,8 +122,9 @@ def role_packages(platform: Platform, role: str) -> tuple[str, ...]:
 
 # Steps of each role's bootstrap script, in order (SLURM_GPU_SKIP_STEPS picks from these).
 STEPS = {
-    "controller": ("hostname", "hosts", "packages", "dirs", "jobuser", "munge", "nfs", "scratch", "power",
-                   "imds", "wheels", "services"),
+    # scratchvol before nfs: nfs-server exports /scratch's own volume, never the folder under it.
+    "controller": ("hostname", "hosts", "packages", "dirs", "jobuser", "munge", "scratchvol", "nfs", "scratch",
+                   "power", "imds", "wheels", "services"),
     "gpu": (
         "hostname", "hosts", "holds", "packages", "dirs", "jobuser", "munge", "healthcheck", "nfs", "scratch",
         "training", "gpus", "services",

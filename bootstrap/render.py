@@ -107,6 +107,38 @@ _TEMPLATES = _env("templates")
 _SCRIPTS = _env("scripts", comment_start_string="{##", comment_end_string="##}")
 
 
+# The shared /scratch's own EBS volume on the controller (bootstrap `scratchvol` step). Its id:
+# "vol-" and 17 hex digits (8 for old volumes) (EC2 API Reference, Volume). On a Nitro instance an
+# EBS volume is an NVMe device whose serial number is the volume id without its dash, and udev links
+# it as <scratch_volume_dir>/nvme-Amazon_Elastic_Block_Store_vol<hex> (Amazon EBS User Guide, "Amazon
+# EBS volumes and NVMe" / "Map Amazon EBS volumes to NVMe device names":
+# https://docs.aws.amazon.com/ebs/latest/userguide/identify-nvme-ebs-device.html; the by-id name is
+# systemd's 60-persistent-storage.rules "nvme-$attr{model}_$attr{serial}").
+VOLUME_ID_RE = re.compile(r"^vol-([0-9a-f]{8}|[0-9a-f]{17})$")
+# What the plan-time size check renders in place of the id, which exists only once the volume is made
+# (infra/program.py render_user_data): as long as a real one.
+PLACEHOLDER_VOLUME_ID = "vol-00000000000000000"
+# The volume is attached only once the instance runs (infra/nodes.py): the step waits this long.
+SCRATCH_VOLUME_WAIT_S = 600
+# nfs-server starts only once /scratch is mounted: it never exports the root file system's folder.
+# nfs-server.service is nfs-utils' own unit name; Debian/Ubuntu's nfs-kernel-server.service (what the
+# `nfs` step enables) is an alias of it, and a drop-in under the unit's name applies whichever name
+# starts it (systemd.unit(5), "drop-in" directories).
+SCRATCH_NFS_DROPIN = "/etc/systemd/system/nfs-server.service.d/slurm-gpu-scratch.conf"
+
+
+def scratch_device(facts: ClusterFacts) -> str | None:
+    """The by-id path of the controller's /scratch volume; None where the platform has no EBS or the
+    id is not given (then the step refuses to run: /scratch is never left on the root file system)."""
+    vid = facts.scratch_volume_id
+    if facts.platform.scratch_volume_dir is None or vid is None:
+        return None
+    if not VOLUME_ID_RE.match(vid):
+        raise ValueError(f"scratch_volume_id must be an EBS volume id (vol- and 8 or 17 hex digits) on "
+                         f"platform {facts.platform.name} (got {vid!r})")
+    return f"{facts.platform.scratch_volume_dir.rstrip('/')}/nvme-Amazon_Elastic_Block_Store_{vid.replace('-', '')}"
+
+
 def _context(facts: ClusterFacts) -> dict:
     shape = facts.shape
     if shape.gpu_count < 1:
@@ -147,6 +179,9 @@ def _context(facts: ClusterFacts) -> dict:
         "scratch_source": facts.platform.scratch_source.format(
             controller_ip=facts.controller.ip, scratch=facts.scratch.rstrip("/") or "/"),
         "subnet_cidr": facts.subnet_cidr,
+        "scratch_device": scratch_device(facts),
+        "scratch_volume_wait_s": SCRATCH_VOLUME_WAIT_S,
+        "scratch_dropin": SCRATCH_NFS_DROPIN,
         "paths": {
             "slurm_conf": SLURM_CONF,
             "gres_conf": GRES_CONF,

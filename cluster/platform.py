@@ -60,6 +60,9 @@ class Platform:
     scratch_source: str = "{controller_ip}:{scratch}"
     scratch_fstype: str = "nfs"
     scratch_options: str = "defaults,_netdev,nofail"
+    # Where the controller finds the shared /scratch's own EBS volume by its id (udev's by-id links:
+    # bootstrap `scratchvol` step); None: no EBS here, /scratch stays a folder of the root file system.
+    scratch_volume_dir: str | None = None
     # Debian suite the boot test's image is made from (debootstrap); None: not a boot platform.
     debian_suite: str | None = None
     # torch from the OS's package instead of requirements.txt's pin; None: the pinned wheel.
@@ -153,6 +156,7 @@ AWS = Platform(
     cgroup=True,
     gpu_device_prefix="/dev/nvidia",
     init="systemd",
+    scratch_volume_dir="/dev/disk/by-id",
 )
 
 # The local cluster: Debian 12's packages (slurm-wlm 22.05, python3 3.11) in network

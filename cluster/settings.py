@@ -31,6 +31,7 @@ SETTINGS: dict[str, tuple[Any, str]] = {
     "idleStopMinutes": (30, "30"),
     "scratchThroughputMBps": (125, "1000"),
     "scratchIops": (None, "4000"),
+    "scratchSizeGiB": (100, "500"),
     "gpuMarket": ("on-demand", "spot"),
     "capacityReservationId": (None, "cr-0123456789abcdef0"),
 }

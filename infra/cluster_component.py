@@ -25,8 +25,9 @@ SERVICE_CMD = "sudo systemctl {action} {service}"
 
 def build_inventory(facts: ClusterFacts, controller_public_ip: str | None, region: str | None,
                     instance_ids: dict[str, str] | None = None, scratch_volume: dict | None = None) -> dict:
-    """The `inventory` output: cluster.inventory.Inventory as a plain dict. `scratch_volume`:
-    the shared /scratch volume's gp3 {"throughput_mbps", "iops"} (`fab estimate` reads them)."""
+    """The `inventory` output: cluster.inventory.Inventory as a plain dict. `scratch_volume`: the
+    shared /scratch's own gp3 EBS volume on the controller (infra/nodes.py): {"throughput_mbps",
+    "iops", "size_gib", "volume_id"} (`fab estimate` and the cost lines read them)."""
     extra = _extra(facts, region, instance_ids or {})
     if scratch_volume:
         extra["scratch_volume"] = dict(scratch_volume)
@@ -55,7 +56,8 @@ def _extra(facts: ClusterFacts, region: str | None, instance_ids: dict[str, str]
 
 class ClusterComponent(pulumi.ComponentResource):
     def __init__(self, name: str, *, cfg: StackConfig, facts: ClusterFacts, images: dict[str, Ami],
-                 availability_zone: str, user_data: dict[str, str], efa_interfaces: int,
+                 availability_zone: str, user_data: dict[str, str], controller_user_data,
+                 efa_interfaces: int,
                  region: str | None = None, ebs_key: EbsKey | None = None,
                  reservation: Reservation | None = None, opts: pulumi.ResourceOptions | None = None):
         super().__init__("slurm-gpu:infra:Cluster", name, None, opts)
@@ -95,6 +97,10 @@ class ClusterComponent(pulumi.ComponentResource):
             gpu_subnet_id=self.network.gpu_subnet.id,
             security_group_id=self.security.group.id,
             user_data=user_data,
+            controller_user_data=controller_user_data,
+            # The scratch volume lies in the controller's zone: its subnet's, kept per stack (infra/network.py).
+            controller_zone=self.network.public_subnet.availability_zone,
+            scratch_size_gib=cfg.scratch_size_gib,
             efa_interfaces=efa_interfaces,
             controller_internet=self.network.controller_internet,
             gpu_internet=self.network.gpu_internet,
@@ -129,13 +135,14 @@ class ClusterComponent(pulumi.ComponentResource):
             for h, role in [(facts.controller, "controller")] + [(h, "gpu") for h in facts.gpu_nodes]
         ]
         names = [facts.controller.name] + [h.name for h in facts.gpu_nodes]
-        # The shared volume's throughput and IOPS as the provider reports them, for `fab estimate`.
-        root = self.nodes.controller.root_block_device
+        # The shared volume as the provider reports it, for `fab estimate` and the cost lines.
+        vol = self.nodes.scratch_volume
         self.inventory = pulumi.Output.all(
-            self.nodes.controller.public_ip, root.throughput, root.iops, self.nodes.controller.id,
-            *[n.id for n in self.nodes.gpu_nodes]
-        ).apply(lambda v: build_inventory(facts, v[0], region, dict(zip(names, v[3:], strict=True)),
-                                          {"throughput_mbps": v[1], "iops": v[2]}))
+            self.nodes.controller.public_ip, vol.throughput, vol.iops, vol.size, vol.id,
+            self.nodes.controller.id, *[n.id for n in self.nodes.gpu_nodes]
+        ).apply(lambda v: build_inventory(facts, v[0], region, dict(zip(names, v[5:], strict=True)),
+                                          {"throughput_mbps": v[1], "iops": v[2], "size_gib": v[3],
+                                           "volume_id": v[4]}))
 
         hosts = [(facts.controller.name, self.nodes.controller)] + \
             [(h.name, n) for h, n in zip(facts.gpu_nodes, self.nodes.gpu_nodes, strict=True)]

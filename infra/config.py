@@ -79,10 +79,13 @@ def _fail(key: str, problem: str, example: str) -> ConfigError:
 MIN_IDLE_STOP_MINUTES = 5
 MAX_IDLE_STOP_MINUTES = 7 * 24 * 60
 
-# The shared /scratch (the controller's gp3 root volume): gp3's limits on provisioned throughput
+# The shared /scratch (the controller's own gp3 volume, infra/nodes.py): its size (gp3: 1 GiB to
+# 16 TiB; below 10 GiB the model and the wheel cache would not fit) and gp3's limits on provisioned throughput
 # (MiB/s, what AWS's gp3 figures and the EC2 API use) and IOPS, and the ratio EC2 enforces between
 # them: at most 0.25 MiB/s per IOPS, so throughput above 750 needs IOPS above the 3000 baseline.
-# (gp3's 500 IOPS per GiB never binds: rootVolumeGiB is at least 50.)
+# gp3 also allows at most 500 IOPS per GiB: scratchSizeGiB bounds scratchIops.
+SCRATCH_SIZE_GIB = (10, 16384)
+GP3_IOPS_PER_GIB = 500
 GP3_THROUGHPUT = (125, 1000)
 GP3_IOPS = (3000, 16000)
 GP3_MIBPS_PER_IOPS = 0.25
@@ -111,7 +114,8 @@ class StackConfig:
     idle_stop_minutes: int = 30  # 0: GPU nodes never stop when idle
     controller_ami_id: str | None = None  # None: the stack's pinned Ubuntu image (infra/ami.py)
     ebs_kms_key_id: str | None = None  # None: the account's default EBS key (infra/kms.py)
-    # The controller's root volume, which holds the shared /scratch: gp3 throughput and IOPS.
+    # The shared /scratch's own volume on the controller: size, gp3 throughput and IOPS.
+    scratch_size_gib: int = 100
     scratch_throughput_mbps: int = GP3_THROUGHPUT[0]
     scratch_iops: int = GP3_IOPS[0]
     gpu_market: str = ON_DEMAND  # MARKETS
@@ -240,6 +244,7 @@ class StackConfig:
             )
 
         throughput, iops = _scratch_volume(value("scratchThroughputMBps"), value("scratchIops"))
+        scratch_gib = _scratch_size(value("scratchSizeGiB"), iops)
         allow_wide = _bool("allowWideAdminCidr", value("allowWideAdminCidr"))
 
         return cls(
@@ -262,6 +267,7 @@ class StackConfig:
             cluster_name=name,
             efa=_bool("efa", value("efa")),
             idle_stop_minutes=idle,
+            scratch_size_gib=scratch_gib,
             scratch_throughput_mbps=throughput,
             scratch_iops=iops,
             gpu_market=market,
@@ -285,6 +291,20 @@ def _unknown_keys() -> list[str]:
     keys = set(runtime_config.CONFIG.get()) | set(runtime_config.get_config_env())
     prefix = NAMESPACE + ":"
     return [k[len(prefix):] for k in keys if k.startswith(prefix) and k[len(prefix):] not in SETTINGS]
+
+
+def _scratch_size(raw: Any, iops: int) -> int:
+    """The shared /scratch volume's GiB: gp3's range, and room for its IOPS (500 per GiB)."""
+    size = _int("scratchSizeGiB", raw)
+    low, high = SCRATCH_SIZE_GIB
+    if not low <= size <= high:
+        raise _fail("scratchSizeGiB", f"is {size} GiB; the shared /scratch volume takes {low} to {high} GiB "
+                    "(models, datasets, checkpoints, the wheel cache; it grows in place, never shrinks)", "100")
+    least = math.ceil(iops / GP3_IOPS_PER_GIB)
+    if size < least:
+        raise _fail("scratchSizeGiB", f"is {size} GiB, too small for {NAMESPACE}:scratchIops {iops}: gp3 allows "
+                    f"at most {GP3_IOPS_PER_GIB} IOPS per GiB", str(least))
+    return size
 
 
 def _scratch_volume(throughput_raw: Any, iops_raw: Any) -> tuple[int, int]:

@@ -1,7 +1,8 @@
 """The cluster's hosts: a key pair, a cluster placement group, the controller, N GPU nodes.
 
 Every host has a fixed private IP (cluster.facts.plan_hosts). IMDSv2 is required and
-root volumes are encrypted gp3 on every host.
+root volumes are encrypted gp3 on every host. The shared /scratch is the controller's own encrypted
+gp3 volume (scratch_volume), attached to it and kept across a controller replacement.
 
 The controller lives in the public subnet with a public IP (the only host reachable from
 adminCidr; fab's jump host). Its user-data holds the node list, but cloud-init reads
@@ -34,7 +35,7 @@ Its bootstrap record says so: `fab status` names it behind and `fab update-nodes
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pulumi
 import pulumi_aws as aws
@@ -61,7 +62,7 @@ DELIBERATE = {
                     "every GPU node, power-saved ones included (modifyInstanceAttributeWithStopStart starts the "
                     "instance whatever its state was): drain the nodes and let them idle first (docs/CONFIG.md)",
     "keyName": "the key pair made from slurm-gpu:sshPublicKey: a config change that replaces every host "
-               "(key_name is ForceNew), the controller's /scratch with it: rotate keys through "
+               "(key_name is ForceNew; /scratch's own volume is kept and attached again): rotate keys through "
                "~/.ssh/authorized_keys instead (docs/CONFIG.md)",
     "placementGroup": "the cluster's placement group resource (fixed once made) or a Capacity Block's own, "
                       "or none (spot, capacity-reservation): it changes only with slurm-gpu:gpuMarket / "
@@ -78,9 +79,8 @@ DELIBERATE = {
     "capacityReservationSpecification": "slurm-gpu:gpuMarket / capacityReservationId: a config change that "
                                         "replaces every GPU node (replacement_trigger: infra/market.py "
                                         "market_key): drain the nodes first",
-    "rootBlockDevice": "size, encryption key, gp3 throughput and IOPS from slurm-gpu:rootVolumeGiB, ebsKmsKeyId, "
-                       "scratchThroughputMBps, scratchIops: config changes (size, IOPS, throughput modify the "
-                       "volume in place; the key would replace the host)",
+    "rootBlockDevice": "size and encryption key from slurm-gpu:rootVolumeGiB, ebsKmsKeyId: config changes (the "
+                       "size modifies the volume in place; the key would replace the host)",
 }
 
 
@@ -100,6 +100,9 @@ class NodesComponent(pulumi.ComponentResource):
         gpu_subnet_id: pulumi.Input[str],
         security_group_id: pulumi.Input[str],
         user_data: dict[str, str],
+        controller_user_data: Callable[[str], str],
+        controller_zone: pulumi.Input[str],
+        scratch_size_gib: int,
         efa_interfaces: int,
         controller_internet: Sequence[pulumi.Resource],
         gpu_internet: Sequence[pulumi.Resource],
@@ -134,6 +137,9 @@ class NodesComponent(pulumi.ComponentResource):
         ) if gpu_placement_group is True else None
         gpu_group = self.placement_group.name if self.placement_group else gpu_placement_group
 
+        self.scratch_volume = self._scratch_volume(name, facts, controller_zone, scratch_size_gib,
+                                                   scratch_throughput_mbps, scratch_iops)
+
         self.controller = aws.ec2.Instance(
             f"{name}-{facts.controller.name}",
             ami=ami["controller"],
@@ -146,10 +152,10 @@ class NodesComponent(pulumi.ComponentResource):
             vpc_security_group_ids=[security_group_id],
             associate_public_ip_address=True,
             metadata_options=self._imdsv2(),
-            # Its root volume holds the shared /scratch: gp3 throughput and IOPS as configured.
-            root_block_device=self._root("controller", facts.controller,
-                                         throughput=scratch_throughput_mbps, iops=scratch_iops),
-            user_data_base64=user_data["controller"],
+            # The shared /scratch is its own volume (scratch_volume), not a folder of the root one.
+            root_block_device=self._root("controller", facts.controller),
+            # Holds the scratch volume's id (its bootstrap mounts it by id): the volume is made first.
+            user_data_base64=self.scratch_volume.id.apply(controller_user_data),
             tags=self._instance_tags("controller", facts.controller),
             # Boot only once the subnet routes to the internet: the bootstrap installs packages.
             # User-data is read at first boot only; node-list changes go by `fab reconfigure`.
@@ -158,6 +164,8 @@ class NodesComponent(pulumi.ComponentResource):
                                                         *self._ignore_ami(follow_ami, "controller")],
                                         delete_before_replace=True),
         )
+
+        self.scratch_attachment = self._scratch_attachment(name, facts)
 
         self.gpu_interfaces: dict[str, list[aws.ec2.NetworkInterface]] = {}
         self.gpu_nodes: list[aws.ec2.Instance] = []
@@ -207,7 +215,54 @@ class NodesComponent(pulumi.ComponentResource):
             "controllerId": self.controller.id,
             "controllerPublicIp": self.controller.public_ip,
             "gpuNodeIds": [n.id for n in self.gpu_nodes],
+            "scratchVolumeId": self.scratch_volume.id,
         })
+
+    def _scratch_volume(self, name: str, facts: ClusterFacts, zone: pulumi.Input[str], size_gib: int,
+                        throughput: int | None, iops: int | None) -> aws.ebs.Volume:
+        """The shared /scratch's own gp3 volume: an NFS client's root that forges file handles (AUTH_SYS)
+        reaches this file system alone, never the controller's root one (docs/SECURITY.md).
+
+        Inputs (pulumi_aws ebs/volume.py VolumeArgs): availability_zone (ForceNew in
+        terraform-provider-aws internal/service/ec2/ebs_volume.go): the controller's subnet's zone, not
+        the instance's (the instance's user-data holds this volume's id: no cycle). A zone move replaces
+        it, empty: /scratch's data does not move (docs/CONFIG.md). size (GiB; grows in place, never
+        shrinks), type gp3 with throughput (MiB/s) and iops ("Only valid for type of io1, io2 or gp3"),
+        encrypted with kms_key_id (None: the account's default EBS key). final_snapshot stays off:
+        `pulumi destroy` deletes the volume and its data, like the hosts. It is not the instance's, so
+        a replaced controller finds it again with its data (the attachment is made anew)."""
+        return aws.ebs.Volume(
+            f"{name}-scratch",
+            availability_zone=zone,
+            type="gp3",
+            size=size_gib,
+            throughput=throughput,  # MiB/s; None: gp3's baseline (125)
+            iops=iops,
+            encrypted=True,
+            kms_key_id=self._ebs_key_arn,
+            tags={"Cluster": self._cluster, "Role": "scratch", "Name": f"{self._cluster}-scratch",
+                  STACK_TAG: stack_name()},
+            opts=pulumi.ResourceOptions(parent=self),
+        )
+
+    def _scratch_attachment(self, name: str, facts: ClusterFacts) -> aws.ec2.VolumeAttachment:
+        """The scratch volume on the controller (pulumi_aws ec2/volume_attachment.py VolumeAttachmentArgs).
+        device_name /dev/sdf is EC2's block device mapping name; on Nitro the volume shows up as an NVMe
+        device that the bootstrap finds by the volume's id, not by this name. instance_id and volume_id
+        are ForceNew: a replaced controller gets a new attachment. stop_instance_before_detaching:
+        "Stops the instance, if it is not already stopped" before the detach, so the controller shuts
+        down (and unmounts /scratch cleanly) before its volume leaves it on a replacement or a destroy;
+        force_detach stays off (its docs: "can result in data loss"); skip_destroy stays off (the
+        volume is really detached, so it can be attached to the next controller). Deleted before its
+        replacement is made: a gp3 volume attaches to one instance at a time (no Multi-Attach)."""
+        return aws.ec2.VolumeAttachment(
+            f"{name}-scratch-attachment",
+            device_name="/dev/sdf",
+            volume_id=self.scratch_volume.id,
+            instance_id=self.controller.id,
+            stop_instance_before_detaching=True,
+            opts=pulumi.ResourceOptions(parent=self, delete_before_replace=True),
+        )
 
     def _gpu_interfaces(self, name: str, host: Host, subnet_id, security_group_id,
                         efa_interfaces: int) -> list[aws.ec2.NetworkInterface]:
@@ -247,11 +302,9 @@ class NodesComponent(pulumi.ComponentResource):
         as the account's others (a tag change is applied in place, without a stop)."""
         return {**self._tags(role, host), STACK_TAG: stack_name()}
 
-    def _root(self, role: str, host: Host, throughput: int | None = None,
-              iops: int | None = None) -> aws.ec2.InstanceRootBlockDeviceArgs:
+    def _root(self, role: str, host: Host) -> aws.ec2.InstanceRootBlockDeviceArgs:
+        """gp3 at its baseline throughput and IOPS: /scratch is not on it (scratch_volume)."""
         return aws.ec2.InstanceRootBlockDeviceArgs(
-            throughput=throughput,  # MiB/s; None: gp3's baseline (125)
-            iops=iops,
             volume_type="gp3",
             volume_size=self._root_volume_gib,
             encrypted=True,

@@ -60,15 +60,18 @@ def test_the_summary_ends_with_what_still_bills_per_hour_and_day_and_how_to_stop
     lines = a_summary(pipeline.closing_lines(opts, plan)).lines()
     ctl, gpu = PRICES["instance_per_h"]["c6i.xlarge"], PRICES["instance_per_h"]["g6.12xlarge"]
     gb_h = PRICES["gp3_per_gb_month"] / 730
-    steady = ctl + PRICES["nat_per_h"] + 200 * gb_h + 2 * 200 * gb_h
+    # The roots (200 GB each) and the shared /scratch's own volume (slurm-gpu:scratchSizeGiB's 100 GB).
+    steady = ctl + PRICES["nat_per_h"] + 200 * gb_h + 100 * gb_h + 2 * 200 * gb_h
     idle = 2 * gpu
     assert lines[-2] == still_bills.IPV4_NOTE
     lines = lines[:-2] + lines[-1:]
-    assert lines[-7] == (f"  still billing ${steady + idle:.3f}/h now, ${steady * 24 + idle * 0.5:.2f} over the next "
+    assert lines[-8] == (f"  still billing ${steady + idle:.3f}/h now, ${steady * 24 + idle * 0.5:.2f} over the next "
                          "24 h (list prices, ops/data/prices.json):")
-    assert lines[-6] == f"    ${ctl:.3f}/h  controller c6i.xlarge (runs until the stack is destroyed)"
-    assert lines[-5] == f"    ${PRICES['nat_per_h']:.3f}/h  NAT gateway (+ ${PRICES['nat_per_gb']}/GB it carries)"
-    assert lines[-4] == f"    ${200 * gb_h:.3f}/h  controller: EBS gp3 200 GB at ${PRICES['gp3_per_gb_month']}/GB-month"
+    assert lines[-7] == f"    ${ctl:.3f}/h  controller c6i.xlarge (runs until the stack is destroyed)"
+    assert lines[-6] == f"    ${PRICES['nat_per_h']:.3f}/h  NAT gateway (+ ${PRICES['nat_per_gb']}/GB it carries)"
+    assert lines[-5] == f"    ${200 * gb_h:.3f}/h  controller: EBS gp3 200 GB at ${PRICES['gp3_per_gb_month']}/GB-month"
+    assert lines[-4] == (f"    ${100 * gb_h:.3f}/h  controller: EBS gp3 /scratch volume 100 GB at "
+                         f"${PRICES['gp3_per_gb_month']}/GB-month (kept while the stack lives, deleted by pulumi destroy)")
     assert lines[-3] == (f"    ${400 * gb_h:.3f}/h  2 GPU node(s) on: EBS gp3 400 GB at "
                          f"${PRICES['gp3_per_gb_month']}/GB-month")
     assert lines[-2] == (f"    ${idle:.3f}/h  2 GPU node(s) on, until power saving stops them 30 min after their "

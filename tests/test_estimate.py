@@ -98,6 +98,16 @@ def test_shared_volume_from_the_stack_file_and_gp3s_iops_rule_as_infra_has_it():
         est._scratch_volume({"scratchThroughputMBps": 2000}, None, None)
 
 
+def test_scratch_volume_size_from_the_inventory_else_the_stack_file():
+    from types import SimpleNamespace
+
+    inv = SimpleNamespace(extra={"scratch_volume": {"throughput_mbps": 125, "iops": 3000, "size_gib": 750}})
+    assert est._scratch_gib({"scratchSizeGiB": 100}, inv) == 750
+    assert est._scratch_gib({"scratchSizeGiB": "300"}, None) == 300
+    with pytest.raises(est.EstimateError, match="slurm-gpu:scratchSizeGiB in the stack file"):
+        est._scratch_gib({"scratchSizeGiB": "1TB"}, None)
+
+
 def test_new_stack_boot_installs_the_training_stack_from_the_controllers_cache(monkeypatch):
     """No NAT bytes: the controller's download (25 s at 150 MB/s) ends inside its 120 s head start;
     the two nodes read 3.8 GB each over the controller's network (12.5 Gbit/s; c6i.xlarge's 8 GiB
@@ -123,6 +133,9 @@ def test_cost_is_instances_by_the_second_plus_nat_and_ebs():
         nat = p["nat_per_h"] * wall / 3600 + e.nat_bytes[scenario] / 1e9 * p["nat_per_gb"]
         assert bill[2].usd == pytest.approx(nat)
         assert bill[3].usd == pytest.approx(600 * p["gp3_per_gb_month"] * wall / (730 * 3600))
+        # The shared /scratch's own volume (slurm-gpu:scratchSizeGiB's default 100 GB), priced apart.
+        assert bill[4].what.startswith("EBS gp3 /scratch volume 100 GB")
+        assert bill[4].usd == pytest.approx(100 * p["gp3_per_gb_month"] * wall / (730 * 3600))
     # The controller fetches model, data and the nodes' wheels outside the NAT gateway; a new
     # stack's nodes fetch their apt packages through it.
     assert e.nat_bytes["again"] == e.nat_bytes["first"] == 0

@@ -191,6 +191,27 @@ def test_scratch_iops_out_of_gp3_range(value):
     assert "3000 to 16000 IOPS" in refused("scratchIops", scratchIops=value)
 
 
+def test_scratch_size_defaults_to_100_gib_and_takes_the_setting():
+    assert parse().scratch_size_gib == 100
+    assert parse(scratchSizeGiB="2000").scratch_size_gib == 2000
+
+
+@pytest.mark.parametrize("value", ["9", "0", "16385", "-1"])
+def test_scratch_size_out_of_range_names_the_setting_and_the_fix(value):
+    msg = refused("scratchSizeGiB", scratchSizeGiB=value)
+    assert "10 to 16384 GiB" in msg and "`pulumi config set slurm-gpu:scratchSizeGiB 100`" in msg
+
+
+def test_scratch_size_too_small_for_its_iops():
+    msg = refused("scratchSizeGiB", scratchSizeGiB="10", scratchIops="6000")
+    assert "slurm-gpu:scratchIops 6000" in msg and "500 IOPS per GiB" in msg
+    assert "`pulumi config set slurm-gpu:scratchSizeGiB 12`" in msg
+
+
+def test_scratch_size_not_a_number():
+    assert "whole number" in refused("scratchSizeGiB", scratchSizeGiB="1TB")
+
+
 # ---- networks ----
 
 def test_subnet_outside_the_vpc():

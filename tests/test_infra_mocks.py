@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import fnmatch
 import gzip
+import hashlib
 import json
 from dataclasses import dataclass, field
 
@@ -366,6 +367,10 @@ class ClusterMocks(pulumi.runtime.Mocks):
             return f"{args.name}-id", inputs
         self.resources.append(Registered(args.typ, args.name, inputs))
         state = dict(inputs)
+        if args.typ == "aws:ebs/volume:Volume":  # EC2's id form: the controller's bootstrap checks it
+            vid = "vol-" + hashlib.sha256(args.name.encode()).hexdigest()[:17]
+            self.read_back[args.name] = state
+            return vid, state
         if args.typ == "aws:ec2/instance:Instance":
             market = inputs.get("instanceMarketOptions") or {}
             if market.get("marketType") == "spot":  # RunInstances made a persistent Spot request
@@ -438,6 +443,8 @@ TYPES = {
     "role_policy": "aws:iam/rolePolicy:RolePolicy",
     "instance_profile": "aws:iam/instanceProfile:InstanceProfile",
     "stash": "pulumi:index:Stash",
+    "volume": "aws:ebs/volume:Volume",
+    "attachment": "aws:ec2/volumeAttachment:VolumeAttachment",
 }
 
 BASE_CONFIG = {"adminCidr": ADMIN_CIDR, "sshPublicKey": SSH_KEY}

@@ -333,18 +333,41 @@ def test_imdsv2_encrypted_gp3_roots_ami_key_and_tags(deployed):
             assert res.inputs["tags"]["Cluster"] == case.cluster
 
 
-def test_shared_volume_throughput_and_iops_are_the_settings(deployed):
-    """The controller's root volume holds /scratch: it gets slurm-gpu:scratchThroughputMBps and the
-    IOPS gp3 needs for it (1000 MiB/s: 4000, at 0.25 MiB/s per IOPS); GPU nodes keep gp3's baseline.
-    The inventory carries what the volume got, for `fab estimate`."""
+def test_shared_scratch_is_its_own_gp3_volume_attached_to_the_controller(deployed):
+    """/scratch is its own encrypted gp3 volume in the controller's zone with slurm-gpu:scratchSizeGiB,
+    scratchThroughputMBps and the IOPS gp3 needs (1000 MiB/s: 4000, at 0.25 MiB/s per IOPS), attached
+    to the controller; every root volume keeps gp3's baseline. The controller's user-data names the
+    volume's NVMe by-id link. The inventory carries what the volume got, for `fab estimate`."""
     case, run = deployed
     controller, gpus = _instances(run)
-    root = controller[0].inputs["rootBlockDevice"]
-    assert (root["throughput"], root["iops"]) == case.scratch
-    for node in gpus:
+    vol = run.one("volume")
+    assert vol.inputs["type"] == "gp3" and vol.inputs["encrypted"] is True
+    assert vol.inputs["size"] == 100  # the default
+    assert (vol.inputs["throughput"], vol.inputs["iops"]) == case.scratch
+    zones = {s.inputs["availabilityZone"] for s in run.of_type("subnet")}
+    assert zones == {vol.inputs["availabilityZone"]} == {run.outputs["gpuTypeZones"]["zone"]}
+    assert vol.inputs["tags"] == {"Cluster": case.cluster, "Role": "scratch", "Name": f"{case.cluster}-scratch",
+                                  "slurm-gpu:stack": "slurm-gpu/test"}
+    att = run.one("attachment")
+    assert att.inputs["volumeId"].startswith("vol-") and att.inputs["instanceId"] == f"{controller[0].name}-id"
+    assert att.inputs["stopInstanceBeforeDetaching"] is True and not att.inputs.get("forceDetach")
+    assert not att.inputs.get("skipDestroy")
+    vol_id = att.inputs["volumeId"]
+    assert f"nvme-Amazon_Elastic_Block_Store_{vol_id.replace('-', '')}" in user_data_of(controller[0])
+    for node in [*controller, *gpus]:
         assert "throughput" not in node.inputs["rootBlockDevice"] and "iops" not in node.inputs["rootBlockDevice"]
     inv = Inventory.from_dict(run.outputs["inventory"])
-    assert inv.extra["scratch_volume"] == {"throughput_mbps": case.scratch[0], "iops": case.scratch[1]}
+    assert inv.extra["scratch_volume"] == {"throughput_mbps": case.scratch[0], "iops": case.scratch[1],
+                                           "size_gib": 100, "volume_id": vol_id}
+
+
+def test_scratch_volume_size_is_the_setting_and_its_parent_the_nodes():
+    run = run_program(stack_config(scratchSizeGiB="300"))
+    vol, att = run.one("volume"), run.one("attachment")
+    assert vol.inputs["size"] == 300
+    for res in (vol, att):  # children of the Nodes component, like the controller
+        assert res.parent.split("::")[-1] == "mini-nodes" and "slurm-gpu:infra:Nodes" in res.parent, res.parent
+    assert att.delete_before_replace
 
 
 # ---------------------------------------------------------------- user-data
@@ -398,6 +421,7 @@ def test_user_data_is_rendered_from_the_cluster_facts(deployed):
                              resume_program="/usr/local/sbin/slurm-gpu-resume", suspend_timeout=180,
                              resume_timeout=900, provider="ec2", region="ap-northeast-2",
                              stack="slurm-gpu/test"),  # the stack tag the power programs look for
+        scratch_volume_id=run.one("attachment").inputs["volumeId"],  # the controller's /scratch volume
     )
     assert ctl_ud == user_data.user_data(facts, "controller")
     # Each GPU node gets its own user-data, made from the controller and itself only.
@@ -512,6 +536,7 @@ def test_components_own_their_resources(deployed):
         "vpc": "Network", "igw": "Network", "subnet": "Network", "rt": "Network", "route": "Network",
         "rta": "Network", "nat": "Network", "eip": "Network", "sg": "Security", "ingress": "Security",
         "egress": "Security", "key": "Nodes", "pg": "Nodes", "instance": "Nodes", "eni": "Nodes",
+        "volume": "Nodes", "attachment": "Nodes",
         "role": "PowerSave", "role_policy": "PowerSave", "instance_profile": "PowerSave",
         "stash": "Images",
     }

@@ -93,7 +93,11 @@ def test_every_instance_requires_imdsv2_and_encrypts_its_root(run):
         root = inst.inputs["rootBlockDevice"]
         assert root["encrypted"] is True and root["volumeType"] == "gp3", inst.name
         assert all(d.get("encrypted") is True for d in inst.inputs.get("ebsBlockDevices", []))
-    assert run.mocks.of_type("aws:ebs/volume:Volume") == []  # no unencrypted side volumes
+    # One side volume, the shared /scratch's own (an NFS client's forged file handle reaches no
+    # other file system: docs/SECURITY.md), encrypted like the roots.
+    side = run.mocks.of_type("aws:ebs/volume:Volume")
+    assert [v.inputs["tags"]["Role"] for v in side] == ["scratch"]
+    assert all(v.inputs["encrypted"] is True for v in side)
 
 
 @pytest.mark.parametrize("market", [

@@ -57,7 +57,9 @@ def rate_per_h(cl: est.PricedCluster) -> float:
     if cl.calibrated:
         return cl.billed_nodes * est._json("local.json")["standin_price_per_node_h"]
     p = est.prices(cl.region)
-    volumes = est.gp3_per_month(p, (cl.billed_nodes + 1) * cl.root_volume_gib, cl.scratch_mbps, cl.scratch_iops)
+    # The root volumes and the shared /scratch's own (one gp3 formula: its throughput and IOPS are its own).
+    volumes = est.gp3_per_month(p, (cl.billed_nodes + 1) * cl.root_volume_gib + cl.scratch_gib, cl.scratch_mbps,
+                                cl.scratch_iops)
     return (cl.billed_nodes * gpu_rate_per_h(cl)
             + est.price_per_h(cl.region, cl.controller_type) + p["nat_per_h"]
             + est.per_h_of_month(volumes))

@@ -46,7 +46,7 @@ DATASETS = {"tatsu-lab/alpaca": {"rows": 52002, "bytes": 24.2e6}}
 HUB_MBPS = 150.0          # Hugging Face's CDN to one EC2 node through the NAT gateway
 PAGE_CACHE_MBPS = 4000.0  # a node reading a file its page cache holds (NFS client cache included)
 NVME_MBPS = 1500.0        # one local NVMe instance-store disk
-GP3_BASE_MBPS = 125.0     # gp3's baseline throughput: the shared /scratch on the controller's root volume
+GP3_BASE_MBPS = 125.0     # gp3's baseline throughput (the root volumes; the shared /scratch's own volume may have more)
 GP3_BASE_IOPS = 3000      # gp3's baseline IOPS; EC2 allows at most 0.25 MiB/s per IOPS (infra/config.py)
 GP3_MAX_MBPS = 1000.0
 SSH_STEP_S = 1.0          # one fab step of a few SSH round trips through the controller
@@ -74,6 +74,7 @@ class PricedCluster:
     ranks_per_node: int
     root_volume_gib: int = 200
     idle_stop_min: int = 30
+    scratch_gib: int = 100  # the shared /scratch's own gp3 volume on the controller (slurm-gpu:scratchSizeGiB)
     # The shared volume's gp3 throughput (MiB/s, taken as MB/s: 5% conservative) and IOPS; above
     # gp3's baseline both are billed. scratch_from: where the figure came from.
     scratch_mbps: float = GP3_BASE_MBPS
@@ -388,15 +389,21 @@ def idle_cost(per_h: float, idle_stop_min: int) -> float:
     return per_h * idle_stop_min / 60
 
 
-def storage_per_h(cl: PricedCluster, volumes: int | None = None) -> list[CostLine]:
+def storage_per_h(cl: PricedCluster, volumes: int | None = None, scratch: bool | None = None) -> list[CostLine]:
     """The EBS bill per hour: `volumes` gp3 root volumes of cl.root_volume_gib (default: every node's and
-    the controller's) and the shared volume's throughput and IOPS above gp3's baseline (the controller's).
-    AWS bills gp3 per GB-month, prorated by the second (https://aws.amazon.com/ebs/pricing/)."""
+    the controller's), then, with `scratch` (default: when `volumes` is), the shared /scratch's own gp3
+    volume (the controller's: its GB, and its throughput and IOPS above gp3's baseline). AWS bills gp3
+    per GB-month, prorated by the second (https://aws.amazon.com/ebs/pricing/)."""
     p = prices(cl.region)
     count = cl.billed_nodes + 1 if volumes is None else volumes
     vol_gb = count * cl.root_volume_gib
     lines = [CostLine(f"EBS gp3 {vol_gb} GB at ${p['gp3_per_gb_month']}/GB-month",
                       per_h_of_month(gp3_per_month(p, vol_gb)))] if count else []
+    if not (volumes is None if scratch is None else scratch):
+        return lines
+    lines.append(CostLine(f"EBS gp3 /scratch volume {cl.scratch_gib} GB at ${p['gp3_per_gb_month']}/GB-month "
+                          "(kept while the stack lives, deleted by pulumi destroy)",
+                          per_h_of_month(gp3_per_month(p, cl.scratch_gib))))
     if cl.scratch_mbps > GP3_BASE_MBPS:
         extra = cl.scratch_mbps - GP3_BASE_MBPS
         lines.append(CostLine(f"gp3 throughput +{extra:.0f} MB/s at ${p['gp3_per_mbps_month']}/MB/s-month",
@@ -501,7 +508,8 @@ def dominant(est: Estimate, scenario: str, n: int = 3) -> list[tuple[str, float]
 
 # The defaults of the settings the estimate reads, where the stack file leaves them out.
 STACK_DEFAULTS = {key: SETTINGS[key][0] for key in ("gpuNodeCount", "gpuInstanceType", "controllerInstanceType",
-                                                    "rootVolumeGiB", "idleStopMinutes", "scratchThroughputMBps")}
+                                                    "rootVolumeGiB", "idleStopMinutes", "scratchThroughputMBps",
+                                                    "scratchSizeGiB")}
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -568,6 +576,7 @@ def cluster_for(target: str, stack: str | None, inv=None, nodes: int | None = No
     scratch, iops, scratch_from = _scratch_volume(settings, inv, what_if)
     cl = PricedCluster(target, reg, itype, settings["controllerInstanceType"], n, g,
                  root_volume_gib=int(settings["rootVolumeGiB"]), idle_stop_min=idle, scratch_mbps=scratch,
+                 scratch_gib=_scratch_gib(settings, inv),
                  scratch_iops=iops, scratch_from=scratch_from,
                  source=source + (" + inventory" if inv else ""), stack_nodes=stack_nodes,
                  market=str(settings.get("gpuMarket") or "on-demand"),
@@ -580,6 +589,16 @@ def cluster_for(target: str, stack: str | None, inv=None, nodes: int | None = No
 
 def _gp3_min_iops(mbps: float) -> int:
     return max(GP3_BASE_IOPS, math.ceil(mbps / 0.25))  # infra/config.py's gp3_min_iops (a test holds them equal)
+
+
+def _scratch_gib(settings: dict, inv) -> int:
+    """The shared /scratch volume's GB: the stack's inventory (what the volume got), else slurm-gpu:scratchSizeGiB."""
+    size = ((inv.extra.get("scratch_volume") or {}) if inv else {}).get("size_gib") or settings["scratchSizeGiB"]
+    try:
+        return int(str(size))
+    except ValueError:
+        raise EstimateError(f"slurm-gpu:scratchSizeGiB in the stack file must be a whole number "
+                            f"(not {size!r})") from None
 
 
 def _scratch_volume(settings: dict, inv, what_if: float | None) -> tuple[float, int, str]:

@@ -88,7 +88,8 @@ def still_billing(cl: est.PricedCluster, nodes_on: int, nodes_stopped: int, stac
     gpu_h, how = _gpu_rate(cl)
     steady = [est.CostLine(f"controller {cl.controller_type} (runs until the stack is destroyed)", ctl_h),
               est.CostLine(f"NAT gateway (+ ${p['nat_per_gb']}/GB it carries)", p["nat_per_h"])]
-    steady += [est.CostLine(f"controller: {c.what}", c.usd) for c in est.storage_per_h(cl, volumes=1)]
+    # The controller's root volume and the shared /scratch's own (attached to it).
+    steady += [est.CostLine(f"controller: {c.what}", c.usd) for c in est.storage_per_h(cl, volumes=1, scratch=True)]
     for count, what in ((nodes_on, "on"), (nodes_stopped, "stopped: a stopped node keeps its volume")):
         if count:
             line = est.storage_per_h(cl, volumes=count)[0]
