@@ -1,5 +1,6 @@
 """Files as user-data carries them: bash scripts without their comment lines, Python programs
-without their comments and docstrings (EC2's 16 KiB limit pays for every byte). The version hash
+without their comments and docstrings, Slurm's config files without their comment lines (EC2's
+16 KiB limit pays for every byte). The version hash
 (bootstrap/user_data.py) is taken of these texts: what the hosts run.
 """
 
@@ -8,7 +9,10 @@ from __future__ import annotations
 import ast
 import re
 
-from bootstrap.node_layout import POWER_PATH
+from bootstrap.node_layout import CGROUP_CONF, GRES_CONF, POWER_PATH, SLURM_CONF
+
+# Slurm reads these; in them "#" begins a comment (slurm.conf(5), gres.conf(5), cgroup.conf(5)).
+SLURM_CONFIGS = (SLURM_CONF, GRES_CONF, CGROUP_CONF)
 
 
 def shipped_python(source: str) -> str:
@@ -102,13 +106,26 @@ def shipped_shell(script: str, where: str = "script") -> str:
     return "".join(out)
 
 
+def shipped_slurm_config(text: str) -> str:
+    """A Slurm config file as user-data carries it: its first line (which says what rendered it) and
+    every line that is not a whole-line comment; Slurm parses both to the same settings (slurm.conf(5):
+    "Any text following a '#' in the configuration file is treated as a comment"). slurm.conf's
+    comments are 1.3 KB of the controller's user-data gzip-compressed at 96 GPU nodes; the rendered
+    file with its comments is in the repository's template and on the local cluster."""
+    lines = text.splitlines(keepends=True)
+    return "".join(lines[:1] + [line for line in lines[1:] if not line.lstrip().startswith("#")])
+
+
 def shipped(files: dict[str, str]) -> dict[str, str]:
     """Path -> text as user-data carries them: bash scripts without their comments (shipped_shell), the
-    power program without its comments and docstrings (shipped_python). fab's copies (`fab update-nodes`)
+    power program without its comments and docstrings (shipped_python), Slurm's config files without
+    their comment lines (shipped_slurm_config). fab's copies (`fab update-nodes`)
     keep the comments; the version hash (bootstrap_version) is taken of these texts."""
     def one(path: str, text: str) -> str:
         if text.startswith("#!/bin/bash\n"):
             return shipped_shell(text, path)
+        if path in SLURM_CONFIGS:
+            return shipped_slurm_config(text)
         return shipped_python(text) if path == POWER_PATH else text
 
     return {path: one(path, text) for path, text in files.items()}

@@ -111,7 +111,7 @@ DATA = [
     ("broken.jsonl", '{"instruction": "a", "output": "b"}\n{"instruction": "c", \n',
      ["line 2 is not valid JSON", "fix or remove that line"]),
     ("int-output.jsonl", '{"instruction": "a", "output": 7}\n', ["column 'output' in row 1 must be a string, got int"]),
-    ("blank-output.json", '[{"instruction": "a", "output": "  "}]', ["column 'output' in row 1 is empty"]),
+    ("blank-output.json", '[{"instruction": "a", "output": "  "}]', ["no row can be trained on", "left out: 1 empty answer", "fix the rows"]),
     ("scalar.json", '"just a string"', ["expected a JSON list of objects with columns instruction, output"]),
     ("list-row.jsonl", '["a", "b"]\n', ["row 1 is not an object with columns instruction, output"]),
     ("bad.parquet", "not parquet", ["cannot read as Parquet", "check the file"]),

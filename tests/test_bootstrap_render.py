@@ -348,7 +348,7 @@ def test_user_data_fits_ec2_even_for_a_full_subnet(role):
     assert len(user_data.user_data_gzip(FULL, role)) <= user_data.MAX_USER_DATA_BYTES
     written = {f["path"]: file_text(f) for f in parse_user_data(text)["write_files"]}
     if role == "controller":
-        assert written[node_layout.SLURM_CONF] == render.render_slurm_conf(FULL)
+        assert written[node_layout.SLURM_CONF] == shipped_form.shipped_slurm_config(render.render_slurm_conf(FULL))
         assert written[node_layout.SLURM_CONF].count("\nNodeName=gpu-node-") == 244
     else:
         assert node_layout.SLURM_CONF not in written

@@ -242,8 +242,10 @@ def test_controller_bootstrap_makes_the_key_once(tmp_path):
     st = stats(report)
     assert st["/etc/munge/munge.key"] == ("munge:munge", "400")
     assert st["/var/lib/slurm/slurmctld"] == ("slurm:slurm", "700")
-    assert st[f"{LOCAL.scratch}/logs"] == ("root:root", "2775")
-    assert st[f"{LOCAL.scratch}/hf-cache"] == ("root:root", "2775")
+    # What jobs write is the job user's (it ran the jobuser step); the scratch root stays root's, sticky.
+    job = f"{LOCAL.job_user}:{LOCAL.job_user}"
+    assert st[f"{LOCAL.scratch}/logs"] == (job, "755")
+    assert st[f"{LOCAL.scratch}/hf-cache"] == (job, "755")
     # Two runs, one key: the second run keeps it (GPU nodes may already hold it).
     assert logs.count("created the cluster's munge key") == 1
     assert "marker_role=role=controller" in report

@@ -96,15 +96,17 @@ def test_shellcheck_rejects_a_broken_script(tmp_path):
     assert res.returncode != 0 and "SC2086" in res.stdout
 
 
-def write_slurm_files(tmp_path, facts):
-    """Render with stand-in device files (slurmd insists the files exist)."""
+def write_slurm_files(tmp_path, facts, shipped=False):
+    """Render with stand-in device files (slurmd insists the files exist); `shipped`: as user-data
+    carries them (bootstrap/shipped_form.py: no comment lines)."""
     prefix = tmp_path / "dev" / "nvidia"
     prefix.parent.mkdir()
     for i in range(facts.shape.gpu_count):
         (prefix.parent / f"nvidia{i}").touch()
     facts = replace(facts, gpu_device_prefix=str(prefix))
-    (tmp_path / "slurm.conf").write_text(render.render_slurm_conf(facts))
-    (tmp_path / "gres.conf").write_text(render.render_gres_conf(facts))
+    form = shipped_form.shipped_slurm_config if shipped else str
+    (tmp_path / "slurm.conf").write_text(form(render.render_slurm_conf(facts)))
+    (tmp_path / "gres.conf").write_text(form(render.render_gres_conf(facts)))
     return tmp_path / "slurm.conf"
 
 
@@ -114,10 +116,14 @@ def slurmd_gres(conf, node, log):
     return run(["slurmd", "-G", "-N", node, "-L", str(log)], env={"SLURM_CONF": str(conf), "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
 
 
+@pytest.mark.parametrize("shipped", [False, True], ids=["rendered", "as-user-data-ships-it"])
 @pytest.mark.parametrize("case", CASES)
-def test_slurm_parses_slurm_conf_and_gres_conf(tmp_path, case):
+def test_slurm_parses_slurm_conf_and_gres_conf(tmp_path, case, shipped):
     facts = FACTS[case]
-    conf = write_slurm_files(tmp_path, facts)
+    conf = write_slurm_files(tmp_path, facts, shipped)
+    if shipped:  # the comment lines are gone, all but the first (what rendered it)
+        assert [line for line in conf.read_text().splitlines() if line.startswith("#")] == [
+            render.render_slurm_conf(facts).splitlines()[0]]
     for host in (facts.gpu_nodes[0], facts.gpu_nodes[-1]):
         res = slurmd_gres(conf, host.name, tmp_path / "slurmd.log")
         out = res.stdout + res.stderr

@@ -123,6 +123,8 @@ def _finetune_script(tmp_path: Path) -> tuple[Path, Path]:
                           str(tmp_path), config=str(tmp_path / "config.yaml"), output_dir=str(out))
     script = tmp_path / "finetune.sbatch"
     script.write_text(jobs.render_finetune(spec))
+    # The job's folder holds the code, as fab stages it: the script runs `python -m training.requeue` there.
+    (tmp_path / "training").symlink_to(REPO / "training")
     out.mkdir()
     return script, out
 
@@ -154,8 +156,8 @@ def test_requeued_job_with_completed_training_exits_0_without_training(tmp_path)
 
 
 def test_the_marker_name_is_the_one_fab_and_the_job_check():
+    # The job checks it in training/requeue.py (the test above runs that check for real).
     assert job_end.COMPLETED_MARKER == train.COMPLETED_MARKER
-    assert f"/{train.COMPLETED_MARKER}" in (REPO / "jobs" / "finetune.sbatch.j2").read_text()
 
 
 # ------------------------------------------------------------------ what a failed job says

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pytest
 import yaml
 
-from bootstrap import node_layout, render, user_data
+from bootstrap import node_layout, render, shipped_form, user_data
 from cluster.facts import ClusterFacts, Host, NodeShape, PowerSave, facts_from_dict, max_gpu_nodes
 from cluster.inventory import Inventory
 from infra.config import ConfigError
@@ -516,7 +516,7 @@ def test_inventory_output_is_what_fab_reads(deployed):
     assert [(h.name, h.ip) for h in facts.hosts] == [(n.name, n.private_ip) for n in inv.nodes]
     assert (facts.subnet_cidr, facts.shape.gpu_count, facts.efa) == (case.subnet, case.gpus, case.efa)
     ctl_files = _decoded_files(yaml.safe_load(user_data_of(_instances(run)[0][0])))
-    assert render.render_slurm_conf(facts) == ctl_files[node_layout.SLURM_CONF]
+    assert shipped_form.shipped_slurm_config(render.render_slurm_conf(facts)) == ctl_files[node_layout.SLURM_CONF]
     assert (inv.gpus_per_node, inv.gpu_type, inv.nvlink, inv.efa) == (case.gpus, case.gres, case.nvlink, case.efa)
     assert inv.python == "/opt/slurm-gpu/venv/bin/python"
     assert inv.service_cmd.format(action="restart", service="slurmd") == "sudo systemctl restart slurmd"

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 
-from bootstrap import render
+from bootstrap import node_layout, render, user_data
 from cluster.facts import NodeShape
 from cluster.platform import AWS
 from tests.test_bootstrap_render import make_facts
@@ -58,7 +58,7 @@ def volume(tmp_path):
         dev = render.scratch_device(facts)
         (by_id / dev.rsplit("/", 1)[1]).symlink_to(loop)
         script = tmp_path / "bootstrap.sh"
-        script.write_text(render.bootstrap_script(facts, "controller"))
+        script.write_text(user_data.bootstrap_script(facts, "controller"))
         script.chmod(0o755)
         yield {"loop": loop, "dev": dev, "script": script, "facts": facts, "tmp": tmp_path}
     finally:
@@ -68,7 +68,7 @@ def volume(tmp_path):
 def boot(v, write="", expect_ok=True) -> dict:
     """One boot of the controller running only the scratchvol step, twice (it is safe to run again)."""
     (v["tmp"] / "mnt").mkdir(exist_ok=True)
-    skip = " ".join(s for s in render.STEPS["controller"] if s != "scratchvol")
+    skip = " ".join(s for s in node_layout.STEPS["controller"] if s != "scratchvol")
     env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "T": str(v["tmp"]), "SKIP": skip, "SCRIPT": str(v["script"]),
            "SCRATCH": v["facts"].scratch, "DEV": v["dev"], "WRITE": write, "DROPIN": render.SCRATCH_NFS_DROPIN}
     res = subprocess.run(["unshare", "--mount", "--propagation", "private", "bash", "-c", SANDBOX],
@@ -122,11 +122,11 @@ def test_a_volume_holding_something_else_is_refused_not_formatted(volume):
 def test_platforms_without_ebs_render_a_step_that_only_says_so():
     facts = make_facts("loc", "10.215.0.0/24", 1, NodeShape(2, 1000, 1, "l4"))
     local = replace(facts, platform=replace(AWS, scratch_volume_dir=None))
-    script = render.bootstrap_script(local, "controller")
+    script = user_data.bootstrap_script(local, "controller")
     body = script[script.index("step_scratchvol() {"):script.index("step_nfs() {")]
     assert "no EBS on this platform" in body and "mkfs" not in body and "fstab" not in body
     # An EBS platform rendered without the id refuses instead of leaving /scratch on the root disk.
-    script = render.bootstrap_script(facts, "controller")
+    script = user_data.bootstrap_script(facts, "controller")
     body = script[script.index("step_scratchvol() {"):script.index("step_nfs() {")]
     assert "rendered without the /scratch volume's id" in body and "mkfs" not in body
 
@@ -135,4 +135,4 @@ def test_platforms_without_ebs_render_a_step_that_only_says_so():
 def test_a_malformed_volume_id_is_refused(bad):
     facts = replace(make_facts("bad", "10.216.0.0/24", 1, NodeShape(2, 1000, 1, "l4")), scratch_volume_id=bad)
     with pytest.raises(ValueError, match="scratch_volume_id must be an EBS volume id"):
-        render.bootstrap_script(facts, "controller")
+        user_data.bootstrap_script(facts, "controller")

@@ -142,18 +142,24 @@ class Ranks:
         p = subprocess.Popen([sys.executable, "-c", RANK, *argv_tail, str(got)],
                              env={**os.environ, **(env or {})}, start_new_session=True)
         self.procs.append(p)
-        for _ in range(200):
-            if (self.tmp / f"{name}.ready").exists():
-                break
+        # Until its handlers are installed: a signal before that would end it (SIGUSR1's default).
+        # A generous deadline, not a timing assumption: a loaded CI machine starts Python slowly.
+        deadline = time.monotonic() + 60
+        while not (self.tmp / f"{name}.ready").exists():
+            assert p.poll() is None and time.monotonic() < deadline, f"{name} never got ready"
             time.sleep(0.02)
         return p
 
     def got(self, name) -> list[str]:
-        for _ in range(50):  # a signal is delivered asynchronously: give the handler a moment
-            if (self.tmp / name).exists():
-                break
+        """The signals a rank recorded, once it recorded one: every caller expects at least one.
+        A whole line, not just the file: the handler creates the file before it writes its line."""
+        path, deadline = self.tmp / name, time.monotonic() + 30
+        while time.monotonic() < deadline:
+            text = path.read_text() if path.exists() else ""
+            if text.endswith("\n"):
+                return text.split()
             time.sleep(0.02)
-        return (self.tmp / name).read_text().split() if (self.tmp / name).exists() else []
+        return []
 
     def close(self):
         for p in self.procs:

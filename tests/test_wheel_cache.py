@@ -270,7 +270,9 @@ def test_a_user_cannot_rename_or_write_the_cache_the_controller_made(world):
     base = Path(tempfile.mkdtemp(prefix="sgpu-wheels-", dir="/var/tmp"))  # not under root's 0700 tmp
     try:
         base.chmod(0o755)
-        facts = replace(world["facts"], scratch=str(base / "scratch"), ssh_user="nobody")
+        # The job user: one that exists on every machine (the bootstrap's jobuser step is not run here).
+        facts = replace(world["facts"], scratch=str(base / "scratch"), ssh_user="nobody",
+                        job_user="daemon", job_uid=1)
         world["scripts"]["controller"].write_text(
             user_data.bootstrap_script(facts, "controller").rsplit("run_steps", 1)[0])
         res = world["run"]("controller", "step_scratch; step_wheels")
@@ -281,13 +283,17 @@ def test_a_user_cannot_rename_or_write_the_cache_the_controller_made(world):
                  for p in (scratch, cache.parent, cache, cache / node_pins.WHEEL_MANIFEST)}
         assert modes == {scratch: (0, 65534, 0o1775), cache.parent: (0, 0, 0o755), cache: (0, 0, 0o755),
                          cache / node_pins.WHEEL_MANIFEST: (0, 0, 0o644)}
-        as_user = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
-        for attempt in ([f"mv {cache.parent} {scratch}/moved"], [f"mv {cache} {cache}.moved"],
-                        [f"cp {cache}/sgpu_dep-2.0-py3-none-any.whl {cache}/sgpu_dep-3.0-py3-none-any.whl"]):
-            res = subprocess.run([*as_user, "sh", "-c", *attempt], capture_output=True, text=True)
-            # EPERM from the sticky bit (rename out of scratch), EACCES from the cache's 0755.
-            assert res.returncode != 0 and re.search("Operation not permitted|Permission denied", res.stderr), (
-                attempt, res.stderr)
+        assert (scratch / "logs").stat().st_uid == 1  # what jobs write is the job user's
+        as_admin = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+        as_job = ["setpriv", "--reuid=1", "--regid=1", "--clear-groups"]
+        for who in (as_admin, as_job):
+            for attempt in ([f"mv {cache.parent} {scratch}/moved"], [f"mv {cache} {cache}.moved"],
+                            [f"cp {cache}/sgpu_dep-2.0-py3-none-any.whl {cache}/sgpu_dep-3.0-py3-none-any.whl"]):
+                res = subprocess.run([*who, "sh", "-c", *attempt], capture_output=True, text=True)
+                # EPERM from the sticky bit (rename out of scratch), EACCES from the cache's 0755.
+                assert res.returncode != 0 and re.search("Operation not permitted|Permission denied",
+                                                         res.stderr), (who, attempt, res.stderr)
+        as_user = as_admin
         assert cache.is_dir() and not (cache / "sgpu_dep-3.0-py3-none-any.whl").exists()
         res = subprocess.run([*as_user, "mkdir", f"{scratch}/a-job-dir"], capture_output=True, text=True)
         assert res.returncode == 0, res.stderr
