@@ -107,17 +107,15 @@ _TEMPLATES = _env("templates")
 _SCRIPTS = _env("scripts", comment_start_string="{##", comment_end_string="##}")
 
 
-# The shared /scratch's own EBS volume on the controller (bootstrap `scratchvol` step). Its id:
-# "vol-" and 17 hex digits (8 for old volumes) (EC2 API Reference, Volume). On a Nitro instance an
-# EBS volume is an NVMe device whose serial number is the volume id without its dash, and udev links
-# it as <scratch_volume_dir>/nvme-Amazon_Elastic_Block_Store_vol<hex> (Amazon EBS User Guide, "Amazon
-# EBS volumes and NVMe" / "Map Amazon EBS volumes to NVMe device names":
-# https://docs.aws.amazon.com/ebs/latest/userguide/identify-nvme-ebs-device.html; the by-id name is
-# systemd's 60-persistent-storage.rules "nvme-$attr{model}_$attr{serial}").
-VOLUME_ID_RE = re.compile(r"^vol-([0-9a-f]{8}|[0-9a-f]{17})$")
-# What the plan-time size check renders in place of the id, which exists only once the volume is made
-# (infra/program.py render_user_data): as long as a real one.
-PLACEHOLDER_VOLUME_ID = "vol-00000000000000000"
+# The shared /scratch's own EBS volume on the controller (bootstrap `scratchvol` step). On a Nitro
+# instance an EBS volume is an NVMe device whose model is "Amazon Elastic Block Store" and whose serial
+# is the volume id without its dash; udev links it as <scratch_volume_dir>/nvme-Amazon_Elastic_Block_
+# Store_vol<hex> (Amazon EBS User Guide, "Map Amazon EBS volumes to NVMe device names":
+# https://docs.aws.amazon.com/ebs/latest/userguide/identify-nvme-ebs-device.html; systemd's
+# 60-persistent-storage.rules "nvme-$env{ID_MODEL}_$env{ID_SERIAL_SHORT}"). The step takes the one such
+# disk that nothing is mounted from (the root disk has / on it), not a volume id: user-data is kept from
+# the first `pulumi up` (infra/nodes.py IGNORED_ON_UPDATE) and a replaced volume has a new id.
+EBS_LINK_PREFIX = "nvme-Amazon_Elastic_Block_Store_vol"
 # The volume is attached only once the instance runs (infra/nodes.py): the step waits this long.
 SCRATCH_VOLUME_WAIT_S = 600
 # nfs-server starts only once /scratch is mounted: it never exports the root file system's folder.
@@ -126,17 +124,6 @@ SCRATCH_VOLUME_WAIT_S = 600
 # starts it (systemd.unit(5), "drop-in" directories).
 SCRATCH_NFS_DROPIN = "/etc/systemd/system/nfs-server.service.d/slurm-gpu-scratch.conf"
 
-
-def scratch_device(facts: ClusterFacts) -> str | None:
-    """The by-id path of the controller's /scratch volume; None where the platform has no EBS or the
-    id is not given (then the step refuses to run: /scratch is never left on the root file system)."""
-    vid = facts.scratch_volume_id
-    if facts.platform.scratch_volume_dir is None or vid is None:
-        return None
-    if not VOLUME_ID_RE.match(vid):
-        raise ValueError(f"scratch_volume_id must be an EBS volume id (vol- and 8 or 17 hex digits) on "
-                         f"platform {facts.platform.name} (got {vid!r})")
-    return f"{facts.platform.scratch_volume_dir.rstrip('/')}/nvme-Amazon_Elastic_Block_Store_{vid.replace('-', '')}"
 
 
 def _context(facts: ClusterFacts) -> dict:
@@ -179,7 +166,7 @@ def _context(facts: ClusterFacts) -> dict:
         "scratch_source": facts.platform.scratch_source.format(
             controller_ip=facts.controller.ip, scratch=facts.scratch.rstrip("/") or "/"),
         "subnet_cidr": facts.subnet_cidr,
-        "scratch_device": scratch_device(facts),
+        "ebs_link_prefix": EBS_LINK_PREFIX,
         "scratch_volume_wait_s": SCRATCH_VOLUME_WAIT_S,
         "scratch_dropin": SCRATCH_NFS_DROPIN,
         "paths": {

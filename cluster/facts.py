@@ -138,9 +138,6 @@ class ClusterFacts:
     job_user: str = JOB_USER
     job_uid: int = JOB_UID
     scratch: str = "/scratch"
-    # The EBS volume that holds /scratch on the controller (vol-...; the platform's
-    # scratch_volume_dir); None: not known yet (plan time) or no EBS on this platform.
-    scratch_volume_id: str | None = None
     # gres.conf File= prefix; None: the platform's (/dev/nvidia on AWS, stand-in files locally).
     gpu_device_prefix: str | None = None
     efa: bool = True

@@ -60,8 +60,8 @@ class Platform:
     scratch_source: str = "{controller_ip}:{scratch}"
     scratch_fstype: str = "nfs"
     scratch_options: str = "defaults,_netdev,nofail"
-    # Where the controller finds the shared /scratch's own EBS volume by its id (udev's by-id links:
-    # bootstrap `scratchvol` step); None: no EBS here, /scratch stays a folder of the root file system.
+    # Where the controller finds the shared /scratch's own EBS volume (udev's by-id links, bootstrap
+    # `scratchvol` step); None: no EBS here, /scratch stays a folder of the root file system.
     scratch_volume_dir: str | None = None
     # Debian suite the boot test's image is made from (debootstrap); None: not a boot platform.
     debian_suite: str | None = None

@@ -56,7 +56,7 @@ def _extra(facts: ClusterFacts, region: str | None, instance_ids: dict[str, str]
 
 class ClusterComponent(pulumi.ComponentResource):
     def __init__(self, name: str, *, cfg: StackConfig, facts: ClusterFacts, images: dict[str, Ami],
-                 availability_zone: str, user_data: dict[str, str], controller_user_data,
+                 availability_zone: str, user_data: dict[str, str],
                  efa_interfaces: int,
                  region: str | None = None, ebs_key: EbsKey | None = None,
                  reservation: Reservation | None = None, opts: pulumi.ResourceOptions | None = None):
@@ -97,7 +97,6 @@ class ClusterComponent(pulumi.ComponentResource):
             gpu_subnet_id=self.network.gpu_subnet.id,
             security_group_id=self.security.group.id,
             user_data=user_data,
-            controller_user_data=controller_user_data,
             # The scratch volume lies in the controller's zone: its subnet's, kept per stack (infra/network.py).
             controller_zone=self.network.public_subnet.availability_zone,
             scratch_size_gib=cfg.scratch_size_gib,

@@ -35,12 +35,13 @@ Its bootstrap record says so: `fab status` names it behind and `fab update-nodes
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import pulumi
 import pulumi_aws as aws
 
 from cluster.facts import STACK_TAG, ClusterFacts, Host
+from infra.config import GP3_IOPS, GP3_THROUGHPUT
 from infra.quotas import stack_name
 
 # What the provider does when an instance input changes on `pulumi up` (pulumi_aws 7.x
@@ -82,6 +83,8 @@ DELIBERATE = {
     "rootBlockDevice": "size and encryption key from slurm-gpu:rootVolumeGiB, ebsKmsKeyId: config changes (the "
                        "size modifies the volume in place; the key would replace the host)",
 }
+# The scratch volume's inputs a `pulumi up` leaves as they were made (_scratch_volume).
+SCRATCH_VOLUME_KEPT = ["kmsKeyId"]
 
 
 class NodesComponent(pulumi.ComponentResource):
@@ -100,7 +103,6 @@ class NodesComponent(pulumi.ComponentResource):
         gpu_subnet_id: pulumi.Input[str],
         security_group_id: pulumi.Input[str],
         user_data: dict[str, str],
-        controller_user_data: Callable[[str], str],
         controller_zone: pulumi.Input[str],
         scratch_size_gib: int,
         efa_interfaces: int,
@@ -154,8 +156,9 @@ class NodesComponent(pulumi.ComponentResource):
             metadata_options=self._imdsv2(),
             # The shared /scratch is its own volume (scratch_volume), not a folder of the root one.
             root_block_device=self._root("controller", facts.controller),
-            # Holds the scratch volume's id (its bootstrap mounts it by id): the volume is made first.
-            user_data_base64=self.scratch_volume.id.apply(controller_user_data),
+            # Its bootstrap finds the scratch volume as the one unmounted EBS disk, not by id: a
+            # replacement boots this first user-data (IGNORED_ON_UPDATE) whatever the volume's id.
+            user_data_base64=user_data["controller"],
             tags=self._instance_tags("controller", facts.controller),
             # Boot only once the subnet routes to the internet: the bootstrap installs packages.
             # User-data is read at first boot only; node-list changes go by `fab reconfigure`.
@@ -225,8 +228,8 @@ class NodesComponent(pulumi.ComponentResource):
 
         Inputs (pulumi_aws ebs/volume.py VolumeArgs): availability_zone (ForceNew in
         terraform-provider-aws internal/service/ec2/ebs_volume.go): the controller's subnet's zone, not
-        the instance's (the instance's user-data holds this volume's id: no cycle). A zone move replaces
-        it, empty: /scratch's data does not move (docs/CONFIG.md). size (GiB; grows in place, never
+        the instance's. A zone move replaces it, empty: /scratch's data does not move (docs/CONFIG.md);
+        a new key does not (SCRATCH_VOLUME_KEPT). size (GiB; grows in place, never
         shrinks), type gp3 with throughput (MiB/s) and iops ("Only valid for type of io1, io2 or gp3"),
         encrypted with kms_key_id (None: the account's default EBS key). final_snapshot stays off:
         `pulumi destroy` deletes the volume and its data, like the hosts. It is not the instance's, so
@@ -242,13 +245,17 @@ class NodesComponent(pulumi.ComponentResource):
             kms_key_id=self._ebs_key_arn,
             tags={"Cluster": self._cluster, "Role": "scratch", "Name": f"{self._cluster}-scratch",
                   STACK_TAG: stack_name()},
-            opts=pulumi.ResourceOptions(parent=self),
+            # A new ebsKmsKeyId would replace the volume (kms_key_id is ForceNew), made empty and the
+            # old one deleted with /scratch's data: the volume keeps the key it was made with.
+            opts=pulumi.ResourceOptions(parent=self, ignore_changes=SCRATCH_VOLUME_KEPT),
         )
 
     def _scratch_attachment(self, name: str, facts: ClusterFacts) -> aws.ec2.VolumeAttachment:
         """The scratch volume on the controller (pulumi_aws ec2/volume_attachment.py VolumeAttachmentArgs).
         device_name /dev/sdf is EC2's block device mapping name; on Nitro the volume shows up as an NVMe
-        device that the bootstrap finds by the volume's id, not by this name. instance_id and volume_id
+        device that the bootstrap finds as the one unmounted EBS disk, not by this name. Never change
+        device_name: it is ForceNew, and replacing the attachment alone stops the controller
+        (stop_instance_before_detaching), which nothing starts again. instance_id and volume_id
         are ForceNew: a replaced controller gets a new attachment. stop_instance_before_detaching:
         "Stops the instance, if it is not already stopped" before the detach, so the controller shuts
         down (and unmounts /scratch cleanly) before its volume leaves it on a replacement or a destroy;
@@ -303,10 +310,15 @@ class NodesComponent(pulumi.ComponentResource):
         return {**self._tags(role, host), STACK_TAG: stack_name()}
 
     def _root(self, role: str, host: Host) -> aws.ec2.InstanceRootBlockDeviceArgs:
-        """gp3 at its baseline throughput and IOPS: /scratch is not on it (scratch_volume)."""
+        """gp3 at its baseline throughput and IOPS, said explicitly: /scratch is not on it
+        (scratch_volume), and a root disk that held it before kept its paid-for throughput when these
+        were left out (Optional and Computed in terraform-provider-aws ec2_instance.go: no diff).
+        Changed in place, without a stop (EBS Elastic Volumes)."""
         return aws.ec2.InstanceRootBlockDeviceArgs(
             volume_type="gp3",
             volume_size=self._root_volume_gib,
+            throughput=GP3_THROUGHPUT[0],  # MiB/s
+            iops=GP3_IOPS[0],
             encrypted=True,
             kms_key_id=self._ebs_key_arn,  # None: the account's default EBS key (infra/kms.py)
             delete_on_termination=True,

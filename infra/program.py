@@ -92,15 +92,11 @@ def plan(cfg: stack_config.StackConfig) -> tuple[ClusterFacts, str, dict[str, Am
 def render_user_data(facts: ClusterFacts) -> dict[str, str]:
     """The controller's cloud-config and each GPU node's own, gzip-compressed and base64-encoded
     (EC2's user_data_base64), keyed "controller" and by node name, from bootstrap/ (which owns
-    the content). A GPU node's depends on it alone. The controller's holds its scratch volume's id,
-    known only once the volume is made (controller_user_data): here it is rendered with a stand-in of
-    the same length, so a cluster too big for EC2's limit is refused before anything is created."""
-    from bootstrap.render import PLACEHOLDER_VOLUME_ID
+    the content). A GPU node's depends on it alone."""
     from bootstrap.user_data import user_data_base64
 
     try:
-        texts = {"controller": user_data_base64(
-            dataclasses.replace(facts, scratch_volume_id=PLACEHOLDER_VOLUME_ID), "controller")}
+        texts = {"controller": user_data_base64(facts, "controller")}
         texts.update({h.name: user_data_base64(facts, "gpu", h.name) for h in facts.gpu_nodes})
         return texts
     except ValueError as exc:  # e.g. over EC2's 16 KiB user-data limit
@@ -108,14 +104,6 @@ def render_user_data(facts: ClusterFacts) -> dict[str, str]:
             f"slurm-gpu:gpuNodeCount is {len(facts.gpu_nodes)}: the cluster's user-data cannot be "
             f"built ({exc}); lower it with `pulumi config set slurm-gpu:gpuNodeCount N`"
         ) from exc
-
-
-def controller_user_data(facts: ClusterFacts):
-    """The controller's user_data_base64 for its scratch volume's id (infra/nodes.py applies it)."""
-    from bootstrap.user_data import user_data_base64
-
-    return lambda volume_id: user_data_base64(dataclasses.replace(facts, scratch_volume_id=volume_id),
-                                              "controller")
 
 
 def main() -> dict[str, pulumi.Output]:
@@ -129,7 +117,7 @@ def main() -> dict[str, pulumi.Output]:
 
     cluster = ClusterComponent(
         cfg.cluster_name, cfg=cfg, facts=facts, images=images, availability_zone=az,
-        user_data=user_data, controller_user_data=controller_user_data(facts),
+        user_data=user_data,
         efa_interfaces=efa_interfaces, region=region, ebs_key=ebs_key,
         reservation=reservation,
     )

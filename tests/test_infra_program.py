@@ -336,8 +336,10 @@ def test_imdsv2_encrypted_gp3_roots_ami_key_and_tags(deployed):
 def test_shared_scratch_is_its_own_gp3_volume_attached_to_the_controller(deployed):
     """/scratch is its own encrypted gp3 volume in the controller's zone with slurm-gpu:scratchSizeGiB,
     scratchThroughputMBps and the IOPS gp3 needs (1000 MiB/s: 4000, at 0.25 MiB/s per IOPS), attached
-    to the controller; every root volume keeps gp3's baseline. The controller's user-data names the
-    volume's NVMe by-id link. The inventory carries what the volume got, for `fab estimate`."""
+    to the controller; every root volume keeps gp3's baseline, said explicitly. The volume keeps its
+    key when ebsKmsKeyId changes (a replaced volume would be empty). The controller's user-data does
+    not name the volume: a replaced controller boots it whatever the volume's id. The inventory
+    carries what the volume got, for `fab estimate`."""
     case, run = deployed
     controller, gpus = _instances(run)
     vol = run.one("volume")
@@ -353,9 +355,11 @@ def test_shared_scratch_is_its_own_gp3_volume_attached_to_the_controller(deploye
     assert att.inputs["stopInstanceBeforeDetaching"] is True and not att.inputs.get("forceDetach")
     assert not att.inputs.get("skipDestroy")
     vol_id = att.inputs["volumeId"]
-    assert f"nvme-Amazon_Elastic_Block_Store_{vol_id.replace('-', '')}" in user_data_of(controller[0])
+    assert list(vol.ignore_changes) == ["kmsKeyId"]
+    assert vol_id.replace("-", "") not in user_data_of(controller[0])
+    assert "nvme-Amazon_Elastic_Block_Store_vol" in user_data_of(controller[0])  # how it is found instead
     for node in [*controller, *gpus]:
-        assert "throughput" not in node.inputs["rootBlockDevice"] and "iops" not in node.inputs["rootBlockDevice"]
+        assert (node.inputs["rootBlockDevice"]["throughput"], node.inputs["rootBlockDevice"]["iops"]) == (125, 3000)
     inv = Inventory.from_dict(run.outputs["inventory"])
     assert inv.extra["scratch_volume"] == {"throughput_mbps": case.scratch[0], "iops": case.scratch[1],
                                            "size_gib": 100, "volume_id": vol_id}
@@ -421,7 +425,6 @@ def test_user_data_is_rendered_from_the_cluster_facts(deployed):
                              resume_program="/usr/local/sbin/slurm-gpu-resume", suspend_timeout=180,
                              resume_timeout=900, provider="ec2", region="ap-northeast-2",
                              stack="slurm-gpu/test"),  # the stack tag the power programs look for
-        scratch_volume_id=run.one("attachment").inputs["volumeId"],  # the controller's /scratch volume
     )
     assert ctl_ud == user_data.user_data(facts, "controller")
     # Each GPU node gets its own user-data, made from the controller and itself only.

@@ -1,7 +1,7 @@
 """The controller's `scratchvol` step, run for real on a loop device standing in for the EBS volume.
 
-On EC2 the volume is an NVMe device that udev links by its id (bootstrap/render.py scratch_device);
-here a file-backed loop device is linked under the same name in a stand-in by-id folder (the
+On EC2 the volume is an NVMe device that udev links by its id (bootstrap/render.py EBS_LINK_PREFIX);
+here a file-backed loop device is linked under such a name in a stand-in by-id folder (the
 platform's scratch_volume_dir). The step runs as root in a throw-away mount namespace with /etc and
 /var behind tmpfs overlays; /etc/fstab is carried to the next namespace, which is a reboot (nothing
 mounted, the fstab line kept). Real mkfs.ext4, blkid, mount and fstab; only systemd is absent.
@@ -41,28 +41,43 @@ echo "R:dropin=$(tr '\n' ' ' < "$DROPIN")"
 """
 
 
+LINK = f"{render.EBS_LINK_PREFIX}0123456789abcdef0"
+
+
 @pytest.fixture
-def volume(tmp_path):
-    """A 64 MiB loop device linked as the volume's by-id name; its image and the rendered script."""
-    image = tmp_path / "volume.img"
-    with open(image, "wb") as f:
-        f.truncate(64 << 20)
-    loop = subprocess.run(["losetup", "--find", "--show", str(image)], capture_output=True, text=True,
-                          check=True).stdout.strip()
-    try:
-        by_id = tmp_path / "by-id"
-        by_id.mkdir()
-        facts = replace(make_facts("vol", "10.214.0.0/24", 1, NodeShape(2, 1000, 1, "l4")),
-                        platform=replace(AWS, scratch_volume_dir=str(by_id)), scratch=str(tmp_path / "scratch"),
-                        scratch_volume_id=VOLUME_ID)
-        dev = render.scratch_device(facts)
-        (by_id / dev.rsplit("/", 1)[1]).symlink_to(loop)
-        script = tmp_path / "bootstrap.sh"
-        script.write_text(user_data.bootstrap_script(facts, "controller"))
-        script.chmod(0o755)
-        yield {"loop": loop, "dev": dev, "script": script, "facts": facts, "tmp": tmp_path}
-    finally:
+def loops():
+    """Makes 64 MiB file-backed loop devices; detaches them after the test."""
+    made = []
+
+    def make(image):
+        with open(image, "wb") as f:
+            f.truncate(64 << 20)
+        loop = subprocess.run(["losetup", "--find", "--show", str(image)], capture_output=True, text=True,
+                              check=True).stdout.strip()
+        made.append(loop)
+        return loop
+
+    yield make
+    for loop in made:
+        subprocess.run(["umount", loop], capture_output=True, check=False)
         subprocess.run(["losetup", "--detach", loop], check=False)
+
+
+@pytest.fixture
+def volume(tmp_path, loops):
+    """A loop device linked as an EBS volume's by-id names (the plain one and systemd's `_1` one, as
+    udev makes both), and the rendered script."""
+    loop = loops(tmp_path / "volume.img")
+    by_id = tmp_path / "by-id"
+    by_id.mkdir()
+    for name in (LINK, f"{LINK}_1"):
+        (by_id / name).symlink_to(loop)
+    facts = replace(make_facts("vol", "10.214.0.0/24", 1, NodeShape(2, 1000, 1, "l4")),
+                    platform=replace(AWS, scratch_volume_dir=str(by_id)), scratch=str(tmp_path / "scratch"))
+    script = tmp_path / "bootstrap.sh"
+    script.write_text(user_data.bootstrap_script(facts, "controller"))
+    script.chmod(0o755)
+    return {"loop": loop, "dev": loop, "script": script, "facts": facts, "tmp": tmp_path, "by_id": by_id}
 
 
 def boot(v, write="", expect_ok=True) -> dict:
@@ -119,20 +134,42 @@ def test_a_volume_holding_something_else_is_refused_not_formatted(volume):
     assert pttype == "gpt"
 
 
+@pytest.mark.root
+def test_the_root_disk_is_passed_over_and_a_second_blank_disk_refused(volume, loops):
+    """The one EBS disk nothing is mounted from is /scratch's: the root disk (an EBS volume too, with
+    / mounted from it) is passed over; a second unmounted one is refused, naming both, formatting none."""
+    root = loops(volume["tmp"] / "root.img")
+    subprocess.run(["mkfs.ext4", "-q", root], check=True)
+    (volume["tmp"] / "root-mnt").mkdir()
+    subprocess.run(["mount", root, str(volume["tmp"] / "root-mnt")], check=True)
+    (volume["by_id"] / f"{render.EBS_LINK_PREFIX}0fedcba9876543210").symlink_to(root)
+    out = boot(volume)
+    assert out["device_uuid"] == out["mounted_uuid"] != ""
+    assert f"on {volume['loop']}" in out["log"]
+
+    other = loops(volume["tmp"] / "other.img")
+    (volume["by_id"] / f"{render.EBS_LINK_PREFIX}0aaaaaaaaaaaaaaaa").symlink_to(other)
+    subprocess.run(["wipefs", "-a", "-q", volume["loop"]], check=True)  # both blank now
+    out = boot(volume, expect_ok=False)
+    assert "more than one unmounted EBS volume" in out["err"], out["err"]
+    assert volume["loop"] in out["err"] and other in out["err"] and root not in out["err"]
+    for dev in (volume["loop"], other):
+        assert subprocess.run(["blkid", "-p", dev], capture_output=True).returncode == 2  # still blank
+
+
+@pytest.mark.root
+def test_no_volume_attached_stops_with_what_to_do(volume, monkeypatch):
+    for link in volume["by_id"].iterdir():
+        link.unlink()
+    monkeypatch.setattr(render, "SCRATCH_VOLUME_WAIT_S", 4)
+    volume["script"].write_text(user_data.bootstrap_script(volume["facts"], "controller"))
+    out = boot(volume, expect_ok=False)
+    assert "no EBS volume for " in out["err"] and "after 4s: attach it (pulumi up), then run" in out["err"]
+
+
 def test_platforms_without_ebs_render_a_step_that_only_says_so():
     facts = make_facts("loc", "10.215.0.0/24", 1, NodeShape(2, 1000, 1, "l4"))
     local = replace(facts, platform=replace(AWS, scratch_volume_dir=None))
     script = user_data.bootstrap_script(local, "controller")
     body = script[script.index("step_scratchvol() {"):script.index("step_nfs() {")]
     assert "no EBS on this platform" in body and "mkfs" not in body and "fstab" not in body
-    # An EBS platform rendered without the id refuses instead of leaving /scratch on the root disk.
-    script = user_data.bootstrap_script(facts, "controller")
-    body = script[script.index("step_scratchvol() {"):script.index("step_nfs() {")]
-    assert "rendered without the /scratch volume's id" in body and "mkfs" not in body
-
-
-@pytest.mark.parametrize("bad", ["vol-123", "vol-0123456789ABCDEF0", "vol-0123456789abcdef0; reboot", "sda"])
-def test_a_malformed_volume_id_is_refused(bad):
-    facts = replace(make_facts("bad", "10.216.0.0/24", 1, NodeShape(2, 1000, 1, "l4")), scratch_volume_id=bad)
-    with pytest.raises(ValueError, match="scratch_volume_id must be an EBS volume id"):
-        user_data.bootstrap_script(facts, "controller")
