@@ -79,6 +79,16 @@ def resolve_ami(cfg: StackConfig, role: str = "gpu") -> Ami:
             f"slurm-gpu:rootVolumeGiB is {cfg.root_volume_gib} but the {role} image {res.id} needs at "
             f"least {size} GiB; set it with `pulumi config set slurm-gpu:rootVolumeGiB {max(size, 200)}`"
         )
+    extra = sorted(m.device_name for m in res.block_device_mappings or []
+                   if m.ebs and m.device_name != res.root_device_name)
+    if role == "controller" and extra:
+        # The controller's bootstrap takes the one EBS disk nothing is mounted from as /scratch's own
+        # volume (bootstrap-controller.sh.j2 scratchvol): an image's extra EBS volume could be taken.
+        raise ConfigError(
+            f"slurm-gpu:{key}: the controller image {res.id} maps EBS volumes besides its root "
+            f"({', '.join(extra)}), which the controller could mount as /scratch; use an image with only "
+            f"a root volume (unset it: `pulumi config rm slurm-gpu:{key}`)"
+        )
     return Ami(id=res.id, name=res.name, root_device_name=res.root_device_name,
                root_snapshot_gib=size, configured=bool(configured))
 

@@ -81,7 +81,8 @@ DELIBERATE = {
                                         "replaces every GPU node (replacement_trigger: infra/market.py "
                                         "market_key): drain the nodes first",
     "rootBlockDevice": "size and encryption key from slurm-gpu:rootVolumeGiB, ebsKmsKeyId: config changes (the "
-                       "size modifies the volume in place; the key would replace the host)",
+                       "size modifies the volume in place; the key would replace the host); throughput and "
+                       "IOPS fixed at gp3's baseline (modified in place)",
 }
 # The scratch volume's inputs a `pulumi up` leaves as they were made (_scratch_volume).
 SCRATCH_VOLUME_KEPT = ["kmsKeyId"]

@@ -185,3 +185,23 @@ def test_an_image_that_cannot_be_found_names_its_setting():
     with pytest.raises(ConfigError, match=r"slurm-gpu:controllerAmiId ami-\.\.\."):
         run_program(stack_config(), m)
     assert m.resources == []
+
+
+def test_a_controller_image_with_an_extra_ebs_volume_is_refused():
+    """Its bootstrap takes the one unmounted EBS disk as /scratch's volume: an image's own second
+    volume could be taken for it (an instance-store mapping has no ebs and is fine)."""
+    class TwoVolumes(ClusterMocks):
+        def call(self, args):
+            result = super().call(args)
+            if args.token == "aws:ec2/getAmi:getAmi" and args.args.get("owners") == [CANONICAL]:
+                result = {**result, "blockDeviceMappings": [
+                    *result["blockDeviceMappings"],
+                    {"deviceName": "/dev/sdb", "ebs": {"volume_size": "50"}, "noDevice": "", "virtualName": ""},
+                    {"deviceName": "/dev/sdc", "ebs": {}, "noDevice": "", "virtualName": "ephemeral0"}]}
+            return result
+
+    m = TwoVolumes()
+    with pytest.raises(ConfigError, match=r"slurm-gpu:controllerAmiId: the controller image .* maps EBS "
+                                          r"volumes besides its root \(/dev/sdb\)"):
+        run_program(stack_config(), m)
+    assert m.resources == []

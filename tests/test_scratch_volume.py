@@ -152,7 +152,8 @@ def test_the_root_disk_is_passed_over_and_a_second_blank_disk_refused(volume, lo
     subprocess.run(["wipefs", "-a", "-q", volume["loop"]], check=True)  # both blank now
     out = boot(volume, expect_ok=False)
     assert "more than one unmounted EBS volume" in out["err"], out["err"]
-    assert volume["loop"] in out["err"] and other in out["err"] and root not in out["err"]
+    assert f"{volume['loop']} {LINK}" in out["err"], out["err"]  # the device and the volume it is
+    assert f"{other} {render.EBS_LINK_PREFIX}0aaaaaaaaaaaaaaaa" in out["err"] and root not in out["err"]
     for dev in (volume["loop"], other):
         assert subprocess.run(["blkid", "-p", dev], capture_output=True).returncode == 2  # still blank
 
@@ -164,7 +165,7 @@ def test_no_volume_attached_stops_with_what_to_do(volume, monkeypatch):
     monkeypatch.setattr(render, "SCRATCH_VOLUME_WAIT_S", 4)
     volume["script"].write_text(user_data.bootstrap_script(volume["facts"], "controller"))
     out = boot(volume, expect_ok=False)
-    assert "no EBS volume for " in out["err"] and "after 4s: attach it (pulumi up), then run" in out["err"]
+    assert "no EBS volume for " in out["err"] and "after 4s (attached, and mounted nowhere else): attach it" in out["err"]
 
 
 def test_platforms_without_ebs_render_a_step_that_only_says_so():
