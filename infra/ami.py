@@ -24,7 +24,8 @@ import pulumi
 import pulumi_aws as aws
 
 from cluster.platform import AWS, MachineImage
-from infra.config import ConfigError, StackConfig
+from cluster.stack_config import StackConfig
+from infra.config import PlanError
 from infra.instance_types import ARCH
 
 ROLES = ("controller", "gpu")
@@ -62,12 +63,12 @@ def resolve_ami(cfg: StackConfig, role: str = "gpu") -> Ami:
     try:
         res = aws.ec2.get_ami(most_recent=True, owners=owners, filters=filters)
     except Exception as exc:
-        raise ConfigError(
+        raise PlanError(
             f"could not find {what} in this region ({exc}); set an AMI with "
             f"`pulumi config set slurm-gpu:{key} ami-...`"
         ) from exc
     if res.architecture and res.architecture != ARCH:
-        raise ConfigError(f"slurm-gpu:{key} {res.id} is {res.architecture}; the cluster needs {ARCH}; "
+        raise PlanError(f"slurm-gpu:{key} {res.id} is {res.architecture}; the cluster needs {ARCH}; "
                           f"set an {ARCH} image with `pulumi config set slurm-gpu:{key} ami-...`")
     root = next((m for m in res.block_device_mappings or []
                  if m.device_name == res.root_device_name), None)
@@ -75,7 +76,7 @@ def resolve_ami(cfg: StackConfig, role: str = "gpu") -> Ami:
     if root is not None and root.ebs and root.ebs.get("volume_size"):
         size = int(root.ebs["volume_size"])
     if size is not None and cfg.root_volume_gib < size:
-        raise ConfigError(
+        raise PlanError(
             f"slurm-gpu:rootVolumeGiB is {cfg.root_volume_gib} but the {role} image {res.id} needs at "
             f"least {size} GiB; set it with `pulumi config set slurm-gpu:rootVolumeGiB {max(size, 200)}`"
         )

@@ -9,8 +9,9 @@ import pulumi
 from bootstrap.node_layout import TRAINING_PYTHON
 from cluster.facts import STACK_TAG, ClusterFacts
 from cluster.inventory import from_facts
+from cluster.settings import SPOT
+from cluster.stack_config import StackConfig
 from infra.ami import Ami, ImagesComponent
-from infra.config import SPOT, StackConfig
 from infra.kms import EbsKey
 from infra.market import Reservation, ignored_on_update, instance_args, market_key, uses_placement_group
 from infra.network import NetworkComponent
