@@ -89,6 +89,13 @@ def resolve_images(cfg: StackConfig) -> dict[str, Ami]:
     return {role: resolve_ami(cfg, role) for role in ROLES}
 
 
+@dataclass(frozen=True)
+class ImagesArgs:
+    """What ImagesComponent keeps: each role's image as the plan resolved it (infra/ami.py resolve_images)."""
+
+    images: dict[str, Ami]
+
+
 class ImagesComponent(pulumi.ComponentResource):
     """The image id each role's instances take: the configured one, else the stack's stash.
 
@@ -96,12 +103,12 @@ class ImagesComponent(pulumi.ComponentResource):
     reach existing instances (configured ids) or be ignored (the stash's, see the module doc).
     """
 
-    def __init__(self, name: str, *, images: dict[str, Ami], opts: pulumi.ResourceOptions | None = None):
+    def __init__(self, name: str, args: ImagesArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("slurm-gpu:infra:Images", name, None, opts)
         self.ami: dict[str, pulumi.Output[str]] = {}
         self.follow: dict[str, bool] = {}
         self.stashes: dict[str, pulumi.Stash] = {}
-        for role, image in images.items():
+        for role, image in args.images.items():
             self.follow[role] = image.configured
             if image.configured:
                 self.ami[role] = pulumi.Output.from_input(image.id)

@@ -17,7 +17,7 @@ from cluster.settings import SPOT
 from cluster.stack_config import StackConfig
 from infra import config as stack_config
 from infra.ami import Ami, resolve_images
-from infra.cluster_component import ClusterComponent
+from infra.cluster_component import ClusterArgs, ClusterComponent
 from infra.instance_types import check_controller_type, choose_availability_zone, lookup_gpu_node_facts
 from infra.kms import EbsKey, resolve_ebs_key
 from infra.market import Reservation, check_reservation, zones_offering
@@ -128,12 +128,12 @@ def main() -> dict[str, pulumi.Output]:
     user_data = render_user_data(facts)
     region = pulumi.Config("aws").get("region")
 
-    cluster = ClusterComponent(
-        cfg.cluster_name, cfg=cfg, facts=facts, images=images, availability_zone=az,
+    cluster = ClusterComponent(cfg.cluster_name, ClusterArgs(
+        cfg=cfg, facts=facts, images=images, availability_zone=az,
         user_data=user_data, controller_user_data=controller_user_data(facts),
         efa_interfaces=efa_interfaces, region=region, ebs_key=ebs_key,
         reservation=reservation,
-    )
+    ))
     zones = zones_offering(cfg.gpu_instance_type)
     cluster.network.availability_zone.apply(lambda kept: _tell_if_not_offered(kept, cfg.gpu_instance_type, zones))
     outputs = {
