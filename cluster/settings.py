@@ -1,5 +1,5 @@
-"""Every `slurm-gpu:` stack setting with its default: infra/config.py validates them,
-the estimate (ops/cost/estimate.py) reads the defaults of a stack file that leaves them out."""
+"""Every `slurm-gpu:` stack setting with its default: cluster/stack_config.py parses them, for
+`pulumi up` (infra/config.py) and for the estimate (ops/cost/estimate.py) alike."""
 
 from __future__ import annotations
 

@@ -24,7 +24,8 @@ import pulumi
 import pulumi_aws as aws
 
 from cluster.platform import AWS, MachineImage
-from infra.config import ConfigError, StackConfig
+from cluster.stack_config import StackConfig
+from infra.config import PlanError
 from infra.instance_types import ARCH
 
 ROLES = ("controller", "gpu")
@@ -62,12 +63,12 @@ def resolve_ami(cfg: StackConfig, role: str = "gpu") -> Ami:
     try:
         res = aws.ec2.get_ami(most_recent=True, owners=owners, filters=filters)
     except Exception as exc:
-        raise ConfigError(
+        raise PlanError(
             f"could not find {what} in this region ({exc}); set an AMI with "
             f"`pulumi config set slurm-gpu:{key} ami-...`"
         ) from exc
     if res.architecture and res.architecture != ARCH:
-        raise ConfigError(f"slurm-gpu:{key} {res.id} is {res.architecture}; the cluster needs {ARCH}; "
+        raise PlanError(f"slurm-gpu:{key} {res.id} is {res.architecture}; the cluster needs {ARCH}; "
                           f"set an {ARCH} image with `pulumi config set slurm-gpu:{key} ami-...`")
     root = next((m for m in res.block_device_mappings or []
                  if m.device_name == res.root_device_name), None)
@@ -75,7 +76,7 @@ def resolve_ami(cfg: StackConfig, role: str = "gpu") -> Ami:
     if root is not None and root.ebs and root.ebs.get("volume_size"):
         size = int(root.ebs["volume_size"])
     if size is not None and cfg.root_volume_gib < size:
-        raise ConfigError(
+        raise PlanError(
             f"slurm-gpu:rootVolumeGiB is {cfg.root_volume_gib} but the {role} image {res.id} needs at "
             f"least {size} GiB; set it with `pulumi config set slurm-gpu:rootVolumeGiB {max(size, 200)}`"
         )
@@ -84,7 +85,7 @@ def resolve_ami(cfg: StackConfig, role: str = "gpu") -> Ami:
     if role == "controller" and extra:
         # The controller's bootstrap takes the one EBS disk nothing is mounted from as /scratch's own
         # volume (bootstrap-controller.sh.j2 scratchvol): an image's extra EBS volume could be taken.
-        raise ConfigError(
+        raise PlanError(
             f"slurm-gpu:{key}: the controller image {res.id} maps EBS volumes besides its root "
             f"({', '.join(extra)}), which the controller could mount as /scratch; use an image with only "
             f"a root volume (unset it: `pulumi config rm slurm-gpu:{key}`)"
@@ -98,6 +99,13 @@ def resolve_images(cfg: StackConfig) -> dict[str, Ami]:
     return {role: resolve_ami(cfg, role) for role in ROLES}
 
 
+@dataclass(frozen=True)
+class ImagesArgs:
+    """What ImagesComponent keeps: each role's image as the plan resolved it (infra/ami.py resolve_images)."""
+
+    images: dict[str, Ami]
+
+
 class ImagesComponent(pulumi.ComponentResource):
     """The image id each role's instances take: the configured one, else the stack's stash.
 
@@ -105,12 +113,12 @@ class ImagesComponent(pulumi.ComponentResource):
     reach existing instances (configured ids) or be ignored (the stash's, see the module doc).
     """
 
-    def __init__(self, name: str, *, images: dict[str, Ami], opts: pulumi.ResourceOptions | None = None):
+    def __init__(self, name: str, args: ImagesArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("slurm-gpu:infra:Images", name, None, opts)
         self.ami: dict[str, pulumi.Output[str]] = {}
         self.follow: dict[str, bool] = {}
         self.stashes: dict[str, pulumi.Stash] = {}
-        for role, image in images.items():
+        for role, image in args.images.items():
             self.follow[role] = image.configured
             if image.configured:
                 self.ami[role] = pulumi.Output.from_input(image.id)

@@ -2,22 +2,23 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import pulumi
 
 from bootstrap.node_layout import TRAINING_PYTHON
 from cluster.facts import STACK_TAG, ClusterFacts
 from cluster.inventory import from_facts
-from infra.ami import Ami, ImagesComponent
-from infra.config import SPOT, StackConfig
+from cluster.settings import SPOT
+from cluster.stack_config import StackConfig
+from infra.ami import Ami, ImagesArgs, ImagesComponent
 from infra.kms import EbsKey
 from infra.market import Reservation, ignored_on_update, instance_args, market_key, uses_placement_group
-from infra.network import NetworkComponent
-from infra.nodes import NodesComponent
-from infra.power_role import PowerSaveComponent
+from infra.network import NetworkArgs, NetworkComponent
+from infra.nodes import NodesArgs, NodesComponent
+from infra.power_role import PowerSaveArgs, PowerSaveComponent
 from infra.quotas import stack_name
-from infra.security import SecurityComponent
+from infra.security import SecurityArgs, SecurityComponent
 from infra.spot_guard import SpotRequestGuard, provider_account
 
 SERVICE_CMD = "sudo systemctl {action} {service}"
@@ -54,37 +55,46 @@ def _extra(facts: ClusterFacts, region: str | None, instance_ids: dict[str, str]
     return extra
 
 
+@dataclass(frozen=True)
+class ClusterArgs:
+    """What ClusterComponent builds the whole cluster from: the settings, the plan's facts and lookups."""
+
+    cfg: StackConfig
+    facts: ClusterFacts
+    images: dict[str, Ami]
+    availability_zone: str
+    user_data: dict[str, str]
+    efa_interfaces: int
+    region: str | None = None
+    ebs_key: EbsKey | None = None
+    reservation: Reservation | None = None
+
+
 class ClusterComponent(pulumi.ComponentResource):
-    def __init__(self, name: str, *, cfg: StackConfig, facts: ClusterFacts, images: dict[str, Ami],
-                 availability_zone: str, user_data: dict[str, str],
-                 efa_interfaces: int,
-                 region: str | None = None, ebs_key: EbsKey | None = None,
-                 reservation: Reservation | None = None, opts: pulumi.ResourceOptions | None = None):
+    def __init__(self, name: str, args: ClusterArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("slurm-gpu:infra:Cluster", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
+        cfg, facts, reservation = args.cfg, args.facts, args.reservation
 
-        self.network = NetworkComponent(
-            f"{name}-net", cluster_name=facts.cluster_name, vpc_cidr=cfg.vpc_cidr,
+        self.network = NetworkComponent(f"{name}-net", NetworkArgs(
+            cluster_name=facts.cluster_name, vpc_cidr=cfg.vpc_cidr,
             subnet_cidr=cfg.subnet_cidr, public_subnet_cidr=cfg.public_subnet_cidr,
-            availability_zone=availability_zone,
+            availability_zone=args.availability_zone,
             # Moved only by the config (or a reservation's zone, which the nodes must launch in).
             zone_configured=bool(cfg.availability_zone or (reservation and reservation.availability_zone)),
-            opts=child,
-        )
-        self.security = SecurityComponent(
-            f"{name}-sec", cluster_name=facts.cluster_name, vpc_id=self.network.vpc.id,
-            admin_cidr=cfg.admin_cidr, opts=child,
-        )
-        ebs_key_arn = ebs_key.arn if ebs_key else None
+        ), opts=child)
+        self.security = SecurityComponent(f"{name}-sec", SecurityArgs(
+            cluster_name=facts.cluster_name, vpc_id=self.network.vpc.id, admin_cidr=cfg.admin_cidr,
+        ), opts=child)
+        ebs_key_arn = args.ebs_key.arn if args.ebs_key else None
         # The controller's role to stop/start idle GPU nodes (none when they never stop).
-        self.power = PowerSaveComponent(
-            f"{name}-power", cluster_name=facts.cluster_name, region=region, ebs_key_arn=ebs_key_arn,
-            stack=facts.power_save.stack if facts.power_save else None, opts=child,
-        ) if facts.power_save is not None else None
+        self.power = PowerSaveComponent(f"{name}-power", PowerSaveArgs(
+            cluster_name=facts.cluster_name, region=args.region, ebs_key_arn=ebs_key_arn,
+            stack=facts.power_save.stack if facts.power_save else None,
+        ), opts=child) if facts.power_save is not None else None
         # The image ids the instances take, kept with the stack (infra/ami.py).
-        self.images = ImagesComponent(f"{name}-images", images=images, opts=child)
-        self.nodes = NodesComponent(
-            f"{name}-nodes",
+        self.images = ImagesComponent(f"{name}-images", ImagesArgs(images=args.images), opts=child)
+        self.nodes = NodesComponent(f"{name}-nodes", NodesArgs(
             facts=facts,
             ssh_public_key=cfg.ssh_public_key,
             ami=self.images.ami,
@@ -96,11 +106,11 @@ class ClusterComponent(pulumi.ComponentResource):
             public_subnet_id=self.network.public_subnet.id,
             gpu_subnet_id=self.network.gpu_subnet.id,
             security_group_id=self.security.group.id,
-            user_data=user_data,
+            user_data=args.user_data,
             # The scratch volume lies in the controller's zone: its subnet's, kept per stack (infra/network.py).
             controller_zone=self.network.public_subnet.availability_zone,
             scratch_size_gib=cfg.scratch_size_gib,
-            efa_interfaces=efa_interfaces,
+            efa_interfaces=args.efa_interfaces,
             controller_internet=self.network.controller_internet,
             gpu_internet=self.network.gpu_internet,
             controller_instance_profile=self.power.instance_profile.name if self.power else None,
@@ -116,12 +126,11 @@ class ClusterComponent(pulumi.ComponentResource):
             # A cluster placement group lies in one zone (EC2 User Guide, "Placement groups"): a new
             # one with the GPU subnet when a zone move replaces that subnet.
             placement_group_replace_with=[self.network.gpu_subnet],
-            opts=pulumi.ResourceOptions(parent=self, depends_on=[self.network, self.security]),
-        )
+        ), opts=pulumi.ResourceOptions(parent=self, depends_on=[self.network, self.security]))
         # Each spot node's persistent request is cancelled before the node goes (infra/spot_guard.py).
         account = provider_account() if cfg.gpu_market == SPOT else None
         self.spot_guards = [
-            SpotRequestGuard(f"{name}-{h.name}-spot-request", node=node, region=region, account=account,
+            SpotRequestGuard(f"{name}-{h.name}-spot-request", node=node, region=args.region, account=account,
                              tags={"Cluster": facts.cluster_name, "Role": "gpu",
                                    "Name": f"{facts.cluster_name}-{h.name}", STACK_TAG: stack_name()},
                              opts=child)
@@ -139,7 +148,7 @@ class ClusterComponent(pulumi.ComponentResource):
         self.inventory = pulumi.Output.all(
             self.nodes.controller.public_ip, vol.throughput, vol.iops, vol.size, vol.id,
             self.nodes.controller.id, *[n.id for n in self.nodes.gpu_nodes]
-        ).apply(lambda v: build_inventory(facts, v[0], region, dict(zip(names, v[5:], strict=True)),
+        ).apply(lambda v: build_inventory(facts, v[0], args.region, dict(zip(names, v[5:], strict=True)),
                                           {"throughput_mbps": v[1], "iops": v[2], "size_gib": v[3],
                                            "volume_id": v[4]}))
 

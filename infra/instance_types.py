@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import pulumi_aws as aws
 
 from cluster.facts import NodeShape
-from infra.config import ConfigError, StackConfig
+from cluster.stack_config import StackConfig
+from infra.config import PlanError
 
 # GPUs whose boards join their GPUs with NVLink. For the others (PCIe only) jobs
 # set NCCL_P2P_DISABLE=1: the baseline saw the first collective stall on L4 without it.
@@ -76,19 +77,19 @@ def gpu_node_facts(info, *, efa: bool, setting: str = "slurm-gpu:gpuInstanceType
     name = info.instance_type
     gpus = list(info.gpuses or [])
     if not gpus or not gpus[0].count:
-        raise ConfigError(
+        raise PlanError(
             f"{setting} is {name}, which has no GPU; pick a GPU type, e.g. "
             f"`pulumi config set {setting} g6.12xlarge`"
         )
     gpu = gpus[0]
     if (gpu.manufacturer or "").upper() != "NVIDIA":
-        raise ConfigError(
+        raise PlanError(
             f"{setting} is {name}, whose GPUs are {gpu.manufacturer} {gpu.name}; the cluster needs "
             f"NVIDIA GPUs (driver, CUDA and NCCL come with the NVIDIA AMI)"
         )
     _check_arch(info, setting)
     if efa and not info.efa_supported:
-        raise ConfigError(
+        raise PlanError(
             f"{setting} is {name}, which does not support EFA while slurm-gpu:efa is true; pick an "
             f"EFA type (e.g. g6.12xlarge, p5.48xlarge) or run over TCP with "
             f"`pulumi config set slurm-gpu:efa false`"
@@ -104,7 +105,7 @@ def gpu_node_facts(info, *, efa: bool, setting: str = "slurm-gpu:gpuInstanceType
     try:
         shape.check()
     except ValueError as exc:
-        raise ConfigError(f"{setting} is {name}, whose CPU facts do not add up ({exc})") from exc
+        raise PlanError(f"{setting} is {name}, whose CPU facts do not add up ({exc})") from exc
     return GpuNodeFacts(shape=shape, nvlink=shape.gpu_type in NVLINK_GPUS,
                         efa_supported=bool(info.efa_supported),
                         efa_interfaces=efa_interface_count(info, efa=efa),
@@ -114,7 +115,7 @@ def gpu_node_facts(info, *, efa: bool, setting: str = "slurm-gpu:gpuInstanceType
 def _check_arch(info, setting: str) -> None:
     archs = list(info.supported_architectures or [])
     if archs and ARCH not in archs:
-        raise ConfigError(
+        raise PlanError(
             f"{setting} is {info.instance_type} ({'/'.join(archs)}); the cluster's AMI is {ARCH}, "
             f"pick an {ARCH} type"
         )
@@ -126,7 +127,7 @@ def instance_type_info(instance_type: str, setting: str):
     with the provider's own error."""
     known = aws.ec2.get_instance_types(filters=[{"name": "instance-type", "values": [instance_type]}])
     if instance_type not in (known.instance_types or []):
-        raise ConfigError(
+        raise PlanError(
             f"{setting} is {instance_type}, which this region does not offer (check the name "
             f"and aws:region); set it with `pulumi config set {setting} g6.12xlarge`"
         )
@@ -161,14 +162,14 @@ def choose_availability_zone(cfg: StackConfig) -> str:
                                (cfg.controller_instance_type, "controllerInstanceType")):
             if cfg.availability_zone not in offered[itype]:
                 where = ", ".join(sorted(offered[itype])) or "no zone of this region"
-                raise ConfigError(
+                raise PlanError(
                     f"slurm-gpu:availabilityZone is {cfg.availability_zone}, where "
                     f"slurm-gpu:{setting} {itype} is not offered (offered in: {where}); "
                     f"change it with `pulumi config set slurm-gpu:availabilityZone ZONE`"
                 )
         return cfg.availability_zone
     if not both:
-        raise ConfigError(
+        raise PlanError(
             f"no availability zone of this region offers both slurm-gpu:gpuInstanceType "
             f"{cfg.gpu_instance_type} and slurm-gpu:controllerInstanceType "
             f"{cfg.controller_instance_type}; pick other types or another aws:region"

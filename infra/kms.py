@@ -27,7 +27,9 @@ from dataclasses import dataclass
 import pulumi
 import pulumi_aws as aws
 
-from infra.config import NAMESPACE, SPOT, ConfigError, StackConfig
+from cluster.settings import NAMESPACE, SPOT
+from cluster.stack_config import StackConfig
+from infra.config import PlanError
 
 SETTING = f"{NAMESPACE}:ebsKmsKeyId"
 # What EBS needs of a key to encrypt and decrypt volumes (AWS: "Requirements for Amazon EBS
@@ -92,7 +94,7 @@ def _resolve(cfg: StackConfig, region: str | None) -> EbsKey:
         if region and key_region != region:
             problems.append(f"is in {key_region}; the volumes are in {region} (EBS needs a key of their region)")
         if problems:
-            raise ConfigError(f"{SETTING}: the key {key.arn} " + "; ".join(problems) +
+            raise PlanError(f"{SETTING}: the key {key.arn} " + "; ".join(problems) +
                               f"; name a usable key with `pulumi config set {SETTING} arn:aws:kms:...`")
         return EbsKey(arn=key.arn)
     if cfg.idle_stop_minutes == 0:
@@ -100,14 +102,14 @@ def _resolve(cfg: StackConfig, region: str | None) -> EbsKey:
     try:
         default = aws.ebs.get_default_kms_key().key_arn
     except Exception as exc:
-        raise ConfigError(
+        raise PlanError(
             f"could not read this account's default EBS encryption key ({exc}); name the key the root "
             f"volumes use with `pulumi config set {SETTING} arn:aws:kms:...`"
         ) from exc
     key = _describe(default, f"the account's default EBS key {default}")
     if key.key_manager == "AWS":
         return EbsKey(arn=None)
-    raise ConfigError(
+    raise PlanError(
         f"{SETTING} is unset and this account's default EBS key in {region or 'this region'} is "
         f"customer-managed ({key.arn}): the controller's power-save role could not start stopped GPU "
         f"nodes without a grant on it. Name the key, and the role is granted exactly it: "
@@ -120,7 +122,7 @@ def _describe(key_id: str, what: str):
     try:
         return aws.kms.get_key(key_id=key_id)
     except Exception as exc:
-        raise ConfigError(
+        raise PlanError(
             f"could not describe {what} ({exc}); the deployer needs kms:DescribeKey on it; set "
             f"`pulumi config set {SETTING} arn:aws:kms:...` to a key of this region"
         ) from exc

@@ -49,7 +49,9 @@ from dataclasses import dataclass
 import pulumi
 import pulumi_aws as aws
 
-from infra.config import CAPACITY_BLOCK, CAPACITY_RESERVATION, NAMESPACE, SPOT, ConfigError, StackConfig
+from cluster.settings import CAPACITY_BLOCK, CAPACITY_RESERVATION, NAMESPACE, SPOT
+from cluster.stack_config import StackConfig
+from infra.config import PlanError
 
 # Capacity Block states in which instances can run now / later (EC2 API Reference,
 # CapacityReservation.State: active, expired, cancelled, pending, failed, scheduled, payment-pending,
@@ -167,27 +169,27 @@ def check_reservation(cfg: StackConfig, *, own_nodes: int | None = None) -> Rese
         return Reservation(rid, cfg.availability_zone)
     fix = f"`pulumi config set {NAMESPACE}:capacityReservationId cr-...` (`aws ec2 describe-capacity-reservations`)"
     if found.instance_type and found.instance_type != cfg.gpu_instance_type:
-        raise ConfigError(
+        raise PlanError(
             f"{NAMESPACE}:capacityReservationId {rid} reserves {found.instance_type} but "
             f"{NAMESPACE}:gpuInstanceType is {cfg.gpu_instance_type}; set "
             f"`pulumi config set {NAMESPACE}:gpuInstanceType {found.instance_type}` or name another block: {fix}")
     zone = found.availability_zone
     if zone and cfg.availability_zone and zone != cfg.availability_zone:
-        raise ConfigError(
+        raise PlanError(
             f"{NAMESPACE}:capacityReservationId {rid} is in {zone} but {NAMESPACE}:availabilityZone is "
             f"{cfg.availability_zone} (an instance cannot launch into a Capacity Block of another zone); set "
             f"`pulumi config set {NAMESPACE}:availabilityZone {zone}` or remove it to follow the block")
     state = found.state or ""
     if state in LATER:
-        raise ConfigError(
+        raise PlanError(
             f"{NAMESPACE}:capacityReservationId {rid} is {state} (it starts {found.start_date}); instances can "
             f"launch into it only once it is active: run `pulumi up` then")
     if state and state != RUNNABLE:
-        raise ConfigError(f"{NAMESPACE}:capacityReservationId {rid} is {state}; no instance can launch into "
+        raise PlanError(f"{NAMESPACE}:capacityReservationId {rid} is {state}; no instance can launch into "
                           f"it: buy another block and {fix}")
     platform = getattr(found, "instance_platform", None)
     if platform and platform != LINUX_PLATFORM:
-        raise ConfigError(
+        raise PlanError(
             f"{NAMESPACE}:capacityReservationId {rid} is reserved for the {platform} platform but the GPU "
             f"nodes' image is {LINUX_PLATFORM} (an instance launches into a reservation only of its own "
             f"platform); name a {LINUX_PLATFORM} block: {fix}")
@@ -195,7 +197,7 @@ def check_reservation(cfg: StackConfig, *, own_nodes: int | None = None) -> Rese
     if own_nodes is None:
         own_nodes = _own_nodes_in(rid)
     if free is not None and int(free) + own_nodes < cfg.gpu_node_count:
-        raise ConfigError(
+        raise PlanError(
             f"{NAMESPACE}:gpuNodeCount is {cfg.gpu_node_count} but Capacity Block {rid} has {int(free)} free "
             f"instance{'s' if free != 1 else ''} of {found.instance_count}"
             + (f" (and {own_nodes} of this stack's nodes run in it)" if own_nodes else "")

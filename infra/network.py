@@ -29,6 +29,8 @@ deleteBeforeReplace already: fixed addresses). The route tables, the VPC and the
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pulumi
 import pulumi_aws as aws
 
@@ -36,20 +38,30 @@ from cluster.facts import STACK_TAG, nat_gateway_ip
 from infra.quotas import stack_name
 
 
+@dataclass(frozen=True)
+class NetworkArgs:
+    """What NetworkComponent makes the VPC, its subnets and gateways from."""
+
+    cluster_name: str
+    vpc_cidr: str
+    subnet_cidr: str
+    public_subnet_cidr: str
+    availability_zone: str
+    zone_configured: bool = False
+
+
 class NetworkComponent(pulumi.ComponentResource):
-    def __init__(self, name: str, *, cluster_name: str, vpc_cidr: str, subnet_cidr: str,
-                 public_subnet_cidr: str, availability_zone: str, zone_configured: bool = False,
-                 opts: pulumi.ResourceOptions | None = None):
+    def __init__(self, name: str, args: NetworkArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("slurm-gpu:infra:Network", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
         # The zone the subnets are made in: the configured one, else the stack's first (module doc).
-        self.zone_configured = zone_configured
-        self.zone_stash = None if zone_configured else pulumi.Stash(
-            f"{name}-zone", input=availability_zone, opts=child)
-        zone = availability_zone if zone_configured else self.zone_stash.output
+        self.zone_configured = args.zone_configured
+        self.zone_stash = None if args.zone_configured else pulumi.Stash(
+            f"{name}-zone", input=args.availability_zone, opts=child)
+        zone = args.availability_zone if args.zone_configured else self.zone_stash.output
 
         def tags(what: str) -> dict[str, str]:
-            return {"Cluster": cluster_name, "Name": f"{cluster_name}-{what}"}
+            return {"Cluster": args.cluster_name, "Name": f"{args.cluster_name}-{what}"}
 
         def billed_tags(what: str) -> dict[str, str]:
             """A billed resource's: also the owning stack (STACK_TAG), unique per stack unlike Cluster,
@@ -58,7 +70,7 @@ class NetworkComponent(pulumi.ComponentResource):
 
         self.vpc = aws.ec2.Vpc(
             f"{name}-vpc",
-            cidr_block=vpc_cidr,
+            cidr_block=args.vpc_cidr,
             enable_dns_support=True,
             enable_dns_hostnames=True,
             tags=tags("vpc"),
@@ -71,7 +83,7 @@ class NetworkComponent(pulumi.ComponentResource):
         # Public: no map_public_ip_on_launch either; the controller asks for its own public IP.
         (self.public_subnet, self.public_route_table, self.public_default_route,
          self.public_route_table_association) = self._routed_subnet(
-            name, "public", public_subnet_cidr, zone, tags("public"), child,
+            name, "public", args.public_subnet_cidr, zone, tags("public"), child,
             gateway_id=self.internet_gateway.id)
 
         # One NAT gateway (and its one Elastic IP) for every GPU node's outbound traffic, at its
@@ -89,7 +101,7 @@ class NetworkComponent(pulumi.ComponentResource):
             allocation_id=self.nat_eip.allocation_id,
             subnet_id=self.public_subnet.id,
             connectivity_type="public",
-            private_ip=nat_gateway_ip(public_subnet_cidr),
+            private_ip=nat_gateway_ip(args.public_subnet_cidr),
             tags=billed_tags("nat"),
             opts=pulumi.ResourceOptions(parent=self, depends_on=[self.internet_gateway],
                                         delete_before_replace=True),
@@ -97,7 +109,7 @@ class NetworkComponent(pulumi.ComponentResource):
 
         (self.gpu_subnet, self.gpu_route_table, self.gpu_default_route,
          self.gpu_route_table_association) = self._routed_subnet(
-            name, "gpu", subnet_cidr, zone, tags("gpu-private"), child,
+            name, "gpu", args.subnet_cidr, zone, tags("gpu-private"), child,
             nat_gateway_id=self.nat_gateway.id)
 
         # What a host must wait for to have a route out at first boot (the bootstrap installs packages).

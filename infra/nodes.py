@@ -36,12 +36,13 @@ Its bootstrap record says so: `fab status` names it behind and `fab update-nodes
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import pulumi
 import pulumi_aws as aws
 
 from cluster.facts import STACK_TAG, ClusterFacts, Host
-from infra.config import GP3_IOPS, GP3_THROUGHPUT
+from cluster.gp3 import GP3_IOPS, GP3_THROUGHPUT
 from infra.quotas import stack_name
 
 # What the provider does when an instance input changes on `pulumi up` (pulumi_aws 7.x
@@ -88,47 +89,52 @@ DELIBERATE = {
 SCRATCH_VOLUME_KEPT = ["kmsKeyId"]
 
 
+@dataclass(frozen=True)
+class NodesArgs:
+    """What NodesComponent makes the hosts from: the plan's facts and settings, each role's image
+    (`follow_ami`: whether a change of it reaches running instances), the network's subnets, group,
+    zone and routes (`*_internet`: what an instance waits for), the rendered user-data, and the GPU
+    nodes' market (infra/market.py: instance arguments, placement group, replacement key)."""
+
+    facts: ClusterFacts
+    ssh_public_key: str
+    ami: dict[str, pulumi.Input[str]]
+    follow_ami: dict[str, bool]
+    controller_instance_type: str
+    gpu_instance_type: str
+    root_volume_gib: int
+    public_subnet_id: pulumi.Input[str]
+    gpu_subnet_id: pulumi.Input[str]
+    security_group_id: pulumi.Input[str]
+    user_data: dict[str, str]
+    controller_zone: pulumi.Input[str]
+    scratch_size_gib: int
+    efa_interfaces: int
+    controller_internet: Sequence[pulumi.Resource]
+    gpu_internet: Sequence[pulumi.Resource]
+    controller_instance_profile: pulumi.Input[str] | None = None
+    ebs_key_arn: str | None = None
+    scratch_throughput_mbps: int | None = None
+    scratch_iops: int | None = None
+    gpu_market_args: dict | None = None
+    gpu_placement_group: bool | str | None = True
+    gpu_market_key: str | None = None
+    gpu_market_ignored: Sequence[str] = ()
+    placement_group_replace_with: Sequence[pulumi.Resource] = ()
+
+
 class NodesComponent(pulumi.ComponentResource):
-    def __init__(
-        self,
-        name: str,
-        *,
-        facts: ClusterFacts,
-        ssh_public_key: str,
-        ami: dict[str, pulumi.Input[str]],
-        follow_ami: dict[str, bool],
-        controller_instance_type: str,
-        gpu_instance_type: str,
-        root_volume_gib: int,
-        public_subnet_id: pulumi.Input[str],
-        gpu_subnet_id: pulumi.Input[str],
-        security_group_id: pulumi.Input[str],
-        user_data: dict[str, str],
-        controller_zone: pulumi.Input[str],
-        scratch_size_gib: int,
-        efa_interfaces: int,
-        controller_internet: Sequence[pulumi.Resource],
-        gpu_internet: Sequence[pulumi.Resource],
-        controller_instance_profile: pulumi.Input[str] | None = None,
-        ebs_key_arn: str | None = None,
-        scratch_throughput_mbps: int | None = None,
-        scratch_iops: int | None = None,
-        gpu_market_args: dict | None = None,
-        gpu_placement_group: bool | str | None = True,
-        gpu_market_key: str | None = None,
-        gpu_market_ignored: Sequence[str] = (),
-        placement_group_replace_with: Sequence[pulumi.Resource] = (),
-        opts: pulumi.ResourceOptions | None = None,
-    ):
+    def __init__(self, name: str, args: NodesArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("slurm-gpu:infra:Nodes", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
+        facts = args.facts
         cluster = facts.cluster_name
         self._cluster = cluster
-        self._root_volume_gib = root_volume_gib
-        self._ebs_key_arn = ebs_key_arn
+        self._root_volume_gib = args.root_volume_gib
+        self._ebs_key_arn = args.ebs_key_arn
 
         self.key_pair = aws.ec2.KeyPair(
-            f"{name}-key", public_key=ssh_public_key,
+            f"{name}-key", public_key=args.ssh_public_key,
             tags={"Cluster": cluster, "Name": f"{cluster}-admin"}, opts=child,
         )
         # True: the stack's own cluster placement group; a name: a reservation's; None: none
@@ -136,36 +142,36 @@ class NodesComponent(pulumi.ComponentResource):
         self.placement_group = aws.ec2.PlacementGroup(
             f"{name}-pg", strategy="cluster",
             tags={"Cluster": cluster, "Name": f"{cluster}-gpu"},
-            opts=pulumi.ResourceOptions(parent=self, replace_with=list(placement_group_replace_with) or None),
-        ) if gpu_placement_group is True else None
-        gpu_group = self.placement_group.name if self.placement_group else gpu_placement_group
+            opts=pulumi.ResourceOptions(parent=self, replace_with=list(args.placement_group_replace_with) or None),
+        ) if args.gpu_placement_group is True else None
+        gpu_group = self.placement_group.name if self.placement_group else args.gpu_placement_group
 
-        self.scratch_volume = self._scratch_volume(name, facts, controller_zone, scratch_size_gib,
-                                                   scratch_throughput_mbps, scratch_iops)
+        self.scratch_volume = self._scratch_volume(name, facts, args.controller_zone, args.scratch_size_gib,
+                                                   args.scratch_throughput_mbps, args.scratch_iops)
 
         self.controller = aws.ec2.Instance(
             f"{name}-{facts.controller.name}",
-            ami=ami["controller"],
-            instance_type=controller_instance_type,
+            ami=args.ami["controller"],
+            instance_type=args.controller_instance_type,
             key_name=self.key_pair.key_name,
             # Only the controller has a role: it stops/starts idle GPU nodes (infra/power_role.py).
-            iam_instance_profile=controller_instance_profile,
-            subnet_id=public_subnet_id,
+            iam_instance_profile=args.controller_instance_profile,
+            subnet_id=args.public_subnet_id,
             private_ip=facts.controller.ip,
-            vpc_security_group_ids=[security_group_id],
+            vpc_security_group_ids=[args.security_group_id],
             associate_public_ip_address=True,
             metadata_options=self._imdsv2(),
             # The shared /scratch is its own volume (scratch_volume), not a folder of the root one.
             root_block_device=self._root("controller", facts.controller),
             # Its bootstrap finds the scratch volume as the one unmounted EBS disk, not by id: a
             # replacement boots this first user-data (IGNORED_ON_UPDATE) whatever the volume's id.
-            user_data_base64=user_data["controller"],
+            user_data_base64=args.user_data["controller"],
             tags=self._instance_tags("controller", facts.controller),
             # Boot only once the subnet routes to the internet: the bootstrap installs packages.
             # User-data is read at first boot only; node-list changes go by `fab reconfigure`.
-            opts=pulumi.ResourceOptions(parent=self, depends_on=list(controller_internet),
+            opts=pulumi.ResourceOptions(parent=self, depends_on=list(args.controller_internet),
                                         ignore_changes=[*IGNORED_ON_UPDATE,
-                                                        *self._ignore_ami(follow_ami, "controller")],
+                                                        *self._ignore_ami(args.follow_ami, "controller")],
                                         delete_before_replace=True),
         )
 
@@ -174,7 +180,7 @@ class NodesComponent(pulumi.ComponentResource):
         self.gpu_interfaces: dict[str, list[aws.ec2.NetworkInterface]] = {}
         self.gpu_nodes: list[aws.ec2.Instance] = []
         for host in facts.gpu_nodes:
-            enis = self._gpu_interfaces(name, host, gpu_subnet_id, security_group_id, efa_interfaces)
+            enis = self._gpu_interfaces(name, host, args.gpu_subnet_id, args.security_group_id, args.efa_interfaces)
             if len(enis) == 1:
                 interfaces = {"primary_network_interface": {"network_interface_id": enis[0].id}}
             else:
@@ -187,8 +193,8 @@ class NodesComponent(pulumi.ComponentResource):
                 ]}
             node = aws.ec2.Instance(
                 f"{name}-{host.name}",
-                ami=ami["gpu"],
-                instance_type=gpu_instance_type,
+                ami=args.ami["gpu"],
+                instance_type=args.gpu_instance_type,
                 key_name=self.key_pair.key_name,
                 placement_group=gpu_group,
                 # No iam_instance_profile: a GPU node's metadata holds no role credentials, so a job
@@ -196,21 +202,21 @@ class NodesComponent(pulumi.ComponentResource):
                 # controller: its bootstrap's `imds` step).
                 metadata_options=self._imdsv2(),
                 root_block_device=self._root("gpu", host),
-                user_data_base64=user_data[host.name],
+                user_data_base64=args.user_data[host.name],
                 tags=self._instance_tags("gpu", host),
                 # Boot only once the private subnet routes out through the NAT gateway.
                 # Its interfaces (and so its IP) pass to a replacement only once it is gone.
                 # New user-data would stop/start it (IGNORED_ON_UPDATE): `fab update-nodes` instead.
                 # A market change replaces the node (gpu_market_key, infra/market.py: the
                 # provider sees no diff when a Computed market block is left out).
-                opts=pulumi.ResourceOptions(parent=self, depends_on=list(gpu_internet),
+                opts=pulumi.ResourceOptions(parent=self, depends_on=list(args.gpu_internet),
                                             ignore_changes=[*IGNORED_ON_UPDATE,
-                                                            *self._ignore_ami(follow_ami, "gpu"),
-                                                            *gpu_market_ignored],  # infra/market.py
-                                            replacement_trigger=gpu_market_key,
+                                                            *self._ignore_ami(args.follow_ami, "gpu"),
+                                                            *args.gpu_market_ignored],  # infra/market.py
+                                            replacement_trigger=args.gpu_market_key,
                                             delete_before_replace=True),
                 **interfaces,
-                **(gpu_market_args or {}),
+                **(args.gpu_market_args or {}),
             )
             self.gpu_interfaces[host.name] = enis
             self.gpu_nodes.append(node)

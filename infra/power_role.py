@@ -17,6 +17,7 @@ actions, no managed policies.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import pulumi
 import pulumi_aws as aws
@@ -93,26 +94,34 @@ ASSUME_ROLE_POLICY = {
 }
 
 
+@dataclass(frozen=True)
+class PowerSaveArgs:
+    """What PowerSaveComponent makes the controller's power-saving role from."""
+
+    cluster_name: str
+    region: str | None
+    ebs_key_arn: str | None = None
+    stack: str | None = None
+
+
 class PowerSaveComponent(pulumi.ComponentResource):
     """Role + inline policy + instance profile for the controller."""
 
-    def __init__(self, name: str, *, cluster_name: str, region: str | None,
-                 ebs_key_arn: str | None = None, stack: str | None = None,
-                 opts: pulumi.ResourceOptions | None = None):
+    def __init__(self, name: str, args: PowerSaveArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("slurm-gpu:infra:PowerSave", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
-        tags = {"Cluster": cluster_name, "Name": f"{cluster_name}-power-save"}
+        tags = {"Cluster": args.cluster_name, "Name": f"{args.cluster_name}-power-save"}
         self.role = aws.iam.Role(
             f"{name}-role",
             assume_role_policy=json.dumps(ASSUME_ROLE_POLICY),
-            description=f"slurm-gpu {cluster_name}: the controller stops/starts this cluster's idle GPU nodes",
+            description=f"slurm-gpu {args.cluster_name}: the controller stops/starts this cluster's idle GPU nodes",
             tags=tags,
             opts=child,
         )
         self.policy = aws.iam.RolePolicy(
             f"{name}-stop-start",
             role=self.role.id,
-            policy=json.dumps(power_policy(cluster_name, region, ebs_key_arn, stack)),
+            policy=json.dumps(power_policy(args.cluster_name, args.region, args.ebs_key_arn, args.stack)),
             opts=child,
         )
         self.instance_profile = aws.iam.InstanceProfile(

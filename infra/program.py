@@ -14,9 +14,10 @@ import pulumi
 from cluster.facts import ClusterFacts, PowerSave, plan_hosts
 from cluster.platform import AWS
 from cluster.settings import SPOT
+from cluster.stack_config import StackConfig
 from infra import config as stack_config
 from infra.ami import Ami, resolve_images
-from infra.cluster_component import ClusterComponent
+from infra.cluster_component import ClusterArgs, ClusterComponent
 from infra.instance_types import check_controller_type, choose_availability_zone, lookup_gpu_node_facts
 from infra.kms import EbsKey, resolve_ebs_key
 from infra.market import Reservation, check_reservation, zones_offering
@@ -39,7 +40,7 @@ RESUME_TIMEOUT_S = 900
 MIN_PULUMI_CLI = "3.208.0"
 
 
-def power_save(cfg: stack_config.StackConfig, region: str | None) -> PowerSave | None:
+def power_save(cfg: StackConfig, region: str | None) -> PowerSave | None:
     """slurm.conf's power saving from slurm-gpu:idleStopMinutes (0: none)."""
     if cfg.idle_stop_minutes == 0:
         return None
@@ -50,7 +51,7 @@ def power_save(cfg: stack_config.StackConfig, region: str | None) -> PowerSave |
                      resume_timeout=RESUME_TIMEOUT_S, provider="ec2", region=region, stack=stack_name())
 
 
-def plan(cfg: stack_config.StackConfig) -> tuple[ClusterFacts, str, dict[str, Ami], int, EbsKey,
+def plan(cfg: StackConfig) -> tuple[ClusterFacts, str, dict[str, Ami], int, EbsKey,
                                                  Reservation | None]:
     """Look up instance facts, AZ, images, the EBS key, the reservation and quotas; refuse bad
     combinations. Declares nothing. Returns the cluster facts, the AZ, each role's image, the EFA
@@ -100,7 +101,7 @@ def render_user_data(facts: ClusterFacts) -> dict[str, str]:
         texts.update({h.name: user_data_base64(facts, "gpu", h.name) for h in facts.gpu_nodes})
         return texts
     except ValueError as exc:  # e.g. over EC2's 16 KiB user-data limit
-        raise stack_config.ConfigError(
+        raise stack_config.PlanError(
             f"slurm-gpu:gpuNodeCount is {len(facts.gpu_nodes)}: the cluster's user-data cannot be "
             f"built ({exc}); lower it with `pulumi config set slurm-gpu:gpuNodeCount N`"
         ) from exc
@@ -115,12 +116,12 @@ def main() -> dict[str, pulumi.Output]:
     user_data = render_user_data(facts)
     region = pulumi.Config("aws").get("region")
 
-    cluster = ClusterComponent(
-        cfg.cluster_name, cfg=cfg, facts=facts, images=images, availability_zone=az,
+    cluster = ClusterComponent(cfg.cluster_name, ClusterArgs(
+        cfg=cfg, facts=facts, images=images, availability_zone=az,
         user_data=user_data,
         efa_interfaces=efa_interfaces, region=region, ebs_key=ebs_key,
         reservation=reservation,
-    )
+    ))
     zones = zones_offering(cfg.gpu_instance_type)
     cluster.network.availability_zone.apply(lambda kept: _tell_if_not_offered(kept, cfg.gpu_instance_type, zones))
     outputs = {

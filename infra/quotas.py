@@ -51,7 +51,9 @@ import pulumi
 import pulumi_aws as aws
 
 from cluster.facts import STACK_TAG
-from infra.config import CAPACITY_BLOCK, NAMESPACE, SPOT, ConfigError, StackConfig
+from cluster.settings import CAPACITY_BLOCK, NAMESPACE, SPOT
+from cluster.stack_config import StackConfig
+from infra.config import PlanError
 
 SERVICE_CODE = "ec2"
 # STACK_TAG (cluster/facts.py): on each instance, the Pulumi stack that owns it (stack_name()).
@@ -120,7 +122,7 @@ QUOTA_GROUPS = (
 )
 
 
-class QuotaError(ConfigError):
+class QuotaError(PlanError):
     """The stack needs more vCPUs than a quota allows."""
 
 
@@ -324,7 +326,7 @@ def _ours(tags: dict[str, str], me: str, cluster_name: str) -> bool:
 
 
 def check_cluster_name_is_ours(cfg: StackConfig) -> None:
-    """Refuse (ConfigError) a cluster name that another live stack of this account and region uses.
+    """Refuse (PlanError) a cluster name that another live stack of this account and region uses.
 
     The power programs and the controller's role find the GPU nodes by their tags; the Cluster tag
     (slurm-gpu:clusterName, "mini" by default) is shared by every stack that keeps the default, so
@@ -347,7 +349,7 @@ def check_cluster_name_is_ours(cfg: StackConfig) -> None:
                         f"({_first_line(exc)}); not checking that no other stack uses it")
         return
     if others:
-        raise ConfigError(
+        raise PlanError(
             f"{NAMESPACE}:clusterName is {cfg.cluster_name!r}, which stack {owner} already uses in this "
             f"account and region ({len(others)} instance(s), e.g. {others[0]}); two clusters of one name "
             f"would share host names and tags. Nothing was created. Pick another: "

@@ -10,21 +10,31 @@ resource, so a rule added by hand in the console shows up as drift.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pulumi
 import pulumi_aws as aws
 
 
+@dataclass(frozen=True)
+class SecurityArgs:
+    """What SecurityComponent makes the cluster's security group from."""
+
+    cluster_name: str
+    vpc_id: pulumi.Input[str]
+    admin_cidr: str
+
+
 class SecurityComponent(pulumi.ComponentResource):
-    def __init__(self, name: str, *, cluster_name: str, vpc_id: pulumi.Input[str], admin_cidr: str,
-                 opts: pulumi.ResourceOptions | None = None):
+    def __init__(self, name: str, args: SecurityArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("slurm-gpu:infra:Security", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
-        tags = {"Cluster": cluster_name, "Name": f"{cluster_name}-nodes"}
+        tags = {"Cluster": args.cluster_name, "Name": f"{args.cluster_name}-nodes"}
 
         self.group = aws.ec2.SecurityGroup(
             f"{name}-sg",
-            vpc_id=vpc_id,
-            description=f"slurm-gpu cluster {cluster_name}: SSH from the admin CIDR, all within the group",
+            vpc_id=args.vpc_id,
+            description=f"slurm-gpu cluster {args.cluster_name}: SSH from the admin CIDR, all within the group",
             tags=tags,
             opts=child,
         )
@@ -36,7 +46,7 @@ class SecurityComponent(pulumi.ComponentResource):
 
         ingress, egress = aws.vpc.SecurityGroupIngressRule, aws.vpc.SecurityGroupEgressRule
         self.ssh_from_admin = rule(ingress, "ssh-from-admin", "SSH from the admin CIDR only",
-                                   ip_protocol="tcp", from_port=22, to_port=22, cidr_ipv4=admin_cidr)
+                                   ip_protocol="tcp", from_port=22, to_port=22, cidr_ipv4=args.admin_cidr)
         self.all_from_self = rule(ingress, "all-from-self",
                                   "all traffic between cluster nodes (Slurm, NFS, NCCL, EFA)",
                                   ip_protocol="-1", referenced_security_group_id=sg)

@@ -81,13 +81,14 @@ class GuardError(Exception):
 
 
 def check_provider_followable() -> None:
-    """Refuse a spot stack (ConfigError) whose AWS provider settings the guard's boto3 cannot follow."""
-    from infra.config import NAMESPACE, ConfigError
+    """Refuse a spot stack (PlanError) whose AWS provider settings the guard's boto3 cannot follow."""
+    from cluster.settings import NAMESPACE
+    from infra.config import PlanError
 
     aws_config = pulumi.Config("aws")
     unfollowed = [k for k in UNFOLLOWED if aws_config.get(k) is not None]
     if unfollowed:
-        raise ConfigError(
+        raise PlanError(
             f"{NAMESPACE}:gpuMarket is spot, but aws:{unfollowed[0]} is set: each spot node's persistent request "
             "is cancelled on destroy by the stack's own EC2 calls (infra/spot_guard.py), which follow only "
             "aws:profile, aws:region and the environment's credentials, and could look in another account. "

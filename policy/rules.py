@@ -60,7 +60,7 @@ IAM_ROLE_POLICY = "aws:iam/rolePolicy:RolePolicy"
 IAM_POLICY = "aws:iam/policy:Policy"
 
 SSH_PORT = 22
-# The SSH source (adminCidr) is one address or a small range: at most a /16 of IPv4 (as infra/config.py
+# The SSH source (adminCidr) is one address or a small range: at most a /16 of IPv4 (as cluster/stack_config.py
 # allows) or a /48 of IPv6 (one site's allocation, RFC 6177), never loopback or link-local. Wider needs
 # the pack's config `allowWideAdminCidr: true` (`pulumi preview --policy-pack policy
 # --policy-pack-config FILE`), the same override the stack setting slurm-gpu:allowWideAdminCidr is.

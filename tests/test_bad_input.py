@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.config import ConfigError, StackConfig
+from cluster.stack_config import ConfigError, StackConfig
 from localcluster import lifecycle as cluster
 from localcluster import plan
 from localcluster import topology as layout

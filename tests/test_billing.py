@@ -263,8 +263,7 @@ def test_the_spend_asks_ec2_with_the_stacks_aws_profile(tmp_path, monkeypatch):
     for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
         monkeypatch.delenv(var, raising=False)
     (tmp_path / "Pulumi.team.yaml").write_text(f"config:\n  aws:region: {REGION}\n  aws:profile: team\n")
-    settings, _ = est.stack_settings("team", repo=tmp_path)
-    assert settings["profile"] == "team"
+    assert est.stack_settings("team", repo=tmp_path).profile == "team"
     real_settings = est.stack_settings
     monkeypatch.setattr(est, "stack_settings", lambda stack: real_settings(stack, repo=tmp_path))
     made = []  # the client the spend asks EC2 with (the asking itself: the tests above)

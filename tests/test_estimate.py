@@ -86,26 +86,52 @@ def test_shared_volume_throughput_comes_from_the_stacks_inventory():
     assert (what_if.scratch_mbps, what_if.scratch_iops, what_if.scratch_from) == (500, 4000, "--scratch-mbps")
 
 
-def test_shared_volume_from_the_stack_file_and_gp3s_iops_rule_as_infra_has_it():
-    from infra.config import gp3_min_iops
+def _stack_file(tmp_path, **settings):
+    """A Pulumi.x.yaml with these `slurm-gpu:` settings (and a region), read as the estimate reads it."""
+    lines = "".join(f"  slurm-gpu:{key}: {value}\n" for key, value in settings.items())
+    (tmp_path / "Pulumi.x.yaml").write_text(f"config:\n  aws:region: ap-northeast-2\n{lines}")
+    return est.stack_settings("x", tmp_path)
 
-    for mbps in (125, 750, 751, 900, 1000):
-        assert est._gp3_min_iops(mbps) == gp3_min_iops(mbps)
-    settings = {"scratchThroughputMBps": "800"}
+
+def test_shared_volume_from_the_stack_file_by_the_one_parse_of_the_settings(tmp_path):
+    """The estimate reads the stack file through cluster/stack_config.py, as `pulumi up` does: gp3's
+    IOPS rule (cluster/gp3.py) gives the IOPS a throughput needs, and a setting `pulumi up` refuses is
+    refused here with the same message."""
+    settings = _stack_file(tmp_path, scratchThroughputMBps=800).settings
     assert est._scratch_volume(settings, None, None) == (800, 3200, "slurm-gpu:scratchThroughputMBps")
-    assert est._scratch_volume({**settings, "scratchIops": "9000"}, None, None)[1] == 9000
-    with pytest.raises(est.EstimateError, match="slurm-gpu:scratchThroughputMBps 2000 in the stack file"):
-        est._scratch_volume({"scratchThroughputMBps": 2000}, None, None)
+    settings = _stack_file(tmp_path, scratchThroughputMBps=800, scratchIops=9000, scratchSizeGiB=300).settings
+    assert est._scratch_volume(settings, None, None)[1] == 9000 and est._scratch_gib(settings, None) == 300
+    with pytest.raises(est.EstimateError, match=r"^Pulumi.x.yaml: slurm-gpu:scratchThroughputMBps is 2000; gp3 "
+                                                r"provisions 125 to 1000 MiB/s.*pulumi config set"):
+        _stack_file(tmp_path, scratchThroughputMBps=2000)
+    with pytest.raises(est.EstimateError, match=r"^Pulumi.x.yaml: slurm-gpu:scratchSizeGiB must be a whole number"):
+        _stack_file(tmp_path, scratchSizeGiB="1TB")
 
 
-def test_scratch_volume_size_from_the_inventory_else_the_stack_file():
+def test_the_way_in_is_not_needed_to_estimate(tmp_path):
+    """adminCidr and sshPublicKey say who reaches the hosts, not what they cost: a stack file without
+    them (Pulumi.dev.yaml) or with an encrypted one is read."""
+    assert _stack_file(tmp_path).settings.admin_cidr is None
+    assert _stack_file(tmp_path, sshPublicKey="{secure: AAABAxyz}").settings.gpu_node_count == 2
+
+
+def test_reserved_capacity_has_no_idle_tail_as_its_stack_has_none(tmp_path, monkeypatch):
+    """On a reserved market idleStopMinutes defaults to 0 (cluster/stack_config.py: stopping saves
+    nothing there, so the nodes stay up), so the estimate bills no idle tail for it."""
+    stack_file = _stack_file(tmp_path, gpuMarket="capacity-reservation", capacityReservationId="cr-0123456789abcdef0",
+                             availabilityZone="ap-northeast-2a")
+    monkeypatch.setattr(est, "stack_settings", lambda stack, repo=est.REPO: stack_file)
+    e = est.estimate(est.cluster_for("aws", "x", None), est.job_from_config(SEED_CONFIG, None, None, None))
+    assert (e.cluster.idle_stop_min, e.cluster.reservation_id) == (0, "cr-0123456789abcdef0")
+    assert est.idle_tail(e) is None
+
+
+def test_scratch_volume_size_from_the_inventory_else_the_stack_file(tmp_path):
     from types import SimpleNamespace
 
     inv = SimpleNamespace(extra={"scratch_volume": {"throughput_mbps": 125, "iops": 3000, "size_gib": 750}})
-    assert est._scratch_gib({"scratchSizeGiB": 100}, inv) == 750
-    assert est._scratch_gib({"scratchSizeGiB": "300"}, None) == 300
-    with pytest.raises(est.EstimateError, match="slurm-gpu:scratchSizeGiB in the stack file"):
-        est._scratch_gib({"scratchSizeGiB": "1TB"}, None)
+    assert est._scratch_gib(_stack_file(tmp_path).settings, inv) == 750
+    assert est._scratch_gib(_stack_file(tmp_path, scratchSizeGiB=300).settings, None) == 300
 
 
 def test_new_stack_boot_installs_the_training_stack_from_the_controllers_cache(monkeypatch):

@@ -95,6 +95,7 @@ def test_the_code_follows_the_layering():
     ("bootstrap/render.py", "import infra.config\n", "bootstrap must not import infra"),
     ("training/train.py", "from localcluster import topology\n", "training must not import localcluster"),
     ("policy/rules.py", "from cluster import facts\n", "policy must not import cluster"),
+    ("cluster/stack_config.py", "import pulumi\n", "cluster must not import pulumi"),  # settings stay pure
 ])
 def test_a_forbidden_import_is_caught(rel, source, edge):
     assert violations({rel: source}) == [f"{rel}:{source.count(chr(10), 0, source.index('import'))+1}: {edge}"]
@@ -195,3 +196,30 @@ def test_every_class_name_means_one_thing():
             if isinstance(node, ast.ClassDef):
                 seen.setdefault(node.name, []).append(rel)
     assert {n: rels for n, rels in seen.items() if len(rels) > 1} == {}
+
+
+def paths_into_layers_above(files: dict[str, str]) -> list[str]:
+    """Where a module of cluster/ (the ground floor) builds a path into another layer's folder
+    (`... / "training" / "configs"`): what it would find there is that layer's to say."""
+    found = []
+    for rel, source in sorted(files.items()):
+        if layer_of(REPO / rel) != "cluster":
+            continue
+        for node in ast.walk(ast.parse(source, rel)):
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and isinstance(node.right, ast.Constant) \
+                    and isinstance(node.right.value, str) and node.right.value.split("/")[0] in set(LAYERS) - {"cluster"}:
+                found.append(f"{rel}:{node.lineno}: a path into {node.right.value.split('/')[0]}/")
+    return found
+
+
+def test_the_ground_floor_names_no_path_above_it():
+    modules = project_modules()
+    assert any(rel.startswith("cluster/") for rel in modules)
+    assert paths_into_layers_above(modules) == []
+
+
+def test_a_path_into_a_layer_above_is_caught():
+    source = 'from pathlib import Path\nCONFIGS = Path(__file__).parent.parent / "training" / "configs"\n'
+    assert paths_into_layers_above({"cluster/targets/base.py": source}) == [
+        "cluster/targets/base.py:2: a path into training/"]
+    assert paths_into_layers_above({"ops/actions/options.py": source}) == []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cluster.facts import max_gpu_nodes
-from infra.config import ConfigError, StackConfig
+from cluster.stack_config import ConfigError, StackConfig
 from tests.test_infra_mocks import ADMIN_CIDR, SSH_KEY
 
 BASE = {"adminCidr": ADMIN_CIDR, "sshPublicKey": SSH_KEY}

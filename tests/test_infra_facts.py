@@ -7,7 +7,7 @@ import pulumi
 import pulumi_aws as aws
 import pytest
 
-from infra.config import ConfigError
+from infra.config import PlanError
 from infra.instance_types import gpu_node_facts, gres_type, real_memory_mib
 from tests.test_infra_mocks import INSTANCE_TYPES, ClusterMocks
 
@@ -54,24 +54,24 @@ def test_gres_type_is_the_model_lower_case(name, expected):
 
 
 def test_cpu_only_type_refused(info):
-    with pytest.raises(ConfigError, match="slurm-gpu:gpuInstanceType is c6i.xlarge, which has no GPU"):
+    with pytest.raises(PlanError, match="slurm-gpu:gpuInstanceType is c6i.xlarge, which has no GPU"):
         gpu_node_facts(info("c6i.xlarge"), efa=False)
 
 
 def test_type_without_efa_refused_while_efa_is_on(info):
-    with pytest.raises(ConfigError) as exc:
+    with pytest.raises(PlanError) as exc:
         gpu_node_facts(info("g4dn.xlarge"), efa=True)
     assert "slurm-gpu:gpuInstanceType" in str(exc.value) and "slurm-gpu:efa" in str(exc.value)
     assert gpu_node_facts(info("g4dn.xlarge"), efa=False).efa_supported is False
 
 
 def test_arm_type_refused(info):
-    with pytest.raises(ConfigError, match="slurm-gpu:gpuInstanceType.*arm64"):
+    with pytest.raises(PlanError, match="slurm-gpu:gpuInstanceType.*arm64"):
         gpu_node_facts(info("g5g.xlarge"), efa=False)
 
 
 def test_non_nvidia_gpu_refused(info):
-    with pytest.raises(ConfigError, match="slurm-gpu:gpuInstanceType.*NVIDIA"):
+    with pytest.raises(PlanError, match="slurm-gpu:gpuInstanceType.*NVIDIA"):
         gpu_node_facts(info("g4ad.16xlarge"), efa=True)
 
 

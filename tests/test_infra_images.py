@@ -14,7 +14,7 @@ import yaml
 from bootstrap import node_layout
 from cluster import hostpaths
 from cluster.platform import AWS
-from infra.config import ConfigError
+from infra.config import PlanError
 from tests.test_bootstrap_render import script_packages
 from tests.test_infra_mocks import (
     CANONICAL,
@@ -169,7 +169,7 @@ BAD = [
 @pytest.mark.parametrize("setting,config,mocks", BAD, ids=[f"{b[0]}-{i}" for i, b in enumerate(BAD)])
 def test_bad_image_settings_are_refused_before_any_resource(setting, config, mocks):
     m = ClusterMocks(**mocks)
-    with pytest.raises(ConfigError, match=f"slurm-gpu:{setting}"):
+    with pytest.raises(PlanError, match=f"slurm-gpu:{setting}"):
         run_program(stack_config(**config), m)
     assert m.resources == [] and m.components == []
 
@@ -182,7 +182,7 @@ def test_an_image_that_cannot_be_found_names_its_setting():
             return super().call(args)
 
     m = NoUbuntu()
-    with pytest.raises(ConfigError, match=r"slurm-gpu:controllerAmiId ami-\.\.\."):
+    with pytest.raises(PlanError, match=r"slurm-gpu:controllerAmiId ami-\.\.\."):
         run_program(stack_config(), m)
     assert m.resources == []
 
@@ -201,7 +201,7 @@ def test_a_controller_image_with_an_extra_ebs_volume_is_refused():
             return result
 
     m = TwoVolumes()
-    with pytest.raises(ConfigError, match=r"slurm-gpu:controllerAmiId: the controller image .* maps EBS "
+    with pytest.raises(PlanError, match=r"slurm-gpu:controllerAmiId: the controller image .* maps EBS "
                                           r"volumes besides its root \(/dev/sdb\)"):
         run_program(stack_config(), m)
     assert m.resources == []

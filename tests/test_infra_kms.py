@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from infra.config import ConfigError
+from infra.config import PlanError
 from tests.test_infra_mocks import (
     AWS_EBS_ALIAS,
     CMK,
@@ -75,7 +75,7 @@ def test_the_aws_managed_default_key_needs_no_grant():
 
 def test_a_customer_managed_default_key_is_refused_until_named():
     mocks = ClusterMocks(default_ebs_key=CMK)
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(PlanError) as info:
         run_program(stack_config(), mocks)
     message = str(info.value)
     assert "slurm-gpu:ebsKmsKeyId is unset" in message and "customer-managed" in message
@@ -109,7 +109,7 @@ BAD_KEYS = [
 @pytest.mark.parametrize("key,pattern", BAD_KEYS, ids=[f"bad-{i}" for i in range(len(BAD_KEYS))])
 def test_bad_keys_are_refused_naming_the_setting(key, pattern):
     mocks = ClusterMocks()
-    with pytest.raises(ConfigError, match=pattern) as info:
+    with pytest.raises(PlanError, match=pattern) as info:
         run_program(stack_config(ebsKmsKeyId=key), mocks)
     assert "slurm-gpu:ebsKmsKeyId" in str(info.value)
     assert mocks.resources == [] and mocks.components == []

@@ -15,7 +15,7 @@ import logging
 import pytest
 
 import tests.test_infra_mocks as harness
-from infra.config import ConfigError, StackConfig
+from cluster.stack_config import ConfigError, StackConfig
 from tests.test_infra_mocks import (
     ADMIN_CIDR,
     SSH_KEY,

@@ -19,7 +19,7 @@ import yaml
 from bootstrap import node_layout, render, shipped_form, user_data
 from cluster.facts import ClusterFacts, Host, NodeShape, PowerSave, facts_from_dict, max_gpu_nodes
 from cluster.inventory import Inventory
-from infra.config import ConfigError
+from infra.config import PlanError
 from tests.test_infra_mocks import (
     ADMIN_CIDR,
     DLAMI_ID,
@@ -594,7 +594,7 @@ BAD = [
 @pytest.mark.parametrize("setting,overrides", BAD, ids=[f"{s}={list(o.values())[-1]}" for s, o in BAD])
 def test_bad_input_refused_before_any_resource(setting, overrides):
     mocks = ClusterMocks()
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(PlanError) as info:
         run_program(stack_config(**overrides), mocks)
     assert f"slurm-gpu:{setting}" in str(info.value)
     assert mocks.components == [] and mocks.resources == []
@@ -602,7 +602,7 @@ def test_bad_input_refused_before_any_resource(setting, overrides):
 
 def test_ami_bigger_than_the_root_volume_refused():
     mocks = ClusterMocks(ami_root_gib=120)
-    with pytest.raises(ConfigError, match=r"slurm-gpu:rootVolumeGiB is 100 .* at least 120"):
+    with pytest.raises(PlanError, match=r"slurm-gpu:rootVolumeGiB is 100 .* at least 120"):
         run_program(stack_config(rootVolumeGiB=100), mocks)
     assert mocks.components == []
 

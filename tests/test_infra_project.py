@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from infra.config import SETTINGS, ConfigError, StackConfig
+from cluster.settings import SETTINGS
+from cluster.stack_config import ConfigError, StackConfig
 from tests.test_infra_mocks import ADMIN_CIDR, REGION, SSH_KEY, ClusterMocks, RecordingMonitor
 
 REPO = Path(__file__).resolve().parent.parent

@@ -12,7 +12,7 @@ import logging
 
 import pytest
 
-from infra.config import ConfigError
+from infra.config import PlanError
 from infra.quotas import QUOTA_GROUPS, family, quota_group
 from tests.test_infra_mocks import REGION, ClusterMocks, Running, run_program, stack_config
 
@@ -27,7 +27,7 @@ def request(code: str, value: int) -> str:
 
 
 def refused(mocks: ClusterMocks, **config) -> str:
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(PlanError) as info:
         run_program(stack_config(**config), mocks)
     assert mocks.components == [] and mocks.resources == []  # refused before anything is declared
     return str(info.value)

@@ -80,9 +80,9 @@ def test_a_capacity_block_costs_whole_days_up_front():
 
 def test_the_stacks_market_comes_from_its_settings(tmp_path, monkeypatch):
     (tmp_path / "Pulumi.x.yaml").write_text("config:\n  aws:region: us-east-1\n  slurm-gpu:gpuMarket: spot\n")
-    settings, _ = est.stack_settings("x", tmp_path)
-    assert settings["gpuMarket"] == "spot"
-    monkeypatch.setattr(est, "stack_settings", lambda stack, repo=est.REPO: (settings, "Pulumi.x.yaml"))
+    stack_file = est.stack_settings("x", tmp_path)
+    assert stack_file.settings.gpu_market == "spot"
+    monkeypatch.setattr(est, "stack_settings", lambda stack, repo=est.REPO: stack_file)
     cl = est.cluster_for("aws", "x", None)
     assert cl.market == "spot"
     assert "(this stack's market)" in "\n".join(est.lines(_estimate(cl)))

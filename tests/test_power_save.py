@@ -22,7 +22,7 @@ import pytest
 import tests.test_infra_mocks as harness
 from bootstrap import node_layout, node_pins, render, user_data
 from cluster.facts import STACK_TAG, ClusterFacts, NodeShape, PowerSave, plan_hosts
-from infra.config import ConfigError, StackConfig
+from cluster.stack_config import ConfigError, StackConfig
 from ops.actions import node_power as power
 from ops.actions import slurm
 from tests.test_infra_mocks import stack_config

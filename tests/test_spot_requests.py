@@ -173,9 +173,9 @@ def test_the_guard_records_the_providers_account_and_never_acts_in_another(monke
 
 @pytest.mark.parametrize("key", spot_guard.UNFOLLOWED)
 def test_a_spot_stack_whose_provider_settings_the_guard_cannot_follow_is_refused(key):
-    from infra.config import ConfigError
+    from infra.config import PlanError
 
-    with pytest.raises(ConfigError, match=f"^slurm-gpu:gpuMarket is spot, but aws:{key} is set") as err:
+    with pytest.raises(PlanError, match=f"^slurm-gpu:gpuMarket is spot, but aws:{key} is set") as err:
         run_program({**stack_config(gpuMarket="spot"), f"aws:{key}": "x"})
     assert "Nothing was created" in str(err.value)
     run_program({**stack_config(), f"aws:{key}": "x"})  # on-demand: nothing to cancel, no refusal

@@ -72,7 +72,6 @@ def test_a_third_target_is_one_registration(monkeypatch):
     class OnPrem(Target):
         name = "onprem"
         describe = "a test platform"
-        default_config = targets.CONFIGS / "local-tiny.yaml"
         device_prefix = "/dev/nvidia"
         real_gpus = True
         nccl_efa = False

@@ -13,7 +13,8 @@ import yaml
 
 from bootstrap import node_layout, shipped_form, user_data
 from cluster import hostpaths
-from infra.config import MAX_GPU_NODES, ConfigError
+from cluster.stack_config import MAX_GPU_NODES
+from infra.config import PlanError
 from tests.test_bootstrap_render import FACTS
 from tests.test_infra_mocks import run_program, stack_config, user_data_of, user_data_size
 from tests.test_infra_program import _instances
@@ -37,7 +38,7 @@ def test_the_largest_accepted_cluster_fits_with_a_quarter_to_spare():
     assert len(_instances(largest)[1]) == MAX_GPU_NODES
     assert max(sizes.values()) <= HEADROOM_LIMIT, sorted(sizes.items(), key=lambda kv: -kv[1])[:3]
     # One more node is refused, naming the setting and the fix, before anything is declared.
-    with pytest.raises(ConfigError) as err:
+    with pytest.raises(PlanError) as err:
         run_program(stack_config(gpuNodeCount=MAX_GPU_NODES + 1, subnetCidr="10.0.0.0/24"))
     assert str(err.value).startswith(f"slurm-gpu:gpuNodeCount is {MAX_GPU_NODES + 1}; a stack has at most")
     assert f"`pulumi config set slurm-gpu:gpuNodeCount {MAX_GPU_NODES}`" in str(err.value)

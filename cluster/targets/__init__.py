@@ -9,9 +9,9 @@ hosts boot through cloud-init. A third target is one new module registered here.
 # The targets (aws, local) register themselves on import; base holds what they subclass and register with.
 from cluster.inventory import Inventory, InventoryError
 from cluster.targets import aws, boot, local
-from cluster.targets.base import CONFIGS, DEFAULT, Target, TargetError, get, names, of, register, with_stacks
+from cluster.targets.base import DEFAULT, Target, TargetError, get, names, of, register, with_stacks
 
-__all__ = ["CONFIGS", "DEFAULT", "Target", "TargetError", "aws", "boot", "get", "local", "names", "of", "register",
+__all__ = ["DEFAULT", "Target", "TargetError", "aws", "boot", "get", "local", "names", "of", "register",
            "with_stacks", "load"]
 
 

@@ -7,13 +7,12 @@ import subprocess
 
 from cluster.inventory import Inventory, InventoryError
 from cluster.platform import AWS as AWS_PLATFORM
-from cluster.targets.base import CONFIGS, Target, register
+from cluster.targets.base import Target, register
 
 
 class Aws(Target):
     name = "aws"
     describe = "the current Pulumi stack, the default"
-    default_config = CONFIGS / "qwen3-4b-lora.yaml"
     platforms = (AWS_PLATFORM,)
     device_prefix = AWS_PLATFORM.gpu_device_prefix
     real_gpus = True

@@ -3,13 +3,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import ClassVar
 
 from cluster.inventory import Inventory
 from cluster.platform import Platform
-
-CONFIGS = Path(__file__).resolve().parent.parent.parent / "training" / "configs"
 
 
 class TargetError(ValueError):
@@ -20,8 +17,6 @@ class Target:
     name: ClassVar[str]
     # What --target NAME means, for help and error messages.
     describe: ClassVar[str]
-    # The training config `fab train` uses without --config.
-    default_config: ClassVar[Path]
     # The OS and Slurm its hosts run (cluster/platform.py); the inventory's facts say which one a cluster has.
     platforms: ClassVar[tuple[Platform, ...]]
     # gres.conf File= prefix when the inventory's facts do not carry one: its platforms'.

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from cluster.inventory import Inventory, InventoryError
 from cluster.platform import BOOT_DEBIAN12, BOOT_DEBIAN13
-from cluster.targets.base import CONFIGS, Target, register
+from cluster.targets.base import Target, register
 
 # Where a boot-test cluster keeps its state on the host (boottest/boot_cluster.py makes it,
 # boottest/teardown.py removes it), and the inventory of the running one.
@@ -21,7 +21,6 @@ BOOT_INVENTORY = STATE_ROOT / "inventory.json"
 class Boot(Target):
     name = "boot"
     describe = "the boot test's containers (boottest/)"
-    default_config = CONFIGS / "local-tiny.yaml"
     platforms = (BOOT_DEBIAN12, BOOT_DEBIAN13)
     device_prefix = BOOT_DEBIAN12.gpu_device_prefix  # stand-in character devices (major 195), both releases
     real_gpus = False

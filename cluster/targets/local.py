@@ -9,7 +9,7 @@ from pathlib import Path
 from cluster.hostpaths import BOOTSTRAP_PATH, HEALTHCHECK_PATH
 from cluster.inventory import Inventory, InventoryError
 from cluster.platform import LOCAL as LOCAL_PLATFORM
-from cluster.targets.base import CONFIGS, Target, register
+from cluster.targets.base import Target, register
 
 # Where the local cluster keeps its state and writes its inventory.
 LOCAL_STATE = Path(os.environ.get("SLURM_GPU_LOCAL_STATE", "/var/lib/slurm-gpu-local"))
@@ -28,7 +28,6 @@ LOCAL_SKIP_STEPS = {
 class Local(Target):
     name = "local"
     describe = "the cluster of `fab local.up`"
-    default_config = CONFIGS / "local-tiny.yaml"
     platforms = (LOCAL_PLATFORM,)
     device_prefix = LOCAL_PLATFORM.gpu_device_prefix  # stand-in files (localcluster creates them)
     real_gpus = False

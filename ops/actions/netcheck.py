@@ -138,7 +138,7 @@ def expected(inv: Inventory, stack: str | None) -> Expected:
         from ops.cost import estimate
 
         try:
-            itype = estimate.stack_settings(stack)[0]["gpuInstanceType"]
+            itype = estimate.stack_settings(stack).settings.gpu_instance_type
         except estimate.EstimateError:
             itype = None
     return expected_for_type(itype, target.expects_efa(inv))

@@ -22,6 +22,16 @@ from cluster.targets import Target
 from ops.actions.flags import OptionError, number  # noqa: F401 - the flag errors and number parser, here too
 
 REPO = Path(__file__).resolve().parents[2]
+# The training configs the project ships. Without --config `fab train` takes the GPU run's on a
+# cluster of real GPUs and the tiny model's elsewhere: CPU ranks train only the tiny model, which
+# `fab train` makes on the cluster itself (ops/finetune/inputs.py ensure_tiny), so it needs no Hub.
+TRAINING_CONFIGS = REPO / "training" / "configs"
+
+
+def default_config(target: Target) -> Path:
+    """The training config `fab train` uses on `target` without --config."""
+    return TRAINING_CONFIGS / ("qwen3-4b-lora.yaml" if target.real_gpus else "local-tiny.yaml")
+
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 # --help of the flags every task that reaches a cluster takes (ops/actions/cluster_task.py adds them).
@@ -87,7 +97,7 @@ def _model_or_data(flag: str, value: str | None, target: Target, label: str | No
         return value
     if target.hub_offline:
         fix = (f"leave --{flag} out to use the config's" if label.startswith("--") else
-               f"or pass --config {target.default_config.relative_to(REPO)} for the") + " tiny model and data"
+               f"or pass --config {default_config(target).relative_to(REPO)} for the") + " tiny model and data"
         raise OptionError(f"{label} {value!r}: the {target.name} cluster runs offline (HF_HUB_OFFLINE=1); give an "
                           f"absolute path visible on the cluster (e.g. under /scratch), {fix}")
     if not _HUB_ID.match(value) or ".." in value:
@@ -97,9 +107,9 @@ def _model_or_data(flag: str, value: str | None, target: Target, label: str | No
 
 
 def _config(value: str | None, target: Target) -> tuple[Path, dict]:
-    path = Path(value).expanduser() if value else target.default_config
+    path = Path(value).expanduser() if value else default_config(target)
     if not path.is_file():
-        raise OptionError(f"--config {path}: no such file; pass a YAML file such as {target.default_config}")
+        raise OptionError(f"--config {path}: no such file; pass a YAML file such as {default_config(target)}")
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:

@@ -363,10 +363,10 @@ def _market(stack: str) -> tuple[str, str]:
     """(slurm-gpu:gpuMarket, slurm-gpu:capacityReservationId) of the stack's Pulumi.<stack>.yaml; unknown:
     ("", "")."""
     try:
-        settings, _ = est.stack_settings(stack.rsplit("/", 1)[-1])
+        settings = est.stack_settings(stack.rsplit("/", 1)[-1]).settings
     except (est.EstimateError, OSError, ValueError):
         return "", ""
-    return str(settings.get("gpuMarket") or ""), str(settings.get("capacityReservationId") or "")
+    return settings.gpu_market, settings.capacity_reservation_id or ""
 
 
 def destroy(stack: str, checked: Inventory | None, say: Say = print) -> list[tuple[str, str]]:

@@ -18,7 +18,8 @@ from pathlib import Path
 import yaml
 
 from cluster.errors import UserError
-from cluster.settings import SETTINGS
+from cluster.gp3 import GP3_IOPS, GP3_THROUGHPUT, gp3_min_iops
+from cluster.stack_config import ConfigError, StackConfig, StackFile, read_stack_file
 from ops.actions.flags import OptionError, number  # the one parser of number flags (ASCII digits, finite)
 from ops.cost import market_prices
 
@@ -46,9 +47,10 @@ DATASETS = {"tatsu-lab/alpaca": {"rows": 52002, "bytes": 24.2e6}}
 HUB_MBPS = 150.0          # Hugging Face's CDN to one EC2 node through the NAT gateway
 PAGE_CACHE_MBPS = 4000.0  # a node reading a file its page cache holds (NFS client cache included)
 NVME_MBPS = 1500.0        # one local NVMe instance-store disk
-GP3_BASE_MBPS = 125.0     # gp3's baseline throughput (the root volumes; the shared /scratch's own volume may have more)
-GP3_BASE_IOPS = 3000      # gp3's baseline IOPS; EC2 allows at most 0.25 MiB/s per IOPS (infra/config.py)
-GP3_MAX_MBPS = 1000.0
+# gp3's baseline throughput and IOPS (the root volumes; the shared /scratch's own volume may have more) and
+# its most throughput: cluster/gp3.py.
+GP3_BASE_MBPS, GP3_MAX_MBPS = (float(mbps) for mbps in GP3_THROUGHPUT)
+GP3_BASE_IOPS = GP3_IOPS[0]
 SSH_STEP_S = 1.0          # one fab step of a few SSH round trips through the controller
 WHEELS_BYTES = 3.8e9      # the CUDA training stack the GPU node's first boot installs (torch + nvidia-*)
 WHEELS_INSTALL_S = 60.0   # pip unpacking and installing it on a node (assumed)
@@ -506,15 +508,11 @@ def dominant(est: Estimate, scenario: str, n: int = 3) -> list[tuple[str, float]
 
 # ---------------------------------------------------------------- the cluster, read without touching a host
 
-# The defaults of the settings the estimate reads, where the stack file leaves them out.
-STACK_DEFAULTS = {key: SETTINGS[key][0] for key in ("gpuNodeCount", "gpuInstanceType", "controllerInstanceType",
-                                                    "rootVolumeGiB", "idleStopMinutes", "scratchThroughputMBps",
-                                                    "scratchSizeGiB")}
 REPO = Path(__file__).resolve().parents[2]
 
 
-def stack_settings(stack: str | None, repo: Path = REPO) -> tuple[dict, str]:
-    """The stack's settings from its Pulumi.<stack>.yaml (defaults filled in) and the file's name."""
+def stack_settings(stack: str | None, repo: Path = REPO) -> StackFile:
+    """The stack's Pulumi.<stack>.yaml, parsed as `pulumi up` parses it (cluster/stack_config.py)."""
     files = sorted(repo.glob("Pulumi.*.yaml"))
     if stack:
         path = repo / f"Pulumi.{stack}.yaml"
@@ -527,12 +525,10 @@ def stack_settings(stack: str | None, repo: Path = REPO) -> tuple[dict, str]:
         raise EstimateError(f"{len(files)} stack files in {repo} ({', '.join(f.name for f in files) or 'none'}): "
                             "pass --stack NAME, or --gpu-instance-type and --region to price a cluster "
                             "without a stack")
-    cfg = (yaml.safe_load(path.read_text()) or {}).get("config") or {}
-    out = dict(STACK_DEFAULTS)
-    out.update({k.split(":", 1)[1]: v for k, v in cfg.items() if k.startswith("slurm-gpu:")})
-    out["region"] = cfg.get("aws:region")
-    out["profile"] = cfg.get("aws:profile")  # the credentials the stack's AWS provider uses
-    return out, path.name
+    try:
+        return read_stack_file(path)
+    except ConfigError as exc:
+        raise EstimateError(str(exc)) from None
 
 
 def _positive(flag: str, value, kind=int):
@@ -560,68 +556,52 @@ def cluster_for(target: str, stack: str | None, inv=None, nodes: int | None = No
         n = nodes or (len(inv.gpu_nodes) if inv else 2)
         g = gpus or (inv.gpus_per_node if inv else 2)
         return PricedCluster(target, "-", target, "-", n, g, source=f"{target} cluster", calibrated=True)
-    settings, source = ({}, "flags") if (gpu_instance_type and region) else stack_settings(stack)
-    settings = {**STACK_DEFAULTS, **settings}
-    itype = gpu_instance_type or settings["gpuInstanceType"]
-    reg = region or settings.get("region") or (inv.extra.get("region") if inv else None)
+    stack_file = None if (gpu_instance_type and region) else stack_settings(stack)
+    # Without a stack file: every setting's default, parsed as `pulumi up` parses them.
+    settings = stack_file.settings if stack_file else StackConfig.from_mapping({}, access=False)
+    source = stack_file.name if stack_file else "flags"
+    itype = gpu_instance_type or settings.gpu_instance_type
+    reg = region or (stack_file and stack_file.region) or (inv.extra.get("region") if inv else None)
     if not reg:
         raise EstimateError(f"{source} sets no aws:region; pass --region (e.g. us-east-1)")
     facts = instance(itype, "--gpu-instance-type" if gpu_instance_type else "slurm-gpu:gpuInstanceType")
-    stack_nodes = len(inv.gpu_nodes) if inv else int(settings["gpuNodeCount"])
+    stack_nodes = len(inv.gpu_nodes) if inv else settings.gpu_node_count
     n = nodes or stack_nodes
     g = gpus or (inv.gpus_per_node if inv else facts["gpus"])
-    idle = int(settings.get("idleStopMinutes", 30))
+    idle = settings.idle_stop_minutes
     if inv and inv.extra.get("idle_stop_s") is not None:
         idle = int(inv.extra["idle_stop_s"]) // 60
     scratch, iops, scratch_from = _scratch_volume(settings, inv, what_if)
-    cl = PricedCluster(target, reg, itype, settings["controllerInstanceType"], n, g,
-                 root_volume_gib=int(settings["rootVolumeGiB"]), idle_stop_min=idle, scratch_mbps=scratch,
+    cl = PricedCluster(target, reg, itype, settings.controller_instance_type, n, g,
+                 root_volume_gib=settings.root_volume_gib, idle_stop_min=idle, scratch_mbps=scratch,
                  scratch_gib=_scratch_gib(settings, inv),
                  scratch_iops=iops, scratch_from=scratch_from,
                  source=source + (" + inventory" if inv else ""), stack_nodes=stack_nodes,
-                 market=str(settings.get("gpuMarket") or "on-demand"),
-                 reservation_id=str(settings.get("capacityReservationId") or ""), profile=settings.get("profile"))
+                 market=settings.gpu_market, reservation_id=settings.capacity_reservation_id or "",
+                 profile=stack_file.profile if stack_file else None)
     prices(reg)  # an unknown region or type fails here, naming the price table
     price_per_h(reg, cl.gpu_type)
     price_per_h(reg, cl.controller_type)
     return cl
 
 
-def _gp3_min_iops(mbps: float) -> int:
-    return max(GP3_BASE_IOPS, math.ceil(mbps / 0.25))  # infra/config.py's gp3_min_iops (a test holds them equal)
-
-
-def _scratch_gib(settings: dict, inv) -> int:
+def _scratch_gib(settings: StackConfig, inv) -> int:
     """The shared /scratch volume's GB: the stack's inventory (what the volume got), else slurm-gpu:scratchSizeGiB."""
-    size = ((inv.extra.get("scratch_volume") or {}) if inv else {}).get("size_gib") or settings["scratchSizeGiB"]
-    try:
-        return int(str(size))
-    except ValueError:
-        raise EstimateError(f"slurm-gpu:scratchSizeGiB in the stack file must be a whole number "
-                            f"(not {size!r})") from None
+    return int(((inv.extra.get("scratch_volume") or {}) if inv else {}).get("size_gib") or settings.scratch_size_gib)
 
 
-def _scratch_volume(settings: dict, inv, what_if: float | None) -> tuple[float, int, str]:
+def _scratch_volume(settings: StackConfig, inv, what_if: float | None) -> tuple[float, int, str]:
     """The shared volume's throughput, IOPS and where they came from: the stack's inventory (what
     the volume got), else its slurm-gpu:scratchThroughputMBps / scratchIops; --scratch-mbps on top."""
     volume = (inv.extra.get("scratch_volume") or {}) if inv else {}
     if volume.get("throughput_mbps"):
         mbps, iops, where = float(volume["throughput_mbps"]), int(volume.get("iops") or 0), "the stack's inventory"
     else:
-        key = "slurm-gpu:scratchThroughputMBps"
-        try:
-            mbps = float(str(settings["scratchThroughputMBps"]))
-            iops = int(str(settings.get("scratchIops") or 0))
-        except ValueError:
-            raise EstimateError(f"{key} / slurm-gpu:scratchIops in the stack file must be whole numbers (not "
-                                f"{settings['scratchThroughputMBps']!r}, {settings.get('scratchIops')!r})") from None
-        if not GP3_BASE_MBPS <= mbps <= GP3_MAX_MBPS:
-            raise EstimateError(f"{key} {mbps:.0f} in the stack file: gp3 provisions {GP3_BASE_MBPS:.0f} to "
-                                f"{GP3_MAX_MBPS:.0f} MiB/s; `pulumi up` refuses it too")
+        mbps, iops = float(settings.scratch_throughput_mbps), settings.scratch_iops
         where = "slurm-gpu:scratchThroughputMBps" if mbps != GP3_BASE_MBPS else "gp3 baseline"
     if what_if is not None:
         mbps, where = what_if, "--scratch-mbps"
-    return mbps, max(iops, _gp3_min_iops(mbps)), where
+    return mbps, max(iops, gp3_min_iops(mbps)), where
 
 
 # ---------------------------------------------------------------- `fab estimate` and `fab train`
