@@ -251,12 +251,9 @@ def changes(plan: Plan, setting: Callable[[str], object], packed: bool) -> list[
     length = int(setting("max_length") or 1024)
     if not packed:
         batch, accumulation = int(setting("per_device_train_batch_size")), int(setting("gradient_accumulation_steps"))
-        b = batch
-        while b > 1:
-            b //= 2
-            acc = batch * accumulation // b
-            out.append(FitChange(f"per_device_train_batch_size: {b}, gradient_accumulation_steps: {acc}",
-                              replace(plan, tokens=b * length)))
+        for b in (d for d in range(batch - 1, 0, -1) if batch % d == 0):  # the same examples per optimizer step
+            out.append(FitChange(f"per_device_train_batch_size: {b}, gradient_accumulation_steps: "
+                                 f"{batch * accumulation // b}", replace(plan, tokens=b * length)))
     rows = max(1, plan.tokens // length)
     shorter = length // 2
     while shorter >= 128:

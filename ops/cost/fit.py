@@ -113,12 +113,13 @@ class FitVerdict:
         if self.bigger:
             itype, price = self.bigger[0]
             cost = f"${price:.2f}/h" if price is not None else "no price for it in ops/data/prices.json here"
-            out.append(f"or a type with bigger GPUs: {itype} ({cost}) fits unchanged "
+            out.append(f"{'or ' if out else ''}a type with bigger GPUs: {itype} ({cost}) fits unchanged "
                        "(`pulumi config set slurm-gpu:gpuInstanceType " + itype + "`)")
         if not out:
-            out.append(f"nothing fits: not even the base sharded {self.plan.ranks}-way with checkpointing, nor a "
-                       "bigger GPU type known to ops/data/instances.json; lower per_device_train_batch_size or "
-                       "max_length, or a smaller model")
+            sharded = (f"the base sharded {self.plan.ranks}-way with checkpointing" if self.plan.ranks > 1 else
+                       "checkpointing or shorter rows (one rank: nothing to shard over)")
+            out.append(f"nothing fits: not even {sharded}, nor a bigger GPU type known to ops/data/instances.json; "
+                       "lower per_device_train_batch_size or max_length, or a smaller model")
         return out
 
 
