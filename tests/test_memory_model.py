@@ -267,6 +267,13 @@ def test_fab_estimate_prints_the_verdict_and_the_change(hub, capsys):
     fabfile.estimate(Context(config=Config()), target="aws", stack="dev", model="Qwen/Qwen3-8B")
     out = capsys.readouterr().out
     assert "fit: Qwen/Qwen3-8B on L4 (g6.12xlarge, 22.5 GiB): predicted peak" in out and "fits with" in out
+    fabfile.estimate(Context(config=Config()), target="aws", stack="dev", model="Qwen/Qwen3-32B", model_gb="65.5")
+    out = capsys.readouterr().out
+    peak = fit.check(qwen3("32B"), default, "g6.12xlarge", 8).peak  # 2 nodes x 4 L4s: 8 ranks
+    assert f"fit: Qwen/Qwen3-32B on L4 (g6.12xlarge, 22.5 GiB): predicted peak {peak / GIB:.1f} GiB per GPU: " \
+        "does NOT fit" in out
+    assert "cheapest change that fits: the base sharded 8-way" in out and "not yet supported" in out
+    assert "cost, new stack" in out  # the time and cost still printed
 
 
 def test_the_local_cluster_reports_and_never_refuses(capsys):
