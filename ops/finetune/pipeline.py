@@ -178,6 +178,11 @@ def train(opts: TrainOptions, say: Say = print, raw: bool = False,
             if opts.max_cost:  # no estimate, no price: the cap cannot be held
                 raise TrainError(f"--max-cost needs the run's estimate and prices, which failed: {exc}") from None
             say(f"note: no estimate for this run ({exc})")
+        # Does it fit the GPUs' memory: refused here, before any host is touched (a Hub model's config.json is
+        # read from here; the local cluster's CPU run is only reported)
+        model, priced = opts.model_path or "", fit_cluster(opts, inv, plan, say)
+        if priced is not None and (priced.calibrated or not model.startswith("/")):
+            check_fit(opts, priced, None, say)
         cost_per_h = None
         if opts.max_cost and plan is not None:  # refused here, before any host is touched
             cost = _check_cap(opts, plan, est.scenario_for(runs.RUNS, inv.cluster_name))
@@ -185,14 +190,12 @@ def train(opts: TrainOptions, say: Say = print, raw: bool = False,
             say(f"      --max-cost ${opts.max_cost:.2f}: estimated at ${cost:.2f}; the job stops with a checkpoint "
                 f"before it would pass the cap (${cost_per_h:.2f}/h while it runs)")
     closing = closing_lines(opts, plan)
-    model, priced = opts.model_path or "", fit_cluster(opts, inv, plan, say)
-    if priced is not None and not model.startswith("/"):  # a Hub model: its config.json read from here
-        check_fit(opts, priced, None, say)
     with tl.phase("setup"):
         cl = connect(inv, opts.identity)
     try:
-        if priced is not None and model.startswith("/"):  # on the cluster: read on the controller, no node woken
-            check_fit(opts, priced, cl.controller, say)
+        if priced is not None and not priced.calibrated and model.startswith("/"):  # read on the controller:
+            with tl.phase("estimate"):  # no node woken
+                check_fit(opts, priced, cl.controller, say)
         if opts.down:  # before any training: another run in flight, or one not home, refuses here already
             stack_down.check_ready(cl, runs.RUNS, "--down", opts.stack, drop_unfinished=opts.drop_unfinished)
         result = run(cl, opts, nodes, gpus, say=say, raw=raw, tl=tl, predicted=predicted, cost_per_h=cost_per_h,
