@@ -75,7 +75,7 @@ class Shape:
         cfg = dict(config.get("text_config") or config)  # a multimodal config keeps its language model's here
 
         def whole(key: str, default: int | None = None) -> int:
-            value = cfg.get(key, default)
+            value = default if cfg.get(key) is None else cfg.get(key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ModelConfigError(f"config.json field {key!r} is {value!r}: a positive whole number is needed "
                                        "(a decoder-only transformer's config, e.g. Qwen/Qwen3-4B's)")
