@@ -310,3 +310,15 @@ def test_a_model_on_the_cluster_is_read_on_the_controller(tmp_path):
     (model / "config.json").write_text("{")
     with pytest.raises(fit.FitError, match=r"its config.json is not JSON"):
         fit.model_config(str(model), controller)
+
+
+def test_changes_add_up_when_one_alone_does_not_fit():
+    """Recomputation alone is not enough for 8 padded rows of 4,096 tokens of Qwen3-8B on an L4: the advice
+    keeps it and adds the smaller micro-batch (and shorter rows) until the peak fits."""
+    setting = setting_with(flex_packing="false", per_device_train_batch_size=8, gradient_accumulation_steps=2,
+                           max_length=4096, activation_checkpointing="false")
+    v = fit.check(qwen3("8B"), setting, "g6.12xlarge", 8)
+    alone = mm.peak_bytes(qwen3("8B"), dataclasses.replace(v.plan, checkpointing=True))
+    assert not v.fits and alone > v.usable
+    assert v.change.available and v.change.what.startswith("activation_checkpointing: true, per_device_train_batch")
+    assert v.change_peak <= v.usable and v.change.plan.checkpointing

@@ -242,27 +242,34 @@ class FitChange:
 
 
 def changes(plan: Plan, setting: Callable[[str], object], packed: bool) -> list[FitChange]:
-    """The setting changes that lower this plan's peak, cheapest first (what they cost the run): recomputing
-    activations (slower, the same result), a smaller micro-batch with more accumulation (the same examples per
-    optimizer step), shorter rows (long rows truncated), sharding the base over the run's ranks."""
+    """The setting changes that lower this plan's peak, cheapest first (what they cost the run), each on top of
+    the ones before it: recomputing activations (slower, the same result), a smaller micro-batch with more
+    accumulation (the same examples per optimizer step), shorter rows (long rows truncated), and apart from
+    those the base sharded over the run's ranks with recomputation."""
     out: list[FitChange] = []
+    done: list[str] = []
+    base = plan
     if not plan.checkpointing:
-        out.append(FitChange("activation_checkpointing: true", replace(plan, checkpointing=True)))
+        done.append("activation_checkpointing: true")
+        base = replace(plan, checkpointing=True)
+        out.append(FitChange(done[0], base))
     length = int(setting("max_length") or 1024)
+    rows = max(1, plan.tokens // length)
     if not packed:
         batch, accumulation = int(setting("per_device_train_batch_size")), int(setting("gradient_accumulation_steps"))
         for b in (d for d in range(batch - 1, 0, -1) if batch % d == 0):  # the same examples per optimizer step
-            out.append(FitChange(f"per_device_train_batch_size: {b}, gradient_accumulation_steps: "
-                                 f"{batch * accumulation // b}", replace(plan, tokens=b * length)))
-    rows = max(1, plan.tokens // length)
+            step = f"per_device_train_batch_size: {b}, gradient_accumulation_steps: {batch * accumulation // b}"
+            out.append(FitChange(", ".join([*done, step]), replace(base, tokens=b * length)))
+        if batch > 1:
+            done.append(f"per_device_train_batch_size: 1, gradient_accumulation_steps: {batch * accumulation}")
+            rows = 1
     shorter = length // 2
     while shorter >= 128:
-        out.append(FitChange(f"max_length: {shorter}", replace(plan, tokens=rows * shorter)))
+        out.append(FitChange(", ".join([*done, f"max_length: {shorter}"]), replace(base, tokens=rows * shorter)))
         shorter //= 2
     if plan.ranks > 1 and plan.shards < plan.ranks:
-        best = replace(plan, shards=plan.ranks, checkpointing=True)
         out.append(FitChange(f"the base sharded {plan.ranks}-way over the run's ranks (FSDP), with activation "
-                          "checkpointing", best, available=False))
+                             "checkpointing", replace(plan, shards=plan.ranks, checkpointing=True), available=False))
     return out
 
 
