@@ -322,3 +322,11 @@ def test_changes_add_up_when_one_alone_does_not_fit():
     assert not v.fits and alone > v.usable
     assert v.change.available and v.change.what.startswith("activation_checkpointing: true, per_device_train_batch")
     assert v.change_peak <= v.usable and v.change.plan.checkpointing
+
+
+def test_a_benchmark_gets_the_terms_from_one_call():
+    terms = mm.predict(qwen3("4B"), {"max_length": 2048, "flex_packing": "false", "per_device_train_batch_size": 4})
+    plan = mm.plan_from_settings(setting_with(max_length=2048, flex_packing="false", per_device_train_batch_size=4), 1)
+    assert plan.tokens == 4 * 2048 and plan.checkpointing  # padded rows, recomputed (activation_checkpointing auto)
+    assert terms == mm.breakdown(qwen3("4B"), plan) and set(terms) == {"base_weights", "lora_state", "activations",
+                                                                       "loss_head", "runtime"}

@@ -229,6 +229,15 @@ def plan_from_settings(setting: Callable[[str], object], ranks: int, gpu: bool =
                 notes=(f"padded batches: {batch} rows of up to {length} tokens a micro-batch",), **common)
 
 
+def predict(config: Mapping, settings: Mapping, ranks: int = 1, shards: int = 1, gpu: bool = True) -> dict[str, float]:
+    """One call for a benchmark: a config.json (dict) and a run's training settings (the YAML's keys; one left out
+    has training/args.py's default) -> predicted peak bytes on one GPU per term (`breakdown`)."""
+    from training.validate import default
+
+    plan = plan_from_settings(lambda key: settings[key] if key in settings else default(key), ranks, gpu, shards)
+    return breakdown(config, plan)
+
+
 # ---------------------------------------------------------------- what would make it fit
 
 
