@@ -15,6 +15,7 @@ from ops.actions import billing_status, netcheck, node_update, options, slurm, s
 from ops.actions import reconfigure as reconf
 from ops.actions.cluster_task import cluster_task
 from ops.cost import estimate as est
+from ops.cost import fit
 from ops.finetune import follow as finetune_jobs
 from ops.finetune import pipeline as finetune
 from ops.finetune import runs
@@ -47,6 +48,7 @@ def train(c, where, config=None, nodes=None, gpus_per_node=None, examples=None, 
     transports) and downloads adapters, trainer state and a loss curve.
     Ctrl-C stops following; the job keeps running (`fab logs --job JOB` reattaches).
     --max-cost USD: refused when the estimate is over it; the job stops with a checkpoint before it passes it.
+    Refused, before any node starts, when each GPU's predicted peak memory is over its size (docs/MEMORY.md).
     Without --down the summary ends with what the stack still bills and the command that stops it;
     --down destroys the stack once this and every finished run is home (checked before the run and after it;
     refused while another run is in flight, or while an unfinished run keeps checkpoints: --drop-unfinished).
@@ -90,13 +92,16 @@ def estimate(c, where, config=None, nodes=None, gpus_per_node=None, examples=Non
     Three columns: a new stack (`pulumi up` to adapters home), the first `fab train` on a cluster
     (model and data downloaded), and `fab train` again (the nodes' page cache holds the weights).
     Cost: instances by the second at on-demand prices, NAT gateway hours and GB, EBS (ops/data/prices.json).
+    Fit: each GPU's predicted peak memory (from the model's config.json alone) against the type's GPU memory, and
+    when it does not fit, the cheapest change that would (docs/MEMORY.md).
     """
     opts = options.parse_train(where, config=config, nodes=nodes, gpus_per_node=gpus_per_node,
                                examples=examples, model=model, data=data)
     inv = est.load_inventory(opts.target, opts.stack) if not (gpu_instance_type and region) else None
     if inv is not None:
         options.check_against(opts, inv)
-    est.print_for_run(opts, inv, gpu_instance_type, region, model_gb, tokens_per_row, scratch_mbps)
+    plan = est.print_for_run(opts, inv, gpu_instance_type, region, model_gb, tokens_per_row, scratch_mbps)
+    fit.estimate_report(opts, plan.cluster)  # each GPU's predicted peak memory against its size
 
 
 @cluster_task()

@@ -127,7 +127,9 @@ def test_cold_and_warm_give_the_same_verdicts_and_messages(cache, generations, m
     assert battery() == cold
     assert validate.default("model_name_or_path") == "Qwen/Qwen3-4B"
     assert validate.default("dataset_name") == "tatsu-lab/alpaca"
-    assert validate.default("lora_target_modules") is None and validate.default("no_such_setting") is None
+    # a default_factory's value (args.py's LoRA targets), kept in the file like any plain default
+    assert validate.default("lora_target_modules") == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert validate.default("no_such_setting") is None
 
 
 def test_a_warm_check_imports_no_trl_transformers_or_torch(cache, tmp_path):

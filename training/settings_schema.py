@@ -118,12 +118,22 @@ def _dataclasses():
     return (DataArguments, ModelArguments, TrainConfig)
 
 
+def field_default(f: dataclasses.Field):
+    """A field's default: its value, or what its default_factory makes (lora_target_modules' list); None
+    when it has neither."""
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
+
+
 def live_default(key: str):
     """The default of setting `key`, read from the dataclasses (None when it has none)."""
     for cls in _dataclasses():
         for f in dataclasses.fields(cls):
             if f.name == key:
-                return None if f.default is dataclasses.MISSING else f.default
+                return field_default(f)
     return None
 
 
@@ -158,7 +168,7 @@ def generate() -> dict:
                 settings[f.name] = {"type": form(hint), "describe": describe(hint),
                                     "choices": list(f.metadata.get("choices") or [])}
             if f.name not in defaults and f.name not in opaque:
-                value = None if f.default is dataclasses.MISSING else f.default
+                value = field_default(f)
                 if is_plain(value):
                     defaults[f.name] = value
                 else:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -66,6 +67,9 @@ class TrainOptions:
     down: bool = False
     # --drop-unfinished (with --down): unfinished runs' checkpoints may go with the stack.
     drop_unfinished: bool = False
+    # The training config's settings as checked (training/validate.py), for what fab itself predicts from them
+    # (the fit check, ops/cost/fit.py); a setting absent here has args.py's default.
+    settings: Mapping = field(default_factory=dict, compare=False)
 
     @property
     def model_path(self) -> str | None:
@@ -237,7 +241,7 @@ def parse_train(where: ClusterOptions, config=None, nodes=None, gpus_per_node=No
         nodes=_int("nodes", nodes), gpus_per_node=_int("gpus-per-node", gpus_per_node),
         examples=_int("examples", examples), model=model, data=data, identity=identity,
         skip_check=skip_check, healthy_only=healthy_only, max_cost=cap, down=bool(down),
-        drop_unfinished=bool(drop_unfinished),
+        drop_unfinished=bool(drop_unfinished), settings=settings,
         config_model=None if model else from_config("model_name_or_path", "model"),
         config_data=None if data else from_config("dataset_name", "data"),
     )

@@ -152,6 +152,31 @@ def hub_manifest(repo_id: str, dest_root: str, kind: str = "models", revision: s
                            sizes, sums, root=dest_root)
 
 
+def hub_config(repo_id: str, revision: str = "main", endpoint: str | None = None,
+               token: HubToken | None = None) -> dict:
+    """A Hub model's config.json alone (its sizes: the fit check before launch, ops/cost/fit.py), read from
+    here with `token` as the file list is (`hub_manifest`); no weight is downloaded. The file's URL as
+    huggingface_hub's hf_hub_url builds it: {endpoint}/{repo_id}/resolve/{revision}/config.json."""
+    import urllib.error
+
+    endpoint = endpoint or hub_endpoint()
+    url = f"{endpoint}/{repo_id}/resolve/{revision}/config.json"
+    try:
+        with open_url(url, token, timeout=30) as resp:
+            config = json.loads(resp.read(1 << 20))  # a config.json is a few kB
+    except urllib.error.HTTPError as exc:
+        if exc.code in (401, 403):
+            raise _refused(repo_id, f"{endpoint}/{repo_id}", exc.code, token) from None
+        raise PrefetchError(f"model {repo_id}: its config.json ({url}) could not be read: HTTP {exc.code}; check "
+                            "the model ID (a Hub model repository with a config.json)") from None
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise PrefetchError(f"model {repo_id}: its config.json ({url}) could not be read: {exc}; check this "
+                            "machine's network (or HF_ENDPOINT) and the model ID") from None
+    if not isinstance(config, dict):
+        raise PrefetchError(f"model {repo_id}: its config.json ({url}) is not a JSON object")
+    return config
+
+
 def fetch_inputs(cl, opts, say: Say):
     """Fetch the run's Hub model and data set (flags or config) once into the shared /scratch, on the
     controller, before anything is submitted; return the options naming the local copies, which

@@ -17,7 +17,7 @@ from ops.actions import node_power as power
 from ops.actions.options import TrainOptions, check_against
 from ops.cost import cap as cost_cap
 from ops.cost import estimate as est
-from ops.cost import still_bills
+from ops.cost import fit, still_bills
 from ops.finetune import inputs, job_end, launch, run_home, runs, sanity, stream, summary, timeline
 from ops.finetune.trainstep import TrainError, step
 from ops.say import Say
@@ -157,6 +157,7 @@ def train(opts: TrainOptions, say: Say = print, raw: bool = False,
         if estimate:
             inv = est.load_inventory(opts.target, opts.stack)
             plan = est.print_for_run(opts, inv)
+            fit.estimate_report(opts, plan.cluster, say=say)
             if opts.max_cost:
                 cost = _check_cap(opts, plan, est.scenario_for(runs.RUNS, inv.cluster_name) if inv else "first")
                 say(f"  fits --max-cost ${opts.max_cost:.2f}: estimated at ${cost:.2f}")
@@ -177,6 +178,11 @@ def train(opts: TrainOptions, say: Say = print, raw: bool = False,
             if opts.max_cost:  # no estimate, no price: the cap cannot be held
                 raise TrainError(f"--max-cost needs the run's estimate and prices, which failed: {exc}") from None
             say(f"note: no estimate for this run ({exc})")
+        # Does it fit the GPUs' memory: refused here, before any host is touched (a Hub model's config.json is
+        # read from here; the local cluster's CPU run is only reported)
+        model, priced = opts.model_path or "", fit_cluster(opts, inv, plan, say)
+        if priced is not None and (priced.calibrated or not model.startswith("/")):
+            check_fit(opts, priced, None, say)
         cost_per_h = None
         if opts.max_cost and plan is not None:  # refused here, before any host is touched
             cost = _check_cap(opts, plan, est.scenario_for(runs.RUNS, inv.cluster_name))
@@ -187,6 +193,9 @@ def train(opts: TrainOptions, say: Say = print, raw: bool = False,
     with tl.phase("setup"):
         cl = connect(inv, opts.identity)
     try:
+        if priced is not None and not priced.calibrated and model.startswith("/"):  # read on the controller:
+            with tl.phase("estimate"):  # no node woken
+                check_fit(opts, priced, cl.controller, say)
         if opts.down:  # before any training: another run in flight, or one not home, refuses here already
             stack_down.check_ready(cl, runs.RUNS, "--down", opts.stack, drop_unfinished=opts.drop_unfinished)
         result = run(cl, opts, nodes, gpus, say=say, raw=raw, tl=tl, predicted=predicted, cost_per_h=cost_per_h,
@@ -207,6 +216,27 @@ def train(opts: TrainOptions, say: Say = print, raw: bool = False,
         say("--down: " + stack_down.ready_line(ready, runs.RUNS))
         stack_down.destroy(opts.stack, inv, say)
     return result
+
+
+def fit_cluster(opts: TrainOptions, inv, plan: est.Estimate | None, say: Say) -> est.PricedCluster | None:
+    """The cluster the fit check measures against: the estimate's, else the stack's type and the run's ranks
+    (an estimate fails for a model whose weights' size it does not know; its config.json still gives the fit)."""
+    if plan is not None:
+        return plan.cluster
+    try:
+        return est.cluster_for(opts.target, opts.stack, inv, opts.nodes, opts.gpus_per_node)
+    except est.EstimateError as exc:
+        say(f"note: no fit check for this run ({exc})")
+        return None
+
+
+def check_fit(opts: TrainOptions, cluster: est.PricedCluster, controller, say: Say) -> None:
+    """Each GPU's predicted peak memory against its size (ops/cost/fit.py): a run that cannot fit is refused
+    before any node starts; on the local cluster (CPU) only reported."""
+    try:
+        fit.refuse_unless_fits(fit.report(opts, cluster, controller, say=say), opts.model_path or "")
+    except fit.FitError as exc:
+        raise TrainError(str(exc)) from None
 
 
 def closing_lines(opts: TrainOptions, plan: est.Estimate | None) -> list[str]:

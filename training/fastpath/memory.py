@@ -6,13 +6,7 @@ import torch
 
 from training.fastpath.batches import DEFAULT_TOKEN_BUDGET, PAD_MULTIPLE
 from training.fastpath.model import unwrap
-
-# Activation memory kept for the backward pass, per token, per (hidden unit x layer), by how the blocks run:
-# upper bounds of what the benchmark's runs kept (BENCHMARKS.md); eager blocks keep more than compiled ones,
-# and recomputation keeps little beyond each block's input.
-ACTIVATION_BYTES_PER_UNIT = {"compiled": 80.0, "eager": 112.0, "checkpointed": 8.0}
-# The LM head's tiles and fp32 gradient buffers, the allocator's fragmentation, the CUDA context.
-MEMORY_RESERVE_BYTES = 2.5 * 2**30
+from training.memory_model import ACTIVATION_BYTES_PER_UNIT, MEMORY_RESERVE_BYTES  # shared with the fit check
 
 
 def usable_gpu_bytes() -> float:

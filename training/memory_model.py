@@ -1,0 +1,291 @@
+"""Each GPU's peak memory for a LoRA fine-tune, predicted from the model's config.json and the run's settings.
+
+Pure arithmetic (no torch): `fab estimate` and `fab train` call it on the user's machine before any node
+starts (ops/cost/fit.py), a benchmark calls `breakdown(config, plan)` to set the prediction beside a measured
+peak. docs/MEMORY.md gives the formula and its sources. The terms, in bytes per GPU:
+
+- base_weights: every parameter of the frozen base (counted from config.json, `parameter_count`) at its dtype
+  (2 bytes bf16), divided by the shards when the base is sharded N-way (FSDP);
+- gathered_weights (sharded only): the units FSDP all-gathers for the forward and backward: the unit in use
+  and the one prefetched, each as large as the largest of a decoder layer and the embedding;
+- lora_state: the adapters in fp32 (PEFT keeps adapter weights in fp32 over a bf16 base: 4 bytes), their
+  gradients (4) and AdamW's two moments (8), plus DDP's gradient buckets (4) when several ranks replicate;
+- activations: tokens x layers x hidden x bytes per (token, hidden unit, layer): the per-layer activation
+  memory is linear in tokens x hidden with SDPA/flash attention (Korthikanti et al. 2022, "Reducing Activation
+  Recomputation in Large Transformer Models", arXiv:2205.05198, Sec. 4.1: 34sbh + 5as^2b bytes per layer; a
+  fused attention keeps no s^2 scores, so only the sbh term remains). Its coefficient is the project's measured
+  one (ACTIVATION_BYTES_PER_UNIT: SwiGLU MLP, RMSNorm upcasts and LoRA inputs make it larger than the paper's
+  34); with checkpointing each layer keeps only its input, plus one layer recomputed in full during backward;
+- loss_head: TRL's fused LM head (trl/trainer/utils.py, `fused_lm_head=True`, the default loss of SFTTrainer in
+  TRL 1.16 and the fast path's) projects [4096 tokens x 32768 vocabulary] tiles, never the whole
+  [tokens x vocabulary] logits, and accumulates the hidden states' gradient in fp32. Without it (`fused_lm_head
+  False`), the logits are kept in bf16, upcast to fp32 for the loss and their log-softmax saved: 10 bytes per
+  token per vocabulary entry, which at Qwen's 151,936 entries outweighs everything else on long rows;
+- runtime: the CUDA context, the allocator's fragmentation and cached blocks (MEMORY_RESERVE_BYTES, the
+  reserve the fast path's token budget keeps, training/fastpath/memory.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+
+# Activation memory kept for the backward pass, per token, per (hidden unit x layer), by how the blocks run:
+# upper bounds of what the benchmark's runs kept (BENCHMARKS.md); eager blocks keep more than compiled ones,
+# and recomputation keeps little beyond each block's input. The fast path's token budget uses the same.
+ACTIVATION_BYTES_PER_UNIT = {"compiled": 80.0, "eager": 112.0, "checkpointed": 8.0}
+# The CUDA context, the allocator's fragmentation, cached blocks and small buffers (the fast path's reserve).
+MEMORY_RESERVE_BYTES = 2.5 * 2**30
+# TRL's fused LM head (trl/kernels/chunked_logprob.py TOKEN_CHUNK_SIZE, trl/trainer/utils.py
+# _CHUNKED_LOGPROB_CHUNK_SIZE): the logits exist one [tokens x vocabulary] tile at a time.
+LOSS_TILE_TOKENS, LOSS_TILE_VOCAB = 4096, 32768
+# Full logits (no fused head): bf16 logits + their fp32 upcast + the fp32 log-softmax saved for backward.
+FULL_LOGITS_BYTES = 2 + 4 + 4
+# Per trainable (LoRA) parameter: fp32 weight, fp32 gradient, AdamW's exp_avg and exp_avg_sq (fp32).
+LORA_BYTES = 4 + 4 + 8
+DDP_BUCKET_BYTES = 4  # DDP's gradient buckets, a second fp32 copy of the gradients, when ranks replicate
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "auto": 2}
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+GIB = 2**30
+
+
+class ModelConfigError(ValueError):
+    """A config.json the model cannot read: the field, and what it must be."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A decoder-only transformer's sizes, from its config.json (Qwen3, Qwen2, Llama and Mistral name them alike)."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    qk_norm: bool  # Qwen3: an RMSNorm of head_dim on queries and keys (modeling_qwen3.py)
+    attention_bias: bool  # bias on q, k, v and o (Llama/Qwen3's attention_bias)
+    qkv_bias: bool  # bias on q, k and v only (Qwen2)
+    mlp_bias: bool
+
+    @classmethod
+    def of(cls, config: Mapping) -> Shape:
+        cfg = dict(config.get("text_config") or config)  # a multimodal config keeps its language model's here
+
+        def whole(key: str, default: int | None = None) -> int:
+            value = default if cfg.get(key) is None else cfg.get(key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ModelConfigError(f"config.json field {key!r} is {value!r}: a positive whole number is needed "
+                                       "(a decoder-only transformer's config, e.g. Qwen/Qwen3-4B's)")
+            return value
+
+        hidden, heads = whole("hidden_size"), whole("num_attention_heads")
+        head_dim = cfg.get("head_dim") or hidden // heads
+        model_type = str(cfg.get("model_type") or "")
+        return cls(hidden=hidden, intermediate=whole("intermediate_size"), layers=whole("num_hidden_layers"),
+                   heads=heads, kv_heads=whole("num_key_value_heads", heads), head_dim=int(head_dim),
+                   vocab=whole("vocab_size"), tied=bool(cfg.get("tie_word_embeddings", False)),
+                   qk_norm=model_type.startswith("qwen3"), attention_bias=bool(cfg.get("attention_bias", False)),
+                   qkv_bias=model_type == "qwen2", mlp_bias=bool(cfg.get("mlp_bias", False)))
+
+    def projections(self) -> dict[str, tuple[int, int]]:
+        """Each decoder layer's linear projections: name -> (in_features, out_features)."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        h, i = self.hidden, self.intermediate
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    def layer_parameters(self) -> int:
+        proj = self.projections()
+        weights = sum(a * b for a, b in proj.values())
+        biases = 0
+        if self.attention_bias:
+            biases += sum(proj[n][1] for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+        elif self.qkv_bias:
+            biases += sum(proj[n][1] for n in ("q_proj", "k_proj", "v_proj"))
+        if self.mlp_bias:
+            biases += sum(proj[n][1] for n in ("gate_proj", "up_proj", "down_proj"))
+        norms = 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
+        return weights + biases + norms
+
+    def embedding_parameters(self) -> int:
+        return self.vocab * self.hidden
+
+
+def parameter_count(config: Mapping) -> int:
+    """The model's parameters: embedding, layers, final norm, and the LM head unless tied to the embedding."""
+    s = Shape.of(config)
+    head = 0 if s.tied else s.embedding_parameters()
+    return s.embedding_parameters() + s.layers * s.layer_parameters() + s.hidden + head
+
+
+def lora_parameters(config: Mapping, r: int, targets) -> int:
+    """Trainable LoRA parameters: r x (in + out) for each targeted projection of each layer. `targets`: module
+    names, or "all-linear" (PEFT: every linear layer but the LM head)."""
+    s = Shape.of(config)
+    proj = s.projections()
+    names = list(PROJECTIONS) if targets in ("all-linear", ["all-linear"]) else list(targets or [])
+    unknown = [n for n in names if n not in proj]
+    if unknown:
+        raise ModelConfigError(f"lora_target_modules {unknown}: the memory model knows {', '.join(PROJECTIONS)} "
+                               "and all-linear")
+    return s.layers * sum(r * (proj[n][0] + proj[n][1]) for n in names)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one rank holds: `tokens` per micro-batch (rows x their length), how its blocks keep activations,
+    the LoRA adapters, and how many ranks there are and how many of them share (shard) the base."""
+
+    tokens: int
+    checkpointing: bool = False
+    blocks: str = "eager"  # "eager" or "compiled" (the fast path's compile_layers)
+    lora_r: int = 16
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    ranks: int = 1
+    shards: int = 1  # 1: every rank holds the whole base (DDP); N: FSDP over N ranks
+    dtype: str = "bfloat16"
+    fused_lm_head: bool = True
+    # How the plan came about, for the report: e.g. "packed path: one 1024-token row must fit".
+    notes: tuple[str, ...] = field(default=(), compare=False)
+
+    def __post_init__(self):
+        if self.tokens < 1:
+            raise ValueError(f"tokens per micro-batch must be at least 1, not {self.tokens}")
+        if self.blocks not in ("eager", "compiled"):
+            raise ValueError(f"blocks must be eager or compiled, not {self.blocks!r}")
+        if self.shards < 1 or self.ranks < 1:
+            raise ValueError(f"ranks and shards must be at least 1, not {self.ranks} and {self.shards}")
+        if self.shards > self.ranks:
+            raise ValueError(f"sharding {self.shards}-way needs at least {self.shards} ranks; this run has "
+                             f"{self.ranks}")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype {self.dtype!r}: one of {', '.join(DTYPE_BYTES)}")
+
+
+def breakdown(config: Mapping, plan: Plan) -> dict[str, float]:
+    """Predicted peak bytes on one GPU, per term (the module's docstring); their sum is the peak."""
+    s = Shape.of(config)
+    weight_bytes = DTYPE_BYTES[plan.dtype]
+    params = parameter_count(config)
+    trainable = lora_parameters(config, plan.lora_r, plan.lora_targets)
+    replicated = plan.ranks > 1 and plan.shards == 1
+    out = {"base_weights": params * weight_bytes / plan.shards}
+    if plan.shards > 1:
+        unit = max(s.layer_parameters(), s.embedding_parameters())
+        out["gathered_weights"] = 2 * unit * weight_bytes
+    out["lora_state"] = trainable * (LORA_BYTES + (DDP_BUCKET_BYTES if replicated else 0)) / plan.shards
+    per_unit = ACTIVATION_BYTES_PER_UNIT
+    if plan.checkpointing:
+        out["activations"] = plan.tokens * s.hidden * (s.layers * per_unit["checkpointed"] + per_unit[plan.blocks])
+    else:
+        out["activations"] = plan.tokens * s.hidden * s.layers * per_unit[plan.blocks]
+    if plan.fused_lm_head:
+        tile = min(plan.tokens, LOSS_TILE_TOKENS) * min(s.vocab, LOSS_TILE_VOCAB) * weight_bytes
+        out["loss_head"] = tile + plan.tokens * s.hidden * 4
+    else:
+        out["loss_head"] = plan.tokens * s.vocab * FULL_LOGITS_BYTES
+    out["runtime"] = MEMORY_RESERVE_BYTES
+    return out
+
+
+def peak_bytes(config: Mapping, plan: Plan) -> float:
+    return sum(breakdown(config, plan).values())
+
+
+# ---------------------------------------------------------------- the run's settings -> a plan
+
+
+def plan_from_settings(setting: Callable[[str], object], ranks: int, gpu: bool = True, shards: int = 1) -> Plan:
+    """The plan of a run of training/train.py with these settings (`setting(key)`: the config's value, else
+    args.py's default) on `ranks` ranks. Mirrors what the run decides (training/fastpath/layout.py, trainer.py):
+
+    - on a GPU with flex_packing auto/true (the packed path), step_layout auto packs a step's batch x
+      accumulation rows into one micro-batch that is split to what the GPU's memory holds (token_budget): what
+      must fit is one max_length row (or token_budget tokens when the config sets it);
+      activation_checkpointing auto is off there until one row does not fit, then on;
+    - the padded path (flex_packing false, or no GPU) pads per_device_train_batch_size rows to the longest,
+      at most max_length tokens each, with checkpointing on unless the config says false.
+    """
+    length = int(setting("max_length") or 1024)
+    batch, accumulation = int(setting("per_device_train_batch_size")), int(setting("gradient_accumulation_steps"))
+    packed = gpu and str(setting("flex_packing")).lower() in ("auto", "true")
+    ckpt = str(setting("activation_checkpointing")).lower()
+    targets = setting("lora_target_modules") or ()
+    common = {"lora_r": int(setting("lora_r") or 16),
+              "lora_targets": (targets,) if isinstance(targets, str) else tuple(targets),
+              "ranks": ranks, "shards": shards, "dtype": str(setting("dtype") or "bfloat16") if gpu else "float32"}
+    if packed:
+        rows = batch * accumulation if str(setting("step_layout")) == "auto" else batch
+        budget = setting("token_budget")
+        tokens = max(length, min(int(budget), rows * length)) if budget else length
+        blocks = "compiled" if str(setting("compile_layers")).lower() == "true" else "eager"
+        why = (f"packed path: {rows} rows a micro-batch, split at token_budget {budget}" if budget else
+               f"packed path: a step's rows are split to what the GPU holds; one {length}-token row must fit")
+        return Plan(tokens=tokens, checkpointing=ckpt == "true", blocks=blocks, notes=(why,), **common)
+    return Plan(tokens=batch * length, checkpointing=ckpt != "false", blocks="eager",
+                notes=(f"padded batches: {batch} rows of up to {length} tokens a micro-batch",), **common)
+
+
+def predict(config: Mapping, settings: Mapping, ranks: int = 1, shards: int = 1, gpu: bool = True) -> dict[str, float]:
+    """One call for a benchmark: a config.json (dict) and a run's training settings (the YAML's keys; one left out
+    has training/args.py's default) -> predicted peak bytes on one GPU per term (`breakdown`)."""
+    from training.validate import default
+
+    plan = plan_from_settings(lambda key: settings[key] if key in settings else default(key), ranks, gpu, shards)
+    return breakdown(config, plan)
+
+
+# ---------------------------------------------------------------- what would make it fit
+
+
+@dataclass(frozen=True)
+class FitChange:
+    """A change of the run's settings and the plan it gives."""
+
+    what: str  # e.g. "max_length 512"
+    plan: Plan
+    available: bool = True  # False: the memory model knows it, the project cannot run it yet (sharding)
+
+
+def changes(plan: Plan, setting: Callable[[str], object], packed: bool) -> list[FitChange]:
+    """The setting changes that lower this plan's peak, cheapest first (what they cost the run), each on top of
+    the ones before it: recomputing activations (slower, the same result), a smaller micro-batch with more
+    accumulation (the same examples per optimizer step), shorter rows (long rows truncated), and apart from
+    those the base sharded over the run's ranks with recomputation."""
+    out: list[FitChange] = []
+    done: list[str] = []
+    base = plan
+    if not plan.checkpointing:
+        done.append("activation_checkpointing: true")
+        base = replace(plan, checkpointing=True)
+        out.append(FitChange(done[0], base))
+    length = int(setting("max_length") or 1024)
+    rows = max(1, plan.tokens // length)
+    if not packed:
+        batch, accumulation = int(setting("per_device_train_batch_size")), int(setting("gradient_accumulation_steps"))
+        for b in (d for d in range(batch - 1, 0, -1) if batch % d == 0):  # the same examples per optimizer step
+            step = f"per_device_train_batch_size: {b}, gradient_accumulation_steps: {batch * accumulation // b}"
+            out.append(FitChange(", ".join([*done, step]), replace(base, tokens=b * length)))
+        if batch > 1:
+            done.append(f"per_device_train_batch_size: 1, gradient_accumulation_steps: {batch * accumulation}")
+            rows = 1
+    shorter = length // 2
+    while shorter >= 128:
+        out.append(FitChange(", ".join([*done, f"max_length: {shorter}"]), replace(base, tokens=rows * shorter)))
+        shorter //= 2
+    if plan.ranks > 1 and plan.shards < plan.ranks:
+        out.append(FitChange(f"the base sharded {plan.ranks}-way over the run's ranks (FSDP), with activation "
+                             "checkpointing", replace(plan, shards=plan.ranks, checkpointing=True), available=False))
+    return out
+
+
+def fitting_change(config: Mapping, plan: Plan, usable: float, setting: Callable[[str], object],
+                   packed: bool) -> FitChange | None:
+    """The cheapest change (in `changes` order) whose peak fits `usable` bytes; None when none does."""
+    for change in changes(plan, setting, packed):
+        if peak_bytes(config, change.plan) <= usable:
+            return change
+    return None
