@@ -10,19 +10,27 @@ peak. docs/MEMORY.md gives the formula and its sources. The terms, in bytes per 
   and the one prefetched, each as large as the largest of a decoder layer and the embedding;
 - lora_state: the adapters in fp32 (PEFT keeps adapter weights in fp32 over a bf16 base: 4 bytes), their
   gradients (4) and AdamW's two moments (8), plus DDP's gradient buckets (4) when several ranks replicate;
-- activations: tokens x layers x hidden x bytes per (token, hidden unit, layer): the per-layer activation
-  memory is linear in tokens x hidden with SDPA/flash attention (Korthikanti et al. 2022, "Reducing Activation
-  Recomputation in Large Transformer Models", arXiv:2205.05198, Sec. 4.1: 34sbh + 5as^2b bytes per layer; a
-  fused attention keeps no s^2 scores, so only the sbh term remains). Its coefficient is the project's measured
-  one (ACTIVATION_BYTES_PER_UNIT: SwiGLU MLP, RMSNorm upcasts and LoRA inputs make it larger than the paper's
-  34); with checkpointing each layer keeps only its input, plus one layer recomputed in full during backward;
+- activations: what autograd keeps for the backward pass, per token and layer, counted tensor by tensor for a
+  Qwen3/Llama decoder layer (`layer_activation_bytes`): the two RMSNorms' fp32 inputs (4h each), Qwen3's q/k
+  norms' fp32 inputs (4q + 4kv), the attention's q, k, v and output in bf16 (4q + 4kv: a fused attention,
+  SDPA/flash/flex, keeps no s^2 scores, only a log-sum-exp per query; Korthikanti et al. 2022, "Reducing
+  Activation Recomputation in Large Transformer Models", arXiv:2205.05198, Sec. 4.1, whose 34sbh is for a
+  plain GPT block), the SwiGLU MLP's gate, up, silu(gate) outputs... (6I), and each LoRA-targeted
+  projection's input as its adapter needs it (dropout: a 1-byte mask and the 2-byte dropped copy per adapter;
+  no dropout: the 2-byte input once per distinct input). The frozen base's projections keep nothing (their
+  weight gradients are not taken). Compiled blocks (torch.compile fuses the norms and the MLP's elementwise
+  work) keep COMPILED_SHARE of that, measured; with checkpointing each layer keeps only its bf16 input
+  (2h), plus one layer recomputed in full during backward. Checked against measured peaks on an H100
+  (benchmarks/bench_memory.py, BENCHMARKS.md "Memory model"): within 3.1% of the allocated peak for Qwen3
+  0.6B-8B at 512 and 2048 tokens, eager, compiled and checkpointed;
 - loss_head: TRL's fused LM head (trl/trainer/utils.py, `fused_lm_head=True`, the default loss of SFTTrainer in
   TRL 1.16 and the fast path's) projects [4096 tokens x 32768 vocabulary] tiles, never the whole
   [tokens x vocabulary] logits, and accumulates the hidden states' gradient in fp32. Without it (`fused_lm_head
   False`), the logits are kept in bf16, upcast to fp32 for the loss and their log-softmax saved: 10 bytes per
   token per vocabulary entry, which at Qwen's 151,936 entries outweighs everything else on long rows;
-- runtime: the CUDA context, the allocator's fragmentation and cached blocks (MEMORY_RESERVE_BYTES, the
-  reserve the fast path's token budget keeps, training/fastpath/memory.py).
+- runtime: what the process holds outside the tensors: the CUDA context and libraries' workspaces
+  (CUDA_CONTEXT_BYTES, measured: 0.73 GiB on an H100 with torch 2.11) and the caching allocator's slack over
+  the allocated peak (ALLOCATOR_SLACK; 0.2-2.2% measured).
 """
 
 from __future__ import annotations
@@ -30,12 +38,18 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
-# Activation memory kept for the backward pass, per token, per (hidden unit x layer), by how the blocks run:
-# upper bounds of what the benchmark's runs kept (BENCHMARKS.md); eager blocks keep more than compiled ones,
-# and recomputation keeps little beyond each block's input. The fast path's token budget uses the same.
+# The fast path's token budget (training/fastpath/memory.py): activation bytes per token per (hidden unit x
+# layer) and a reserve, upper bounds that leave room on every GPU it ran on. Not the prediction: that is
+# `layer_activation_bytes` and the runtime below, checked against measured peaks.
 ACTIVATION_BYTES_PER_UNIT = {"compiled": 80.0, "eager": 112.0, "checkpointed": 8.0}
-# The CUDA context, the allocator's fragmentation, cached blocks and small buffers (the fast path's reserve).
 MEMORY_RESERVE_BYTES = 2.5 * 2**30
+# Compiled decoder layers keep this share of what eager ones keep (measured on an H100, BENCHMARKS.md
+# "Memory model": 0.75-0.77 for Qwen3 0.6B, 4B and 8B; 1.7B, not used to set it, within 1.2%).
+COMPILED_SHARE = 0.76
+# Outside the tensors: the CUDA context and library workspaces (0.73 GiB measured on an H100, torch 2.11),
+# and the caching allocator's reserve over the allocated peak (0.2-2.2% measured; 3% taken).
+CUDA_CONTEXT_BYTES = 0.75 * 2**30
+ALLOCATOR_SLACK = 0.03
 # TRL's fused LM head (trl/kernels/chunked_logprob.py TOKEN_CHUNK_SIZE, trl/trainer/utils.py
 # _CHUNKED_LOGPROB_CHUNK_SIZE): the logits exist one [tokens x vocabulary] tile at a time.
 LOSS_TILE_TOKENS, LOSS_TILE_VOCAB = 4096, 32768
@@ -144,6 +158,7 @@ class Plan:
     blocks: str = "eager"  # "eager" or "compiled" (the fast path's compile_layers)
     lora_r: int = 16
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    lora_dropout: bool = True  # the adapters' inputs go through dropout (lora_dropout > 0)
     ranks: int = 1
     shards: int = 1  # 1: every rank holds the whole base (DDP); N: FSDP over N ranks
     dtype: str = "bfloat16"
@@ -177,18 +192,40 @@ def breakdown(config: Mapping, plan: Plan) -> dict[str, float]:
         unit = max(s.layer_parameters(), s.embedding_parameters())
         out["gathered_weights"] = 2 * unit * weight_bytes
     out["lora_state"] = trainable * (LORA_BYTES + (DDP_BUCKET_BYTES if replicated else 0)) / plan.shards
-    per_unit = ACTIVATION_BYTES_PER_UNIT
-    if plan.checkpointing:
-        out["activations"] = plan.tokens * s.hidden * (s.layers * per_unit["checkpointed"] + per_unit[plan.blocks])
+    layer = layer_activation_bytes(s, plan.lora_targets, plan.lora_dropout, plan.dtype)
+    if plan.blocks == "compiled":
+        layer *= COMPILED_SHARE
+    if plan.checkpointing:  # each layer's input, and one layer recomputed in full
+        out["activations"] = plan.tokens * (s.layers * s.hidden * weight_bytes + layer)
     else:
-        out["activations"] = plan.tokens * s.hidden * s.layers * per_unit[plan.blocks]
+        out["activations"] = plan.tokens * s.layers * layer
     if plan.fused_lm_head:
         tile = min(plan.tokens, LOSS_TILE_TOKENS) * min(s.vocab, LOSS_TILE_VOCAB) * weight_bytes
         out["loss_head"] = tile + plan.tokens * s.hidden * 4
     else:
         out["loss_head"] = plan.tokens * s.vocab * FULL_LOGITS_BYTES
-    out["runtime"] = MEMORY_RESERVE_BYTES
+    out["runtime"] = CUDA_CONTEXT_BYTES + ALLOCATOR_SLACK * sum(out.values())
     return out
+
+
+def layer_activation_bytes(s: Shape, targets, dropout: bool = True, dtype: str = "bfloat16") -> float:
+    """Bytes one decoder layer keeps for the backward pass per token, eager (the module's docstring)."""
+    b = DTYPE_BYTES[dtype]
+    q, kv, h, i = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden, s.intermediate
+    kept = 2 * 4 * h  # the two RMSNorms' fp32 inputs
+    kept += (4 * q + 4 * kv) if s.qk_norm else 0  # Qwen3's q/k norms, fp32
+    kept += 2 * b * q + 2 * b * kv  # the attention's q and output, k and v
+    kept += 3 * b * i  # SwiGLU: gate, up and silu(gate)
+    proj = s.projections()
+    chosen = [t for t in targets if t in proj]
+    if dropout:  # per adapter: a 1-byte mask and the dropped copy
+        kept += sum((1 + b) * proj[t][0] for t in chosen)
+    else:  # the adapters read the input the layer already has: once per distinct input
+        sources = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "o_proj": "o", "gate_proj": "mlp",
+                   "up_proj": "mlp", "down_proj": "down"}
+        kept += sum(b * proj[next(t for t in chosen if sources[t] == src)][0]
+                    for src in {sources[t] for t in chosen})
+    return kept
 
 
 def peak_bytes(config: Mapping, plan: Plan) -> float:
@@ -214,7 +251,7 @@ def plan_from_settings(setting: Callable[[str], object], ranks: int, gpu: bool =
     packed = gpu and str(setting("flex_packing")).lower() in ("auto", "true")
     ckpt = str(setting("activation_checkpointing")).lower()
     targets = setting("lora_target_modules") or ()
-    common = {"lora_r": int(setting("lora_r") or 16),
+    common = {"lora_r": int(setting("lora_r") or 16), "lora_dropout": float(setting("lora_dropout") or 0) > 0,
               "lora_targets": (targets,) if isinstance(targets, str) else tuple(targets),
               "ranks": ranks, "shards": shards, "dtype": str(setting("dtype") or "bfloat16") if gpu else "float32"}
     if packed:
