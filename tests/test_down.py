@@ -26,6 +26,7 @@ from ops.actions import options, stack_down
 from ops.finetune import sbatch as jobs
 from ops.ssh import remote
 from ops.ssh.remote import Cluster
+from tests.test_memory_model import hub  # noqa: F401  (the stand-in hub serving config.json: a fixture)
 
 REPO = Path(__file__).resolve().parent.parent
 JOB_DIR_NAME = "20261207-031500-a1b2c3"
@@ -389,6 +390,8 @@ def test_a_failed_destroy_says_the_stack_may_be_partly_up(tmp_path, tools):
 
 
 def train_down(tmp_path, monkeypatch, the_run, say) -> None:
+    """`fab train --down` on the default stack, Qwen/Qwen3-4B's config.json from the stand-in hub (`hub`) for
+    the fit check before launch."""
     key = tmp_path / "id_test"
     key.write_text("not a key: never used, no host is reached\n")
     from ops.finetune import pipeline, runs
@@ -401,6 +404,7 @@ def train_down(tmp_path, monkeypatch, the_run, say) -> None:
     pipeline.train(opts, say=say)
 
 
+@pytest.mark.usefixtures("hub")
 def test_train_down_is_refused_while_another_run_is_in_flight(tmp_path, tools, monkeypatch):
     """The whole of `fab train --down` up to its first look at the cluster: the inventory from the stack
     (`pulumi stack output`), then squeue, before anything is uploaded or submitted."""
@@ -412,6 +416,7 @@ def test_train_down_is_refused_while_another_run_is_in_flight(tmp_path, tools, m
     assert destroyed(log) == []
 
 
+@pytest.mark.usefixtures("hub")
 def test_train_down_is_refused_before_training_while_an_earlier_run_is_not_home(tmp_path, tools, monkeypatch):
     _, log = tools
     finished_run(tmp_path / "scratch", job_id="7", name="20261206-010000-abcdef")
@@ -421,6 +426,7 @@ def test_train_down_is_refused_before_training_while_an_earlier_run_is_not_home(
     assert destroyed(log) == []
 
 
+@pytest.mark.usefixtures("hub")
 def test_train_down_refused_after_its_run_still_says_what_bills(tmp_path, tools, monkeypatch):
     """The run finished but its adapters did not all come home: no destroy, and the summary's bill after all."""
     _, log = tools
@@ -442,6 +448,7 @@ def test_train_down_refused_after_its_run_still_says_what_bills(tmp_path, tools,
     assert (runs / "12" / "run.json").is_file()  # the run's record is kept all the same
 
 
+@pytest.mark.usefixtures("hub")
 def test_train_down_destroys_the_stack_once_its_run_is_home(tmp_path, tools, monkeypatch):
     """`fab train --down` end to end around the run itself (which other tests cover): squeue empty, the run
     brought home (as run_home.finish leaves it), then the checks, `pulumi destroy` and what it removed."""
