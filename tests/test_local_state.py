@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from localcluster import health, netns, plan, state
+from localcluster import health, plan, state
 from localcluster import lifecycle as cluster
 from localcluster import topology as layout
 from localcluster.state import ClusterState, HostEntry, StateFileError
@@ -106,20 +106,3 @@ def test_a_half_made_cluster_is_not_healthy():
     assert health.problems(ClusterState(nodes=2, gpus=3, hosts=saved.hosts[:2])) == ["not every host was made"]
 
 
-@pytest.mark.cluster
-def test_up_and_down_get_past_a_corrupt_state_file():
-    """Root: a cluster whose state file is garbled is made again by `up` and removed by `down`
-    (both find its namespaces by name)."""
-    from tests.localcluster_fixture import fresh_cluster
-
-    with fresh_cluster(nodes=1, gpus=1):
-        layout.STATE_FILE.write_text('{"nodes": 1, "gp')
-        lines: list[str] = []
-        cluster.up(nodes=1, gpus=1, out=lines.append)
-        assert "taking down what is left of that cluster" in lines[0], lines
-        assert health.problems(state.load()) == []
-        layout.STATE_FILE.write_text("[]")
-        cluster.down(out=lines.append)
-        assert "removing what is found of that cluster by name" in lines[-2], lines
-        assert netns.our_netns() == [] and not netns.link_exists(layout.BRIDGE)
-        assert not layout.STATE_FILE.exists() and not layout.INVENTORY.exists()
