@@ -61,3 +61,23 @@ def test_the_allowed_units_and_their_reasons_are_in_the_docs():
     for unit, why in units.ALLOWED_FAILED.items():
         assert f"`{unit}`" in doc, unit
         assert why.split(";")[0] in " ".join(doc.split()), f"{unit}: docs/BOOTTEST.md lacks its reason"
+
+
+def test_step_seconds_split_a_first_boot_by_step_in_the_scripts_order(monkeypatch):
+    """The boot test records where a first boot's minutes go (timings.json "steps"): each step's
+    end time less the one before; steps ending in the same second keep the script's order."""
+    import calendar
+    import time
+
+    from boottest.boot_cluster import BootCluster
+
+    bc = object.__new__(BootCluster)
+    bc.roles = {"gpu-node-01": "gpu"}
+    t0 = calendar.timegm(time.strptime("2026-12-07T10:00:00Z", "%Y-%m-%dT%H:%M:%SZ"))
+    status = {"hostname": "ok 2026-12-07T10:00:05Z", "hosts": "ok 2026-12-07T10:00:05Z",
+              "holds": "ok 2026-12-07T10:00:06Z", "packages": "ok 2026-12-07T10:03:26Z",
+              "dirs": "ok 2026-12-07T10:03:26Z", "training": "running 2026-12-07T10:03:27Z"}
+    monkeypatch.setattr(BootCluster, "steps", lambda self, name: dict(sorted(status.items())))
+    got = bc.step_seconds("gpu-node-01", t0)
+    assert list(got) == ["hostname", "hosts", "holds", "packages", "dirs"]
+    assert got == {"hostname": 5, "hosts": 0, "holds": 1, "packages": 200, "dirs": 0}
