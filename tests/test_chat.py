@@ -208,3 +208,76 @@ def test_a_chat_run_gets_the_chat_template(tiny_run):
     assert talk.prompt_text(tok, "chat", "hi") == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert talk.prompt_text(tok, "alpaca", "hi") == "### Instruction:\nhi\n\n### Response:\n"
     assert talk.prompt_text(tok, "prompt_completion", "hi") == "hi"
+
+
+class PipeChannel:
+    """The server run as a local process, behind the part of paramiko's Channel that Session uses (recv with a
+    timeout, stderr, sendall, shutdown_write): the same bytes as over SSH, without the SSH."""
+
+    def __init__(self, argv):
+        import os
+        import threading
+
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        self.err = b""
+        self.drain = threading.Thread(target=self._drain, daemon=True)
+        self.drain.start()
+        self.timeout = None
+
+    def _drain(self):
+        self.err += self.proc.stderr.read()
+
+    def settimeout(self, t):
+        self.timeout = t
+
+    def recv(self, n):
+        import select
+
+        ready, _, _ = select.select([self.proc.stdout], [], [], self.timeout)
+        if not ready:
+            raise TimeoutError
+        data = self.proc.stdout.read1(n)
+        if not data:  # the end of its output: all of its stderr is read too, as an SSH channel's would be
+            self.drain.join(timeout=60)
+        return data
+
+    def recv_stderr_ready(self):
+        return bool(self.err) and not self.drain.is_alive()
+
+    def recv_stderr(self, n):
+        out, self.err = self.err[:n], self.err[n:]
+        return out
+
+    def sendall(self, data):
+        self.proc.stdin.write(data)
+        self.proc.stdin.flush()
+
+    def shutdown_write(self):
+        self.proc.stdin.close()
+
+
+@pytest.mark.slow
+def test_fab_side_streams_each_answer_and_its_stats_from_the_server_process(tiny_run):
+    import sys
+
+    base, adapters = tiny_run
+    channel = PipeChannel([sys.executable, "-m", "training.talk", "--base", base, "--adapters", adapters,
+                           "--max-new-tokens", "5", "--device", "cpu"])
+    said, written = [], []
+    done = chat.converse(chat.Session(channel), ["What is 2+2?", "line one\nline two"], said.append, written.append)
+    assert channel.proc.wait(timeout=60) == 0
+    assert [d["tokens"] for d in done] == [5, 5]
+    assert said[0].startswith("      loaded on cpu (float32)") and "alpaca rows" in said[0]
+    assert len([s for s in said if s.startswith("[first token ")]) == 2
+    assert "".join(written).count("\n") >= 2
+
+
+def test_a_server_that_dies_before_ready_is_named_with_its_error(tmp_path):
+    import sys
+
+    channel = PipeChannel([sys.executable, "-m", "training.talk", "--base", str(tmp_path / "none"),
+                           "--adapters", str(tmp_path / "none"), "--device", "cpu"])
+    with pytest.raises(chat.ChatError, match="ended before it was ready: .*Error"):
+        chat.converse(chat.Session(channel), ["hi"], print, print)
+    channel.proc.wait(timeout=60)
