@@ -293,8 +293,8 @@ def _chat(cl: Cluster, opts: ChatOptions, say: Say, write: Callable[[str], None]
     for path, what in ((f"{opts.output_dir}/adapter_config.json", f"run {opts.run}'s adapters"),
                        (f"{opts.base}/config.json", f"the base model of run {opts.run}")):
         if not exists(ctl, path):
-            raise ChatError(f"{what} are not on the cluster ({path} is missing: /scratch was emptied, or this is "
-                            "another cluster); pick a run of this cluster with --run, or train again")
+            raise ChatError(f"{what}: {path} is not on the cluster (/scratch was emptied, or this is another "
+                            "cluster); pick a run of this cluster with --run, or train again")
     slurm.let_admin_read(ctl, inv, opts.output_dir)
     chat_dir = f"{inv.scratch}/slurm-gpu/chat/{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     name = f"{CHAT_NAME}-{uuid.uuid4().hex[:8]}"
