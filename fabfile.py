@@ -16,9 +16,9 @@ from ops.actions import reconfigure as reconf
 from ops.actions.cluster_task import cluster_task
 from ops.cost import estimate as est
 from ops.cost import fit
+from ops.finetune import chat_session, runs
 from ops.finetune import follow as finetune_jobs
 from ops.finetune import pipeline as finetune
-from ops.finetune import runs
 from ops.ssh import sshcmd
 from ops.ssh.remote import open_cluster
 
@@ -201,6 +201,26 @@ def ssh(c, where, host=None, command=None):
         raise Exit(code=rc)  # the remote command's own exit status
 
 
+@cluster_task(help={
+    "run": "the run to talk to, as `fab runs` lists it (default: the newest run with adapters)",
+    "prompt": "answer this one prompt and stop (default: type prompts; an empty line ends)",
+    "prompts-file": "answer every line of this text file (one prompt a line), the model loaded once",
+    "max-new-tokens": "longest answer in tokens (default: 256)",
+})
+def chat(c, where, run=None, prompt=None, prompts_file=None, max_new_tokens=None):
+    """Talk to a run's tuned adapters: prompts answered on one GPU node, the tokens streamed as they come.
+
+    The run's adapters stay where the job wrote them on the cluster and load beside the base model they were
+    trained on, in a Slurm step of one task on one node (the local cluster: the tiny model on CPU). Prompts
+    are shaped as the run's rows were (Alpaca, prompt/completion, or the chat template), go through the step's
+    stdin, never a command line, and each answer ends with its time to first token and tokens/s. The model
+    loads once: --prompts-file and typed prompts after the first one answer without waiting for it.
+    """
+    opts = chat_session.parse(where, run=run, prompt=prompt, prompts_file=prompts_file,
+                              max_new_tokens=max_new_tokens)
+    chat_session.chat(opts)
+
+
 @task(name="spot-requests", help={
     "region": "AWS region to look in (default: the AWS CLI's; the stack's aws:region)",
     "stack": "only this stack's requests: organization/slurm-gpu/STACK as `pulumi stack ls` shows it "
@@ -236,5 +256,5 @@ def runs_(c, job=None):
 
 
 ns = Collection(train, check, estimate, status, logs, cancel, reconfigure, update_nodes, ssh, runs_,
-                spot_requests_, down)
+                spot_requests_, down, chat)
 ns.add_collection(local_ns, "local")

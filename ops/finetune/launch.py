@@ -49,6 +49,16 @@ def training_tarball() -> bytes:
     return buf.getvalue()
 
 
+def put_training(ctl, job_dir: str) -> None:
+    """training/ into `job_dir` (the login user's folder), so `python -m training.<module>` imports from there."""
+    q = shlex.quote
+    put_bytes(ctl, training_tarball(), f"{job_dir}/training.tar.gz")
+    # Our own archive (training_tarball: plain files under training/); GNU tar also skips ".." members
+    # (https://www.gnu.org/software/tar/manual/html_node/absolute.html).
+    ctl.run(f"tar --no-same-owner -xzf {q(job_dir)}/training.tar.gz -C {q(job_dir)} && rm {q(job_dir)}/training.tar.gz",
+            hide=True)
+
+
 def launch(cl: Cluster, opts: TrainOptions, nodes: int, gpus: int, say: Say,
            submitted: list[str] | None = None, extra: dict[str, object] | None = None) -> tuple[str, str, str]:
     """Upload code, config and script; submit. Returns (job id, job dir, log path). `extra`: more
@@ -63,11 +73,7 @@ def launch(cl: Cluster, opts: TrainOptions, nodes: int, gpus: int, say: Say,
     # The code, config and script are the admin user's, in a folder no job can write: the job runs as
     # the job user and writes only its work and output folders (docs/SECURITY.md).
     slurm.make_job_dir(ctl, inv, job_dir, jobs.WORK, jobs.OUTPUT)
-    put_bytes(ctl, training_tarball(), f"{job_dir}/training.tar.gz")
-    # Our own archive (training_tarball: plain files under training/); GNU tar also skips ".." members
-    # (https://www.gnu.org/software/tar/manual/html_node/absolute.html).
-    ctl.run(f"tar --no-same-owner -xzf {q(job_dir)}/training.tar.gz -C {q(job_dir)} && rm {q(job_dir)}/training.tar.gz",
-            hide=True)
+    put_training(ctl, job_dir)
     put_text(ctl, opts.config.read_text(), f"{job_dir}/config.yaml")
 
     # The job reads exactly what the flags or the config name; only the tiny model and data

@@ -173,6 +173,17 @@ class WholeInput(io.StringIO):
         return super().read()
 
 
+def user_command(c: Connection, cmd: str, user: str) -> str:
+    """`cmd` (one program and its arguments) as a command line that runs it as `user` from the login user of
+    `c`: as it is for that user, through runuser for root, else `sudo -n` (for a raw channel, where Fabric's
+    own sudo, with its password prompt, cannot be used)."""
+    if c.user == user:
+        return cmd
+    if c.user == "root":
+        return f"runuser -u {shlex.quote(user)} -- {cmd}"
+    return f"sudo -n -u {shlex.quote(user)} -- {cmd}"
+
+
 def sudo(c: Connection, cmd: str, user: str = "root", **kwargs):
     """Run `cmd` (one program and its arguments) as `user` (root by default): directly when we log in
     as that user (root on the local cluster), through runuser when we are root, else with sudo."""

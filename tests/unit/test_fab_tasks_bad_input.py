@@ -52,7 +52,7 @@ JOB = ["--job must be a Slurm job id (a number)", "see `fab status`"]
 IDENTITY = ["--identity /nonexistent/id_ed25519: no readable key file", "pass the private key"]
 STACK = ["--stack names a Pulumi stack", "only goes with --target aws"]
 TASKS = {"status": {}, "logs": {}, "cancel": {}, "reconfigure": {}, "update_nodes": {}, "ssh": {"host": "controller"},
-         "train": {}}
+         "train": {}, "chat": {"prompt": "hi"}}
 
 # (task, kwargs, expected substrings): wrong flag values, refused before any host is contacted.
 FLAGS = [(name, {**base, "target": "nowhere"}, TARGET) for name, base in TASKS.items()]
@@ -80,6 +80,10 @@ FLAGS += [
     *[("estimate", {"target": "aws", "gpu_instance_type": "g6.12xlarge", "region": "us-east-1", flag: value},
        [f"--{flag.replace('_', '-')} must be a number, not {value!r}"])
       for flag in ("scratch_mbps", "model_gb", "tokens_per_row") for value in ("nan", "inf", "-inf", "٣", "1e999")],
+    ("chat", {"target": "local", "prompt": "a", "prompts_file": "p.txt"}, ["--prompt and --prompts-file", "one of"]),
+    ("chat", {"target": "local", "prompts_file": "/nonexistent/p.txt"}, ["--prompts-file /nonexistent/p.txt: no such"]),
+    ("chat", {"target": "local", "prompt": "a", "max_new_tokens": "٣"}, ["--max-new-tokens must be a whole number"]),
+    ("chat", {"target": "local", "prompt": "a", "run": "../x"}, ["--run '../x' is not a run's name"]),
     ("ssh", {"host": "", "target": "local"}, ["name the host", "`fab ssh controller`"]),
     ("ssh", {"host": "   ", "target": "nowhere"}, ["name the host", "`fab ssh gpu-node-01`"]),
 ]

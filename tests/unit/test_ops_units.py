@@ -219,8 +219,8 @@ def test_fab_tasks_share_the_cluster_flags_and_keep_their_menu():
     import fabfile
     from ops.actions.options import CLUSTER_FLAGS_HELP
 
-    assert sorted(fabfile.ns.task_names) == ["cancel", "check", "down", "estimate", "local.down", "local.status",
-                                             "local.up", "logs", "reconfigure", "runs", "spot-requests", "ssh", "status",
+    assert sorted(fabfile.ns.task_names) == ["cancel", "chat", "check", "down", "estimate", "local.down",
+                                             "local.status", "local.up", "logs", "reconfigure", "runs", "spot-requests", "ssh", "status",
                                              "train", "update-nodes"]
     assert fabfile.ns["runs"].__doc__.strip()  # local files only: no cluster flags
     # EC2 only (it works after a destroy): its own flags, none of a cluster's
@@ -231,7 +231,8 @@ def test_fab_tasks_share_the_cluster_flags_and_keep_their_menu():
            "estimate": {"config", "nodes", "gpus_per_node", "examples", "model", "data", "gpu_instance_type",
                         "region", "model_gb", "tokens_per_row", "scratch_mbps"},
            "status": set(), "logs": {"job", "progress"}, "cancel": {"job"}, "reconfigure": {"force"},
-           "ssh": {"host", "command"}, "update-nodes": set()}
+           "ssh": {"host", "command"}, "update-nodes": set(),
+           "chat": {"run", "prompt", "prompts_file", "max_new_tokens"}}
     for name, flags in own.items():
         t = fabfile.ns[name]
         assert t.__doc__ and t.__doc__.strip(), name
