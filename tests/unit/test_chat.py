@@ -12,7 +12,7 @@ from ops.actions.options import OptionError, parse_cluster
 from ops.finetune import chat_session as chat
 from training import talk_protocol as proto
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 JOB_DIR = "/scratch/slurm-gpu/jobs/20260101-000000-abcdef"
 BASE = "/scratch/tiny/model"
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from ops.say import shown
-from tests.localcluster_fixture import fresh_cluster
+from tests.support.local_cluster import fresh_cluster
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 FAB = str(REPO / ".venv" / "bin" / "fab")
 BASE = "/var/lib/slurm-gpu-local/scratch/tiny/model"  # /scratch/tiny/model inside the hosts
 PROMPT = "What is the capital of Peru?"
