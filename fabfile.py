@@ -18,7 +18,7 @@ from ops.cost import estimate as est
 from ops.cost import fit
 from ops.finetune import follow as finetune_jobs
 from ops.finetune import pipeline as finetune
-from ops.finetune import runs
+from ops.finetune import runs, ship
 from ops.ssh import sshcmd
 from ops.ssh.remote import open_cluster
 
@@ -138,6 +138,23 @@ def down(c, where, drop_unfinished=False):
     stack_down.down(where, runs.RUNS, drop_unfinished=bool(drop_unfinished))
 
 
+@cluster_task(help={
+    "run": "the run to merge, a directory name under runs/ as `fab runs` lists it (default: the newest run)",
+    "download": "bring the merged model home to runs/<run>/merged/ (default: it stays on the cluster)",
+})
+def merge(c, where, run=None, download=False):
+    """Merge a run's LoRA adapters into its base model on the cluster: a model any serving stack loads.
+
+    A Slurm job on one GPU node writes bf16 safetensors, the tokenizer with its chat template and a model
+    card (README.md: base model, data source and SHA-256, format, template, config, held-out results) into
+    the run's folder on /scratch, `<job dir>/merged/`; plain `transformers` and vLLM load it. Prints its size
+    and where it is. It stays on the cluster unless --download; the model card is kept in runs/<run>/ too.
+    """
+    found = ship.find_run(runs.RUNS, run)  # checked before any host is touched
+    with open_cluster(where) as cl:
+        ship.merge(cl, found, download=bool(download))
+
+
 @cluster_task(help={"job": "job id (default: our latest fine-tune job)",
                     "progress": "compact progress lines instead of the raw log"})
 def logs(c, where, job=None, progress=False):
@@ -236,5 +253,5 @@ def runs_(c, job=None):
 
 
 ns = Collection(train, check, estimate, status, logs, cancel, reconfigure, update_nodes, ssh, runs_,
-                spot_requests_, down)
+                spot_requests_, down, merge)
 ns.add_collection(local_ns, "local")
