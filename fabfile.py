@@ -19,6 +19,7 @@ from ops.cost import fit
 from ops.finetune import chat_session, runs
 from ops.finetune import follow as finetune_jobs
 from ops.finetune import pipeline as finetune
+from ops.finetune import ship
 from ops.ssh import sshcmd
 from ops.ssh.remote import open_cluster
 
@@ -136,6 +137,23 @@ def down(c, where, drop_unfinished=False):
     """
     options.check_down(where.target)
     stack_down.down(where, runs.RUNS, drop_unfinished=bool(drop_unfinished))
+
+
+@cluster_task(help={
+    "run": "the run to merge, a directory name under runs/ as `fab runs` lists it (default: the newest run)",
+    "download": "bring the merged model home to runs/<run>/merged/ (default: it stays on the cluster)",
+})
+def merge(c, where, run=None, download=False):
+    """Merge a run's LoRA adapters into its base model on the cluster: a model any serving stack loads.
+
+    A Slurm job on one GPU node writes bf16 safetensors, the tokenizer with its chat template and a model
+    card (README.md: base model, data source and SHA-256, format, template, config, held-out results) into
+    the run's folder on /scratch, `<job dir>/merged/`; plain `transformers` and vLLM load it. Prints its size
+    and where it is. It stays on the cluster unless --download; the model card is kept in runs/<run>/ too.
+    """
+    found = ship.find_run(runs.RUNS, run)  # checked before any host is touched
+    with open_cluster(where) as cl:
+        ship.merge(cl, found, download=bool(download))
 
 
 @cluster_task(help={"job": "job id (default: our latest fine-tune job)",
@@ -256,5 +274,5 @@ def runs_(c, job=None):
 
 
 ns = Collection(train, check, estimate, status, logs, cancel, reconfigure, update_nodes, ssh, runs_,
-                spot_requests_, down, chat)
+                spot_requests_, down, chat, merge)
 ns.add_collection(local_ns, "local")

@@ -143,6 +143,7 @@ def run(cl: Cluster, opts: TrainOptions, nodes: int, gpus: int, say: Say = print
     if not job_end.outcome(cl, job_id, followed, job_dir, lambda s: say("      " + s)):
         raise job_end.failure(job_id, followed, log_path)
     result = tl.timed("download", run_home.finish, cl, job_id, followed, say, job_dir, log_path, checked, closing)
+    result.data = run_home.data_digest(cl.controller, opts.data_path)  # the copy it read (after prefetch)
     run_home.record_timeline(tl, follow, result, runs.run_dir(job_id, job_dir), say, predicted)
     return result
 
@@ -201,7 +202,7 @@ def train(opts: TrainOptions, say: Say = print, raw: bool = False,
         result = run(cl, opts, nodes, gpus, say=say, raw=raw, tl=tl, predicted=predicted, cost_per_h=cost_per_h,
                      closing=closing)
         if result.dest is not None:
-            run_home.write_run_record(result.dest, opts, inv, nodes, gpus, tl.wall_s, plan)
+            run_home.write_run_record(result.dest, opts, inv, nodes, gpus, tl.wall_s, plan, result.data)
         if opts.down:  # this run and every earlier finished one home, their adapters verified
             try:
                 ready = stack_down.check_ready(cl, runs.RUNS, "--down", opts.stack, done_job=result.job_id,

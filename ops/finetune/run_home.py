@@ -8,6 +8,8 @@ import dataclasses
 import json
 import os
 import posixpath
+import re
+import shlex
 import stat
 from pathlib import Path
 
@@ -202,8 +204,23 @@ def finish(cl: Cluster, job_id: str, followed: stream.Followed, say: Say,
 
 
 
+def data_digest(ctl: Connection, path: str | None) -> dict | None:
+    """{"path", "sha256"} of the data a run read on the cluster (None: no path, or unreadable), for run.json and
+    the model card (`fab merge`). A file: its own SHA-256 (`sha256sum FILE`). A folder (a Hub data set's copy):
+    the SHA-256 of the `sha256sum` lines of its files, sorted by path (LC_ALL=C), as
+    `cd DIR && find . -type f -print0 | LC_ALL=C sort -z | xargs -0 sha256sum | sha256sum` prints it."""
+    if not path or not path.startswith("/"):
+        return None
+    q = shlex.quote(path)
+    cmd = (f"if [ -d {q} ]; then cd {q} && find . -type f -print0 | LC_ALL=C sort -z | xargs -0 -r sha256sum "
+           f"| sha256sum; else sha256sum -- {q}; fi")
+    res = ctl.run(f"bash -c {shlex.quote('set -o pipefail; ' + cmd)}", hide=True, warn=True, in_stream=False)
+    digest = (res.stdout.split() or [""])[0] if res.ok else ""
+    return {"path": path, "sha256": digest} if re.fullmatch(r"[0-9a-f]{64}", digest) else None
+
+
 def write_run_record(dest: Path, opts: TrainOptions, inv: Inventory, nodes: int, gpus: int, wall_s: float,
-                     plan) -> None:
+                     plan, data: dict | None = None) -> None:
     """runs/<job>/run.json: what `fab runs` lists beside metrics.json and timeline.json (the run's model,
     data, cluster shape and, where the stack's prices give it, the instances' cost over the wall time)."""
     cost = None
@@ -217,7 +234,9 @@ def write_run_record(dest: Path, opts: TrainOptions, inv: Inventory, nodes: int,
             cost = None
     record = {"target": inv.target, "cluster": inv.cluster_name, "gpu_type": inv.gpu_type, "nodes": nodes,
               "gpus_per_node": gpus, "config": opts.config.name, "model": opts.model_path, "data": opts.data_path,
-              "wall_s": round(wall_s, 3), "cost_usd": cost}
+              "wall_s": round(wall_s, 3), "cost_usd": cost,
+              # what the run read: the copy on the cluster and its content hash (data_digest)
+              "data_on_cluster": (data or {}).get("path"), "data_sha256": (data or {}).get("sha256")}
     (dest / "run.json").write_text(json.dumps(record, indent=2) + "\n")
 
 

@@ -23,6 +23,8 @@ JOBS_DIR = Path(__file__).resolve().parents[2] / "jobs"
 FINETUNE_NAME = "slurm-gpu-finetune"
 SANITY_NAME = "slurm-gpu-sanity"
 NETCHECK_NAME = "slurm-gpu-netcheck"
+MERGE_NAME = "slurm-gpu-merge"
+MERGE_PROGRAM = JOBS_DIR / "merge_adapters.py"  # uploaded beside the rendered script
 NETCHECK_PROGRAM = JOBS_DIR / "allreduce_check.py"  # uploaded beside the rendered script
 # In each job's folder, the folders the job writes (slurm.make_job_dir gives them to the job user).
 WORK = "work"
@@ -119,3 +121,8 @@ def render_netcheck(spec: JobSpec, sizes: tuple[int, ...], budget_s: float, gloo
     """The network check's script; `gloo_ifname`: the interface gloo must use (None: gloo's own choice)."""
     return _env.get_template("netcheck.sbatch.j2").render(
         **context(spec), sizes=",".join(str(s) for s in sizes), budget_s=budget_s, gloo_ifname=gloo_ifname or "")
+
+
+def render_merge(spec: JobSpec, adapters: str) -> str:
+    """`fab merge`'s script: the adapters in `adapters` merged into their base model, into spec.output_dir."""
+    return _env.get_template("merge.sbatch.j2").render(**context(spec), adapters=adapters)

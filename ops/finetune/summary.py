@@ -105,6 +105,8 @@ class RunSummary:
     network: str | None = None  # the network check's line (ops/actions/netcheck.py), when it ran
     # The summary's last lines: what the stack still bills and how to stop it (ops/cost/still_bills.py).
     closing: list[str] = field(default_factory=list)
+    # The data the run trained on: its path on the cluster and content hash (run_home.data_digest), for run.json.
+    data: dict | None = None
 
     def value(self, key: str):
         return self.metrics.get(key)

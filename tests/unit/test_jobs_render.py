@@ -152,6 +152,9 @@ def rendered_scripts():
         out[f"netcheck-{name}"] = jobs.render_netcheck(
             jobs.base_spec(inv, jobs.NETCHECK_NAME, 2, gpus, "/scratch/j", time_limit="00:03:00"),
             (4096, 1 << 20), 0.3, "eth0" if name == "local" else None)
+        out[f"merge-{name}"] = jobs.render_merge(
+            jobs.base_spec(inv, jobs.MERGE_NAME, 1, 1, "/scratch/j", script_path="/scratch/j/merge.sbatch",
+                           output_dir="/scratch/j/merged", time_limit="02:00:00"), "/scratch/j/output")
     return out
 
 
