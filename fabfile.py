@@ -16,10 +16,9 @@ from ops.actions import reconfigure as reconf
 from ops.actions.cluster_task import cluster_task
 from ops.cost import estimate as est
 from ops.cost import fit
-from ops.finetune import chat_session, runs
+from ops.finetune import chat_session, runs, ship
 from ops.finetune import follow as finetune_jobs
 from ops.finetune import pipeline as finetune
-from ops.finetune import ship
 from ops.ssh import sshcmd
 from ops.ssh.remote import open_cluster
 

@@ -1,7 +1,7 @@
 """`fab merge` (ops/finetune/ship.py, jobs/merge_adapters.py, ops/finetune/model_card.py) without a cluster:
 the merge program on the tiny model with real peft adapters, reloaded with plain transformers; the model card
 from a run's records; the data hash run.json keeps; and the refusals made before any host is touched.
-tests/test_merge_cluster.py runs the same merge as a Slurm job after a real `fab train`."""
+tests/cluster/test_merge_cluster.py runs the same merge as a Slurm job after a real `fab train`."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 
 from ops.finetune import model_card, run_home, ship
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 FAB = str(REPO / ".venv" / "bin" / "fab")
 PROMPT = "### Instruction:\nWhat is the capital of Peru?\n\n### Response:\nLima"
 

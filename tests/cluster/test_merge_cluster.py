@@ -1,6 +1,6 @@
 """`fab merge` on the real local cluster: a real `fab train` (tiny model, CPU), then its adapters merged by a
 Slurm job into bf16 safetensors on /scratch, brought home with --download, and reloaded with plain transformers:
-the same logits as the base model with the adapters on top, within tests/test_merge.py's tolerance. The run's
+the same logits as the base model with the adapters on top, within tests/unit/test_merge.py's tolerance. The run's
 record keeps the data's content hash, and the model card names it."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.localcluster_fixture import fresh_cluster
-from tests.test_merge import assert_same_model, logit_gaps
+from tests.support.local_cluster import fresh_cluster
+from tests.unit.test_merge import assert_same_model, logit_gaps
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 FAB = str(REPO / ".venv" / "bin" / "fab")
 SCRATCH = Path("/var/lib/slurm-gpu-local/scratch")  # /scratch inside the hosts
 
@@ -58,7 +58,7 @@ def test_train_then_merge_gives_base_plus_adapters(tmp_path):
         for want in (f"| data SHA-256 | {record['data_sha256']} |", "| data format | alpaca",
                      "| config | local-tiny.yaml |", "held-out loss, base -> tuned", "```yaml"):
             assert want in card, want
-        # plain transformers, nothing of this project: the same logits as base + adapters (tests/test_merge.py)
+        # plain transformers, nothing of this project: the same logits as base + adapters (tests/unit/test_merge.py)
         adapter_cfg = json.loads((run / "adapter_config.json").read_text())
         base = SCRATCH / Path(adapter_cfg["base_model_name_or_path"]).relative_to("/scratch")
         gaps = logit_gaps(home, base, run)
