@@ -218,6 +218,8 @@ def write_run_record(dest: Path, opts: TrainOptions, inv: Inventory, nodes: int,
     record = {"target": inv.target, "cluster": inv.cluster_name, "gpu_type": inv.gpu_type, "nodes": nodes,
               "gpus_per_node": gpus, "config": opts.config.name, "model": opts.model_path, "data": opts.data_path,
               "wall_s": round(wall_s, 3), "cost_usd": cost}
+    if opts.data_source:  # where the data came from (a local file: its sha256; ops/finetune/upload.py)
+        record["data_source"] = dict(opts.data_source)
     (dest / "run.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
