@@ -31,12 +31,12 @@ LIMIT_MB = 256
 
 
 def generate(path: Path, size: int) -> int:
-    """A JSONL of Alpaca rows of about `size` bytes, written a block at a time; its row count."""
+    """A JSONL of Alpaca rows of about `size` bytes, written a block of 1000 rows at a time; its row count."""
+    row = '{"instruction": "Repeat the number %d in words.", "input": "", "output": "%s"}\n'
     rows, written = 0, 0
     with path.open("w", encoding="utf-8") as f:
         while written < size:
-            block = "".join(json.dumps({"instruction": f"Repeat the number {rows + i} in words.", "input": "",
-                                        "output": f"The number is {rows + i}. " * 8}) + "\n" for i in range(1000))
+            block = "".join(row % (n, f"The number is {n}. " * 8) for n in range(rows, rows + 1000))
             f.write(block)
             rows, written = rows + 1000, written + len(block)
     return rows
@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         work.rmdir()
     result = {
         "benchmark": "upload", "date": time.strftime("%Y-%m-%d"), "target": inv.target,
+        "gpu": "none (no GPU takes part: the user's side and the controller)",
         "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
                     "kernel": platform.release()},
         "bytes": local.size, "rows": local.rows, "rows_written": rows, "sha256": local.sha256,

@@ -82,30 +82,3 @@ def test_a_local_jsonl_is_uploaded_once_trained_on_and_recorded(lc, user_side, t
     assert "uploading" not in out and "sha256 verified" not in out, out
     assert home.stat().st_mtime_ns == stamp
     assert run_record(tmp_path / "second")["data_source"]["uploaded"] is False
-
-
-def test_an_interrupted_upload_leaves_no_file(lc, user_side):
-    inv, cl, _ = lc
-    path = user_side / "interrupted.jsonl"
-    alpaca_jsonl(path, 4000)  # several of putfo's 32 KiB writes
-    local = upload.prepare(path)
-
-    def ctrl_c(done, total):
-        raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        upload.ensure_on_cluster(cl.controller, inv.scratch, local, say=lambda s: None, progress=ctrl_c)
-    assert not (UPLOADS / local.sha256).exists()
-    assert not list(UPLOADS.glob(".partial-*"))
-
-
-def test_a_file_changed_during_the_upload_is_refused_and_removed(lc, user_side):
-    inv, cl, _ = lc
-    path = user_side / "changing.jsonl"
-    alpaca_jsonl(path, 100)
-    local = upload.prepare(path)
-    path.write_bytes(path.read_bytes().replace(b"Say", b"Sag"))  # same size, other bytes
-    with pytest.raises(upload.UploadError, match="the upload arrived changed"):
-        upload.ensure_on_cluster(cl.controller, inv.scratch, local, say=lambda s: None)
-    assert not (UPLOADS / local.sha256).exists()
-    assert not list(UPLOADS.glob(".partial-*"))

@@ -26,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from paramiko.ssh_exception import SSHException
+
 from cluster.errors import UserError
 from ops.actions.fetch_files import UnsafeName, safe_name
 from ops.say import Say, shown
@@ -250,8 +252,13 @@ def ensure_on_cluster(c, scratch: str, data: LocalData, say: Say,
     say(f"      {_flag(data.path)}: uploading {_size(data.size)} to {final}")
     t0 = time.monotonic()
     try:
-        with data.path.open("rb") as f:
-            c.sftp().putfo(f, tmp, file_size=data.size, callback=progress or UploadBar(data.name, data.size))
+        try:  # confirm=False: the size and sha256 are checked below, with a message that says what to do
+            with data.path.open("rb") as f:
+                c.sftp().putfo(f, tmp, file_size=data.size, callback=progress or UploadBar(data.name, data.size),
+                               confirm=False)
+        except (OSError, SSHException) as exc:
+            raise UploadError(f"{_flag(data.path)}: the upload to the controller failed ({shown(exc)}); run the "
+                              "command again (nothing was kept: it starts over)") from None
         check = _run(c, f"stat -c %s {q(tmp)} && sha256sum {q(tmp)}")
         lines = check.stdout.split()
         if not check.ok or len(lines) < 2 or lines[0] != str(data.size) or lines[1] != data.sha256:
