@@ -164,11 +164,13 @@ def train(opts: TrainOptions, say: Say = print, raw: bool = False,
             return None
         if opts.down:  # one stack for the inventory, the checks and the destroy (stack_down's module doc)
             opts = dataclasses.replace(opts, stack=stack_down.stack_name(opts.stack))
-        local = _local_data(opts, say)  # read and checked here, before the inventory or any host
+        local = _local_data(opts)  # read and checked here, before the inventory or any host
         inv = targets.load(opts.target, opts.stack)
         nodes, gpus = check_against(opts, inv)
         say(f"fab train: {inv.target} cluster {inv.cluster_name!r}, {nodes} node(s) x {gpus} GPU(s) "
             f"({inv.gpu_type}), config {opts.config.name}")
+        if local is not None:
+            say(f"      --data: local file {local.describe()}")
         tl.cluster = inv.cluster_name
     predicted, plan = None, None
     with tl.phase("estimate"):
@@ -221,7 +223,7 @@ def train(opts: TrainOptions, say: Say = print, raw: bool = False,
     return result
 
 
-def _local_data(opts: TrainOptions, say: Say) -> upload.LocalData | None:
+def _local_data(opts: TrainOptions) -> upload.LocalData | None:
     """--data naming a file on this machine: read (streaming) and its first rows checked (ops/finetune/upload.py)."""
     if not opts.data_file:
         return None
@@ -229,7 +231,6 @@ def _local_data(opts: TrainOptions, say: Say) -> upload.LocalData | None:
         local = upload.prepare(opts.data_file)
     except upload.UploadError as exc:
         raise TrainError(str(exc)) from None
-    say(f"      --data: local file {local.describe()}")
     return local
 
 
