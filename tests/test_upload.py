@@ -134,3 +134,19 @@ def test_fab_train_refuses_a_bad_local_file_before_the_cluster_is_read(tmp_path,
     out = res.stdout + res.stderr
     assert res.returncode != 0 and expected in out, out
     assert "Traceback" not in out and "local cluster" not in out, out  # before the inventory's line
+
+
+@pytest.mark.parametrize("piece", [1, 7, 64, 1 << 20])
+def test_rows_and_first_rows_hold_at_every_piece_boundary(tmp_path, monkeypatch, piece):
+    """Blank and whitespace-only lines (CRLF too) are not rows, at whatever byte a piece ends."""
+    rows = [json.dumps({"prompt": f"p{i}" * (i % 5), "completion": "c"}) for i in range(40)]
+    text = ("\n \r\n".join(rows[:10]) + "\r\n\n\t\n" + "\n".join(rows[10:]) + "\n\n  ").encode()
+    path = tmp_path / "mixed.jsonl"
+    path.write_bytes(text)
+    monkeypatch.setattr(upload, "PIECE", piece)
+    monkeypatch.setattr(upload, "HEAD_ROWS", 25)
+    head: list[bytes] = []
+    digest, count = upload._hash_and_count_lines(path, head)
+    assert count == sum(1 for line in text.split(b"\n") if line.strip()) == 40
+    assert digest == hashlib.sha256(text).hexdigest()
+    assert [json.loads(line) for line in head] == [json.loads(r) for r in rows[:25]]

@@ -86,27 +86,44 @@ def _flag(path: Path) -> str:
     return f"--data {path}"
 
 
+BLANK_LINE = re.compile(rb"^[ \t\r\f\v]*\n", re.M)
+
+
 def _hash_and_count_lines(path: Path, head: list[bytes]) -> tuple[str, int]:
-    """sha256 of the file and its count of non-blank lines, reading at most PIECE bytes at a time; the first
-    HEAD_ROWS non-blank lines (each at most HEAD_ROW_MAX bytes) into `head`."""
-    h, rows, blank, line = hashlib.sha256(), 0, True, b""
-    with path.open("rb") as f:
-        for piece in iter(lambda: f.readline(PIECE), b""):
-            h.update(piece)
-            if blank and piece.strip():
-                blank = False
-            if len(head) < HEAD_ROWS and len(line) <= HEAD_ROW_MAX:  # a longer row is checked on the node
-                line += piece
-            if piece.endswith(b"\n"):
-                if not blank:
-                    rows += 1
-                    if len(head) < HEAD_ROWS and len(line) <= HEAD_ROW_MAX:
-                        head.append(line)
-                blank, line = True, b""
-    if not blank:
-        rows += 1
+    """sha256 of the file and its count of non-blank lines, reading PIECE bytes at a time (a row longer than a
+    piece is counted without being held); the first HEAD_ROWS non-blank lines (each at most HEAD_ROW_MAX bytes)
+    into `head`."""
+    h, rows = hashlib.sha256(), 0
+    tail, tail_text = b"", False  # the line the last piece ended inside: its start (up to HEAD_ROW_MAX), any text
+
+    def keep(line: bytes) -> None:
         if len(head) < HEAD_ROWS and len(line) <= HEAD_ROW_MAX:
             head.append(line)
+
+    with path.open("rb") as f:
+        for piece in iter(lambda: f.read(PIECE), b""):
+            h.update(piece)
+            first, last = piece.find(b"\n"), piece.rfind(b"\n")
+            if first < 0:  # the line goes on
+                tail_text = tail_text or bool(piece.strip())
+                if len(head) < HEAD_ROWS and len(tail) <= HEAD_ROW_MAX:
+                    tail += piece
+                continue
+            ended = piece[:first]
+            if tail_text or ended.strip():
+                rows += 1
+                keep(tail + ended if len(tail) <= HEAD_ROW_MAX else tail)
+            middle = piece[first + 1:last + 1]  # whole lines
+            rows += middle.count(b"\n") - len(BLANK_LINE.findall(middle))
+            if len(head) < HEAD_ROWS:
+                for line in middle.split(b"\n"):
+                    if line.strip():
+                        keep(line)
+            tail = piece[last + 1:]
+            tail_text = bool(tail.strip())
+    if tail_text:
+        rows += 1
+        keep(tail)
     return h.hexdigest(), rows
 
 
