@@ -87,6 +87,15 @@ def _flag(path: Path) -> str:
 
 
 BLANK_LINE = re.compile(rb"^[ \t\r\f\v]*\n", re.M)
+MAYBE_BLANK = re.compile(rb"\n[ \t\r\f\v\n]")  # a line that starts with whitespace or is empty
+
+
+def _blank_lines(lines: bytes) -> int:
+    """How many of `lines` (whole lines) are empty or whitespace: the regex only where one can be (a line that
+    starts with whitespace or a newline), since scanning every line start with it is slow."""
+    if not (lines[:1] and lines[:1] in b" \t\r\f\v\n") and not MAYBE_BLANK.search(lines):
+        return 0
+    return len(BLANK_LINE.findall(lines))
 
 
 def _hash_and_count_lines(path: Path, head: list[bytes]) -> tuple[str, int]:
@@ -114,7 +123,7 @@ def _hash_and_count_lines(path: Path, head: list[bytes]) -> tuple[str, int]:
                 rows += 1
                 keep(tail + ended if len(tail) <= HEAD_ROW_MAX else tail)
             middle = piece[first + 1:last + 1]  # whole lines
-            rows += middle.count(b"\n") - len(BLANK_LINE.findall(middle))
+            rows += middle.count(b"\n") - _blank_lines(middle)
             if len(head) < HEAD_ROWS:
                 for line in middle.split(b"\n"):
                     if line.strip():
