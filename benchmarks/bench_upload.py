@@ -21,11 +21,12 @@ import shlex
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from ops.actions.options import parse_cluster
 from ops.finetune import upload
-from ops.ssh.remote import open_cluster
+from ops.ssh.remote import connect_file, open_cluster
 
 LIMIT_MB = 256
 
@@ -56,11 +57,28 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+@contextmanager
+def _cluster(args):
+    if not args.inventory:
+        with open_cluster(parse_cluster(target=args.target, stack=args.stack)) as cl:
+            yield cl
+        return
+    cl = connect_file(args.inventory, args.identity, args.port)
+    try:
+        yield cl
+    finally:
+        cl.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size-gb", type=float, default=1.0)
     ap.add_argument("--target", default="local")
     ap.add_argument("--stack", default=None)
+    ap.add_argument("--inventory", default=None, help="an inventory JSON file instead of --target (a loopback sshd)")
+    ap.add_argument("--port", type=int, default=None, help="with --inventory: the controller's SSH port")
+    ap.add_argument("--identity", default=None, help="with --inventory: the SSH private key")
+    ap.add_argument("--scratch", default=None, help="the shared folder to upload under (default: the inventory's)")
     ap.add_argument("--dir", default=None, help="where to write the generated file (default: a temporary folder)")
     ap.add_argument("--out", default=None, help="write the result as JSON here")
     args = ap.parse_args(argv)
@@ -68,8 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-upload-", dir=args.dir))
     path = work / "bench.jsonl"
     try:
-        with open_cluster(parse_cluster(target=args.target, stack=args.stack)) as cl:
+        with _cluster(args) as cl:
             inv = cl.inventory
+            scratch = args.scratch or inv.scratch
             rows = generate(path, int(args.size_gb * 1e9))
             before = peak_mb()  # imports done, file written
             t0 = time.monotonic()
@@ -77,10 +96,10 @@ def main(argv: list[str] | None = None) -> int:
             t_prepare = time.monotonic() - t0
             lines: list[str] = []
             t0 = time.monotonic()
-            remote, uploaded = upload.ensure_on_cluster(cl.controller, inv.scratch, local, lines.append)
+            remote, uploaded = upload.ensure_on_cluster(cl.controller, scratch, local, lines.append)
             t_upload = time.monotonic() - t0
             t0 = time.monotonic()
-            _, again = upload.ensure_on_cluster(cl.controller, inv.scratch, local, lines.append)
+            _, again = upload.ensure_on_cluster(cl.controller, scratch, local, lines.append)
             t_again = time.monotonic() - t0
             peak = peak_mb()
             cl.controller.run(f"rm -rf {shlex.quote(remote.rsplit('/', 1)[0])}", hide=True, warn=True, in_stream=False)
@@ -88,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         path.unlink(missing_ok=True)
         work.rmdir()
     result = {
-        "benchmark": "upload", "date": time.strftime("%Y-%m-%d"), "target": inv.target,
+        "benchmark": "upload", "date": time.strftime("%Y-%m-%d"),
+        "target": "loopback sshd" if args.inventory else inv.target,
         "gpu": "none (no GPU takes part: the user's side and the controller)",
         "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
                     "kernel": platform.release()},

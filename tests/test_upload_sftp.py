@@ -7,6 +7,7 @@ import hashlib
 import os
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -16,19 +17,21 @@ from ops.ssh import remote
 from tests.test_ssh_forwarding import _free_port
 from tests.test_upload import alpaca_jsonl
 
+REPO = Path(__file__).resolve().parent.parent
+
 pytestmark = [pytest.mark.root]
 
 
 @pytest.fixture(scope="module")
-def host(tmp_path_factory):
-    """(connection, scratch folder) of a real sshd on loopback, reached as fab reaches a controller."""
+def sshd(tmp_path_factory):
+    """A real sshd on loopback (internal SFTP): {inventory: its file, port, key, scratch}."""
     d = tmp_path_factory.mktemp("sshd")
     for name in ("host", "user"):
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / name)], check=True)
     (d / "authorized_keys").write_text((d / "user.pub").read_text())
     port = _free_port()
     os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
-    sshd = subprocess.Popen(["/usr/sbin/sshd", "-D", "-e", "-f", "/dev/null", "-p", str(port),
+    proc = subprocess.Popen(["/usr/sbin/sshd", "-D", "-e", "-f", "/dev/null", "-p", str(port),
                              "-o", "ListenAddress=127.0.0.1", "-o", f"HostKey={d / 'host'}",
                              "-o", f"AuthorizedKeysFile={d / 'authorized_keys'}",
                              "-o", "PermitRootLogin=prohibit-password", "-o", "Subsystem=sftp internal-sftp",
@@ -40,23 +43,28 @@ def host(tmp_path_factory):
                     controller=Node("controller", "127.0.0.1", "controller"), gpu_nodes=(),
                     gpus_per_node=1, gpu_type="sim", nvlink=False, efa=False, python="/usr/bin/python3",
                     service_cmd="true {action} {service}", extra={"known_hosts": str(d / "known_hosts")})
+    (d / "inventory.json").write_text(inv.to_json())
+    (d / "scratch").mkdir()
     try:
         for _ in range(100):
             if subprocess.run(["bash", "-c", f"exec 3<>/dev/tcp/127.0.0.1/{port}"],
                               stderr=subprocess.DEVNULL).returncode == 0:
                 break
             time.sleep(0.1)
-        cl = remote.connect(inv, identity=str(d / "user"))
-        cl.controller.port = port
-        scratch = d / "scratch"
-        scratch.mkdir()
-        try:
-            yield cl.controller, scratch
-        finally:
-            cl.close()
+        yield {"inventory": d / "inventory.json", "port": port, "key": d / "user", "scratch": d / "scratch"}
     finally:
-        sshd.terminate()
-        sshd.wait(timeout=10)
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def host(sshd):
+    """(connection, scratch folder) of the loopback sshd, reached as fab reaches a controller."""
+    cl = remote.connect_file(str(sshd["inventory"]), str(sshd["key"]), sshd["port"])
+    try:
+        yield cl.controller, sshd["scratch"]
+    finally:
+        cl.close()
 
 
 def test_uploaded_once_then_found_by_its_sha256(host, tmp_path):
@@ -119,3 +127,23 @@ def test_a_stale_temporary_file_is_swept_by_the_next_upload(host, tmp_path):
     alpaca_jsonl(path, 10)
     upload.ensure_on_cluster(c, str(scratch), upload.prepare(path), say=lambda s: None)
     assert not stale.exists()
+
+
+def test_the_upload_benchmark_stays_under_its_memory_bound(sshd, tmp_path):
+    """benchmarks/bench_upload.py end to end against the loopback sshd, with a small file (SGPU_BENCH_UPLOAD_GB
+    sets the size, SGPU_BENCH_UPLOAD_OUT keeps the result: BENCHMARKS.md's figure is this test at 1 GB)."""
+    import json
+    import sys
+
+    out = os.environ.get("SGPU_BENCH_UPLOAD_OUT") or str(tmp_path / "upload.json")
+    res = subprocess.run([sys.executable, "-m", "benchmarks.bench_upload", "--inventory", str(sshd["inventory"]),
+                          "--port", str(sshd["port"]), "--identity", str(sshd["key"]), "--scratch",
+                          str(sshd["scratch"]), "--size-gb", os.environ.get("SGPU_BENCH_UPLOAD_GB", "0.05"),
+                          "--dir", str(tmp_path), "--out", out],
+                         cwd=REPO, capture_output=True, text=True, timeout=1200)
+    assert res.returncode == 0, res.stdout + res.stderr
+    result = json.loads(Path(out).read_text())
+    assert result["uploaded_first"] is True and result["uploaded_second"] is False
+    assert result["peak_rss_mb"] < result["limit_mb"] == 256
+    assert result["rows"] == result["rows_written"] and result["bytes"] >= 0.05e9
+    assert not list(tmp_path.glob("bench-upload-*")) and not (sshd["scratch"] / "uploads" / result["sha256"]).exists()
