@@ -36,7 +36,7 @@ from training import data as training_data
 PIECE = 1 << 20  # bytes read at a time while hashing: the user's side holds one piece, never the file
 HEAD_ROWS = 200  # rows checked here before anything is uploaded; the whole file is checked on a node
 HEAD_ROW_MAX = 8 << 20  # a longer row is left to the check on the node (the user's side keeps < 200 such rows)
-JSON_WHOLE_MAX = 64 << 20  # a .json file is one JSON document, read whole: larger ones must be JSON Lines
+JSON_WHOLE_MAX = 16 << 20  # a .json file is one JSON document, parsed whole (~5x in memory): larger ones as JSON Lines
 PROGRESS_MIN_BYTES = 32 << 20  # a progress bar (on a terminal) for files at least this large
 UPLOADS = "uploads"  # under the cluster's scratch: <sha256>/<name>
 STALE_PARTIAL_MIN = 24 * 60  # a temporary file a killed upload left is removed by a later one after a day
