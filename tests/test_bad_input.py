@@ -102,6 +102,8 @@ OPTIONS = [
     ({"target": "aws", "data": "my data.jsonl"}, ["--data my data.jsonl: no such file on this machine",
                                                   "a Hub data set ID or an absolute path on the cluster"]),
     ({"target": "aws", "data": "my data"}, ["--data 'my data' is neither a Hub ID", "absolute path"]),
+    ({"target": "aws", "data": "s3://bucket/train.jsonl"},
+     ["--data s3://bucket/train.jsonl: fab does not read S3 yet", "--data ./train.jsonl (uploaded once"]),
     ({"target": "local", "data": "  "}, ["--data is empty", "give a Hugging Face Hub ID or an absolute path"]),
 ]
 

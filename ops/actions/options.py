@@ -103,6 +103,10 @@ def _model_or_data(flag: str, value: str | None, target: Target, label: str | No
         raise OptionError(f"{label} is empty: give a Hugging Face Hub ID or an absolute path on the cluster")
     if value.startswith("/"):
         return value
+    if value.startswith("s3://"):
+        raise OptionError(f"{label} {value}: fab does not read S3 yet; copy the object here (`aws s3 cp {value} .`) "
+                          f"and pass the file: {label} ./{value.rstrip('/').rsplit('/', 1)[-1] or 'data.jsonl'} "
+                          "(uploaded once to the cluster)")
     if target.hub_offline:
         fix = (f"leave --{flag} out to use the config's" if label.startswith("--") else
                f"or pass --config {default_config(target).relative_to(REPO)} for the") + " tiny model and data"
