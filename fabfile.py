@@ -29,7 +29,8 @@ from ops.ssh.remote import open_cluster
     "gpus-per-node": "ranks per node, one per GPU (default: all GPUs of a node)",
     "examples": "train on the first N examples of the data set (default: from the config)",
     "model": "Hugging Face Hub ID or absolute path on the cluster of the base model",
-    "data": "Hub data set ID or absolute path on the cluster (JSON/JSONL/Parquet, Alpaca columns)",
+    "data": ("a data file on this machine (uploaded once, by content hash), a Hub data set ID or an absolute "
+             "path on the cluster (JSONL/JSON/CSV/Parquet)"),
     "raw": "stream the raw job log instead of compact progress lines",
     "estimate": "print each phase's predicted time and the run's cost, then stop (no host is touched)",
     "skip-check": "do not run the network check (all-reduce of every node) before the job",

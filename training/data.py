@@ -19,7 +19,7 @@ from pathlib import Path
 
 REQUIRED_COLUMNS = ("instruction", "output")
 OPTIONAL_COLUMNS = ("input",)
-LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet")
+LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
 
 
 class DataError(ValueError):
@@ -77,7 +77,18 @@ def _read_parquet(path: Path) -> list[dict]:
         raise DataError(f"{path}: cannot read as Parquet ({e}); check the file") from None
 
 
-READERS = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet}
+def _read_csv(path: Path) -> list[dict]:
+    """A CSV file whose header row names the columns (Alpaca or prompt/completion: chat needs JSON)."""
+    import csv
+
+    with path.open(encoding="utf-8", newline="") as f:
+        try:
+            return list(csv.DictReader(f))
+        except csv.Error as e:
+            raise DataError(f"{path}: not a readable CSV file ({e}); fix it") from None
+
+
+READERS = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet, ".csv": _read_csv}
 
 
 # The three row shapes, by the columns that pick them (detect_format), for messages that name them.
@@ -208,6 +219,11 @@ def _check_rows(rows: list, path: Path | str) -> Rows:
     if not clean:
         raise DataError(f"{path}: no row can be trained on ({clean.summary()}); fix the rows")
     return clean
+
+
+def check_rows(rows: list, source: Path | str) -> Rows:
+    """The rows checked as a data file's are (_check_rows): fab checks a local file's first rows with it."""
+    return _check_rows(rows, source)
 
 
 def _local_files(path: Path) -> list[Path]:

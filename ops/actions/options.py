@@ -67,6 +67,10 @@ class TrainOptions:
     down: bool = False
     # --drop-unfinished (with --down): unfinished runs' checkpoints may go with the stack.
     drop_unfinished: bool = False
+    # --data naming a file on this machine: uploaded to the cluster (ops/finetune/upload.py), then `data`
+    # names its copy there; data_source: what the run record says of it (set once uploaded).
+    data_file: str | None = None
+    data_source: Mapping | None = field(default=None, compare=False)
     # The training config's settings as checked (training/validate.py), for what fab itself predicts from them
     # (the fit check, ops/cost/fit.py); a setting absent here has args.py's default.
     settings: Mapping = field(default_factory=dict, compare=False)
@@ -99,6 +103,10 @@ def _model_or_data(flag: str, value: str | None, target: Target, label: str | No
         raise OptionError(f"{label} is empty: give a Hugging Face Hub ID or an absolute path on the cluster")
     if value.startswith("/"):
         return value
+    if value.startswith("s3://"):
+        raise OptionError(f"{label} {value}: fab does not read S3 yet; copy the object here (`aws s3 cp {value} .`) "
+                          f"and pass the file: {label} ./{value.rstrip('/').rsplit('/', 1)[-1] or 'data.jsonl'} "
+                          "(uploaded once to the cluster)")
     if target.hub_offline:
         fix = (f"leave --{flag} out to use the config's" if label.startswith("--") else
                f"or pass --config {default_config(target).relative_to(REPO)} for the") + " tiny model and data"
@@ -108,6 +116,27 @@ def _model_or_data(flag: str, value: str | None, target: Target, label: str | No
         raise OptionError(f"{label} {value!r} is neither a Hub ID like 'Qwen/Qwen3-4B' nor an absolute "
                           "path on the cluster (paths are read on the cluster, e.g. /scratch/data.jsonl)")
     return value
+
+
+# A --data value that names a file on this machine (ops/finetune/upload.py uploads it).
+_DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+
+
+def local_data_file(value: str | None) -> str | None:
+    """--data as a file on this machine, or None. An absolute path is one when it is a file here (else it is a
+    path on the cluster, as before); a relative one when it exists here or looks like a file path
+    (./, ../, ~, a data file's suffix): a missing one is then refused by name (upload.prepare)."""
+    if value is None:
+        return None
+    text = str(value).strip()
+    if not text or text.startswith("s3://"):
+        return None
+    here = Path(text).expanduser()
+    if text.startswith("/"):
+        return str(here) if here.is_file() else None
+    if here.exists() or text.startswith(("./", "../", "~")) or text.lower().endswith(_DATA_SUFFIXES):
+        return str(here.resolve()) if here.exists() else text
+    return None
 
 
 def _config(value: str | None, target: Target) -> tuple[Path, dict]:
@@ -228,7 +257,12 @@ def parse_train(where: ClusterOptions, config=None, nodes=None, gpus_per_node=No
         raise OptionError(str(exc)) from None
     tgt, identity = targets.get(where.target), where.identity
     path, settings = _config(config, tgt)
-    model, data = _model_or_data("model", model, tgt), _model_or_data("data", data, tgt)
+    data_file = local_data_file(data)
+    if data_file is not None and not Path(data_file).expanduser().is_file():
+        raise OptionError(f"--data {data_file}: no such file on this machine; give a data file that exists here "
+                          "(JSONL, JSON, CSV or Parquet), a Hub data set ID or an absolute path on the cluster")
+    model = _model_or_data("model", model, tgt)
+    data = data_file or _model_or_data("data", data, tgt)
     from training.validate import default
 
     def from_config(key: str, flag: str) -> str | None:
@@ -241,7 +275,7 @@ def parse_train(where: ClusterOptions, config=None, nodes=None, gpus_per_node=No
         nodes=_int("nodes", nodes), gpus_per_node=_int("gpus-per-node", gpus_per_node),
         examples=_int("examples", examples), model=model, data=data, identity=identity,
         skip_check=skip_check, healthy_only=healthy_only, max_cost=cap, down=bool(down),
-        drop_unfinished=bool(drop_unfinished), settings=settings,
+        drop_unfinished=bool(drop_unfinished), settings=settings, data_file=data_file,
         config_model=None if model else from_config("model_name_or_path", "model"),
         config_data=None if data else from_config("dataset_name", "data"),
     )

@@ -18,7 +18,7 @@ from ops.actions.options import TrainOptions, check_against
 from ops.cost import cap as cost_cap
 from ops.cost import estimate as est
 from ops.cost import fit, still_bills
-from ops.finetune import inputs, job_end, launch, run_home, runs, sanity, stream, summary, timeline
+from ops.finetune import inputs, job_end, launch, run_home, runs, sanity, stream, summary, timeline, upload
 from ops.finetune.trainstep import TrainError, step
 from ops.say import Say
 from ops.ssh.remote import Cluster, HostError, connect, each, service
@@ -165,10 +165,13 @@ def train(opts: TrainOptions, say: Say = print, raw: bool = False,
             return None
         if opts.down:  # one stack for the inventory, the checks and the destroy (stack_down's module doc)
             opts = dataclasses.replace(opts, stack=stack_down.stack_name(opts.stack))
+        local = _local_data(opts)  # read and checked here, before the inventory or any host
         inv = targets.load(opts.target, opts.stack)
         nodes, gpus = check_against(opts, inv)
         say(f"fab train: {inv.target} cluster {inv.cluster_name!r}, {nodes} node(s) x {gpus} GPU(s) "
             f"({inv.gpu_type}), config {opts.config.name}")
+        if local is not None:
+            say(f"      --data: local file {local.describe()}")
         tl.cluster = inv.cluster_name
     predicted, plan = None, None
     with tl.phase("estimate"):
@@ -197,6 +200,8 @@ def train(opts: TrainOptions, say: Say = print, raw: bool = False,
         if priced is not None and not priced.calibrated and model.startswith("/"):  # read on the controller:
             with tl.phase("estimate"):  # no node woken
                 check_fit(opts, priced, cl.controller, say)
+        if local is not None:  # to the controller (always on), before any node is woken
+            opts = tl.timed("upload", upload_data, cl, opts, local, say)
         if opts.down:  # before any training: another run in flight, or one not home, refuses here already
             stack_down.check_ready(cl, runs.RUNS, "--down", opts.stack, drop_unfinished=opts.drop_unfinished)
         result = run(cl, opts, nodes, gpus, say=say, raw=raw, tl=tl, predicted=predicted, cost_per_h=cost_per_h,
@@ -217,6 +222,23 @@ def train(opts: TrainOptions, say: Say = print, raw: bool = False,
         say("--down: " + stack_down.ready_line(ready, runs.RUNS))
         stack_down.destroy(opts.stack, inv, say)
     return result
+
+
+def _local_data(opts: TrainOptions) -> upload.LocalData | None:
+    """--data naming a file on this machine: read (streaming) and its first rows checked (ops/finetune/upload.py)."""
+    if not opts.data_file:
+        return None
+    try:
+        local = upload.prepare(opts.data_file)
+    except upload.UploadError as exc:
+        raise TrainError(str(exc)) from None
+    return local
+
+
+def upload_data(cl: Cluster, opts: TrainOptions, local: upload.LocalData, say: Say) -> TrainOptions:
+    """The local data file on the cluster's scratch (uploaded unless already there); the options naming it."""
+    path, uploaded = upload.ensure_on_cluster(cl.controller, cl.inventory.scratch, local, say)
+    return dataclasses.replace(opts, data=path, data_source=local.record(path, uploaded))
 
 
 def fit_cluster(opts: TrainOptions, inv, plan: est.Estimate | None, say: Say) -> est.PricedCluster | None:

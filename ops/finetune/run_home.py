@@ -237,6 +237,8 @@ def write_run_record(dest: Path, opts: TrainOptions, inv: Inventory, nodes: int,
               "wall_s": round(wall_s, 3), "cost_usd": cost,
               # what the run read: the copy on the cluster and its content hash (data_digest)
               "data_on_cluster": (data or {}).get("path"), "data_sha256": (data or {}).get("sha256")}
+    if opts.data_source:  # where the data came from (a local file: its sha256; ops/finetune/upload.py)
+        record["data_source"] = dict(opts.data_source)
     (dest / "run.json").write_text(json.dumps(record, indent=2) + "\n")
 
 

@@ -30,6 +30,7 @@ LABELS: dict[str, str] = {
     "estimate": "estimate",
     "wake": "waiting for the nodes",
     "inputs": "input checks",
+    "upload": "data file upload",
     "prefetch": "model and data fetch",
     "keys": "munge key sync",
     "reconfigure": "reconfigure",

@@ -152,6 +152,18 @@ def connect(inv: Inventory, identity: str | None = None) -> Cluster:
     return Cluster(inv, ctl, nodes)
 
 
+def connect_file(path: str, identity: str | None = None, port: int | None = None) -> Cluster:
+    """Connections for the inventory in the JSON file `path` (Inventory.to_json's form), the controller on `port`
+    when given: for a host no target names (benchmarks/bench_upload.py against an sshd on loopback)."""
+    import json
+    from pathlib import Path
+
+    cl = connect(Inventory.from_dict(json.loads(Path(path).read_text())), identity)
+    if port:
+        cl.controller.port = port
+    return cl
+
+
 @contextmanager
 def open_cluster(where: ClusterOptions) -> Iterator[Cluster]:
     """The cluster `where` names, its controller's connection opened (a wrong key or a down host fails

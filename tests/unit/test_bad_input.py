@@ -99,7 +99,11 @@ OPTIONS = [
     ({"target": "local", "stack": "dev"}, ["--stack names a Pulumi stack", "only goes with --target aws"]),
     ({"target": "aws", "identity": "/nonexistent/id_ed25519"},
      ["--identity /nonexistent/id_ed25519: no readable key file", "pass the private key"]),
-    ({"target": "aws", "data": "my data.jsonl"}, ["--data 'my data.jsonl' is neither a Hub ID", "absolute path"]),
+    ({"target": "aws", "data": "my data.jsonl"}, ["--data my data.jsonl: no such file on this machine",
+                                                  "a Hub data set ID or an absolute path on the cluster"]),
+    ({"target": "aws", "data": "my data"}, ["--data 'my data' is neither a Hub ID", "absolute path"]),
+    ({"target": "aws", "data": "s3://bucket/train.jsonl"},
+     ["--data s3://bucket/train.jsonl: fab does not read S3 yet", "--data ./train.jsonl (uploaded once"]),
     ({"target": "local", "data": "  "}, ["--data is empty", "give a Hugging Face Hub ID or an absolute path"]),
 ]
 
@@ -107,7 +111,8 @@ OPTIONS = [
 DATA = [
     ("no-output.jsonl", '{"instruction": "a", "input": ""}\n', ["missing column 'output' (row 1)", "every row needs"]),
     ("empty.jsonl", "", ["the data set is empty", "needs rows with columns instruction, output"]),
-    ("rows.csv", "instruction,output\na,b\n", ["unsupported file type '.csv'", "use one of .json, .jsonl, .parquet"]),
+    ("rows.csv", "question,answer\na,b\n", ["columns found: answer, question", "one of three shapes"]),
+    ("rows.tsv", "instruction\toutput\na\tb\n", ["unsupported file type '.tsv'", "use one of .json, .jsonl, .parquet, .csv"]),
     ("broken.jsonl", '{"instruction": "a", "output": "b"}\n{"instruction": "c", \n',
      ["line 2 is not valid JSON", "fix or remove that line"]),
     ("int-output.jsonl", '{"instruction": "a", "output": 7}\n', ["column 'output' in row 1 must be a string, got int"]),

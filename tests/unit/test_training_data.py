@@ -110,9 +110,9 @@ def _bad_file(tmp_path, case):
         f.write_text("[]")
         return f, ["empty", str(f)]
     if case == "unsupported":
-        f = tmp_path / "data.csv"
-        f.write_text("instruction,output\nx,y\n")
-        return f, ["unsupported", ".csv", ".jsonl", str(f)]
+        f = tmp_path / "data.tsv"
+        f.write_text("instruction\toutput\nx\ty\n")
+        return f, ["unsupported", ".tsv", ".jsonl", ".csv", str(f)]
     if case == "malformed_line":
         f = tmp_path / "bad.jsonl"
         f.write_text(json.dumps({"instruction": "x", "output": "y"}) + "\n\n{not json\n")
@@ -303,3 +303,14 @@ def test_data_py_runs_alone_as_the_node_side_check(tmp_path):
     assert (ok.returncode, ok.stdout.strip()) == (0, "3"), ok.stderr
     no = subprocess.run([sys.executable, str(alone), str(bad)], capture_output=True, text=True, cwd=tmp_path)
     assert no.returncode == 3 and "output" in no.stderr and no.stdout == ""
+
+
+def test_a_csv_file_with_alpaca_columns_trains(tmp_path):
+    """A CSV's header row names the columns (fab uploads .csv files: ops/finetune/upload.py)."""
+    from training.data import load_rows
+
+    f = tmp_path / "rows.csv"
+    f.write_text('instruction,input,output\n"Add, please","1 2","3"\nName a colour.,,Blue.\n')
+    rows = load_rows(str(f))
+    assert rows.format == "alpaca" and [r["output"] for r in rows] == ["3", "Blue."]
+    assert rows[0]["instruction"] == "Add, please" and rows[1]["input"] == ""
