@@ -15,10 +15,10 @@ import pytest
 from localcluster import topology as layout
 from ops.finetune import upload
 from ops.ssh.remote import connect
-from tests.localcluster_fixture import fresh_cluster
-from tests.test_upload import alpaca_jsonl
+from tests.support.local_cluster import fresh_cluster
+from tests.unit.test_upload import alpaca_jsonl
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 FAB = str(REPO / ".venv" / "bin" / "fab")
 UPLOADS = layout.SCRATCH / upload.UPLOADS  # /scratch/uploads as this machine sees it
 

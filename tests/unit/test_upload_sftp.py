@@ -14,10 +14,10 @@ import pytest
 from cluster.inventory import Inventory, Node
 from ops.finetune import upload
 from ops.ssh import remote
-from tests.test_ssh_forwarding import _free_port
-from tests.test_upload import alpaca_jsonl
+from tests.unit.test_ssh_forwarding import _free_port
+from tests.unit.test_upload import alpaca_jsonl
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.root]
 

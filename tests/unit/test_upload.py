@@ -13,7 +13,7 @@ import pytest
 from ops.actions import options
 from ops.finetune import upload
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 FAB = str(REPO / ".venv" / "bin" / "fab")
 
 
