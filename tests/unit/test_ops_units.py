@@ -220,7 +220,7 @@ def test_fab_tasks_share_the_cluster_flags_and_keep_their_menu():
     from ops.actions.options import CLUSTER_FLAGS_HELP
 
     assert sorted(fabfile.ns.task_names) == ["cancel", "chat", "check", "down", "estimate", "local.down",
-                                             "local.status", "local.up", "logs", "reconfigure", "runs", "spot-requests", "ssh", "status",
+                                             "local.status", "local.up", "logs", "merge", "reconfigure", "runs", "spot-requests", "ssh", "status",
                                              "train", "update-nodes"]
     assert fabfile.ns["runs"].__doc__.strip()  # local files only: no cluster flags
     # EC2 only (it works after a destroy): its own flags, none of a cluster's
@@ -232,7 +232,7 @@ def test_fab_tasks_share_the_cluster_flags_and_keep_their_menu():
                         "region", "model_gb", "tokens_per_row", "scratch_mbps"},
            "status": set(), "logs": {"job", "progress"}, "cancel": {"job"}, "reconfigure": {"force"},
            "ssh": {"host", "command"}, "update-nodes": set(),
-           "chat": {"run", "prompt", "prompts_file", "max_new_tokens"}}
+           "chat": {"run", "prompt", "prompts_file", "max_new_tokens"}, "merge": {"run", "download"}}
     for name, flags in own.items():
         t = fabfile.ns[name]
         assert t.__doc__ and t.__doc__.strip(), name
