@@ -88,7 +88,7 @@ def run(args) -> dict:
     later = answers[1:]
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     result = {
-        "benchmark": "bench_chat", "date": dt.date.today().isoformat(), "device": device_name,
+        "benchmark": "bench_chat", "date": dt.date.today().isoformat(), "gpu": device_name,
         "model": "tiny Qwen3" if args.tiny else "Qwen3-4B architecture, random weights",
         "config": cfg, "dtype": str(model.dtype).removeprefix("torch."), "lora_r": args.lora_r,
         "torch": torch.__version__, "build_s": round(build_s, 2), "max_new_tokens": args.max_new_tokens,

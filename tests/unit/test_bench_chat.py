@@ -18,7 +18,7 @@ def test_bench_chat_on_cpu(tmp_path):
     assert [a["tokens"] for a in result["answers"]] == [6, 6, 6]
     assert all(a["prompt_tokens"] >= 40 and a["ttft_s"] > 0 and a["tokens_per_s"] > 0 for a in result["answers"])
     assert result["later_ttft_max_s"] == max(a["ttft_s"] for a in result["answers"][1:])
-    assert result["dtype"] == "float32" and result["device"] == "cpu" and result["lora_r"] == 16
+    assert result["dtype"] == "float32" and result["gpu"] == "cpu" and result["lora_r"] == 16
 
 
 def test_one_prompt_is_refused(capsys):
