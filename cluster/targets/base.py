@@ -19,8 +19,6 @@ class Target:
     describe: ClassVar[str]
     # The OS and Slurm its hosts run (cluster/platform.py); the inventory's facts say which one a cluster has.
     platforms: ClassVar[tuple[Platform, ...]]
-    # gres.conf File= prefix when the inventory's facts do not carry one: its platforms'.
-    device_prefix: ClassVar[str]
     # The GPUs are real (nvidia-smi lists them) rather than stand-in files.
     real_gpus: ClassVar[bool]
     # Ranks talk NCCL through the aws-ofi-nccl EFA plugin (else gloo on CPU).
@@ -41,6 +39,9 @@ class Target:
     # CPU targets: the network check has a measured figure of this cluster's own network to expect
     # (ops/data/local.json); without one it reports figures and judges transports only.
     measured_network: ClassVar[bool] = False
+    # What `fab train` says while it starts GPU nodes that power saving stopped (None: no figure of
+    # its own, ops/actions/node_power.py's default).
+    power_up_time: ClassVar[str | None] = None
 
     def load(self, stack: str | None) -> Inventory:
         raise NotImplementedError
@@ -51,9 +52,6 @@ class Target:
 
     def expects_efa(self, inv: Inventory) -> bool:
         return self.nccl_efa and inv.efa
-
-    def gpu_device_prefix(self, inv: Inventory) -> str:
-        return inv.extra.get("gpu_device_prefix") or inv.facts.get("gpu_device_prefix") or self.device_prefix
 
 
 DEFAULT = "aws"
