@@ -3,7 +3,7 @@
 Slurm refuses to start on a key it does not know, and the two platforms run different
 Slurm versions (cluster/platform.py: 22.05 locally, 23.11 on AWS): a key that only one
 of them knows would pass every local test and stop the other at first boot. This table is
-what tests/test_slurm_keys.py checks every rendered file against. It lists the keys the
+what tests/unit/test_slurm_keys.py checks every rendered file against. It lists the keys the
 project renders or may reasonably render, not Slurm's whole vocabulary; a new key goes in
 here after checking the version's parser. Source: `slurm_conf_options`,
 `_nodename_options`, `_partition_options` (src/common/read_config.c), the cgroup.conf

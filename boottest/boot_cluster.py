@@ -10,6 +10,7 @@ Each phase's wall time is in `timings`."""
 
 from __future__ import annotations
 
+import calendar
 import json
 import os
 import shlex
@@ -19,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bootstrap.node_layout import STEPS_DIR, TRAINING_PYTHON
+from bootstrap.node_layout import STEPS, STEPS_DIR, TRAINING_PYTHON
 from bootstrap.user_data import user_data_gzip
 from boottest import aptlock, aptrepo, host, images, net, nspawn, wheelhouse
 from cluster.facts import ClusterFacts, NodeShape, plan_hosts, this_machine_topology
@@ -69,7 +70,7 @@ def ec2_style_name(ip: str) -> str:
 class BootCluster:
     platform: Platform
     state: Path = STATE_ROOT / "run"
-    timings: dict[str, float] = field(default_factory=dict)
+    timings: dict[str, object] = field(default_factory=dict)
     containers: dict[str, nspawn.Container] = field(default_factory=dict)
     apt_lock: aptlock.AptLockHolder | None = None
 
@@ -175,6 +176,7 @@ class BootCluster:
 
     def wait_cloud_init(self, timeout: float = 1500) -> dict[str, dict]:
         """Every host's final `cloud-init status` (done or error), once none is running."""
+        started = time.time()
         with self.phase("cloud_init"):
             deadline = time.monotonic() + timeout
             final: dict[str, dict] = {}
@@ -188,7 +190,28 @@ class BootCluster:
             for name in self.containers:
                 final.setdefault(name, {"status": "timeout", "errors": [f"still running after {timeout:.0f} s"]})
         self.pin_host_keys()
+        self.timings["steps"] = {name: self.step_seconds(name, started) for name in self.containers}
         return final
+
+    def step_seconds(self, name: str, started: float) -> dict[str, float]:
+        """Seconds each bootstrap step took on a host, from the end times its status lines hold
+        (whole seconds): the first step counts from when the wait began, so it includes cloud-init's
+        own modules before the bootstrap. Where a first boot's minutes go, per role."""
+        order = STEPS[self.roles[name]]
+        ends = []
+        for step, status in self.steps(name).items():
+            parts = status.split()
+            if len(parts) >= 2 and parts[0] == "ok":
+                try:
+                    end = calendar.timegm(time.strptime(parts[1], "%Y-%m-%dT%H:%M:%SZ"))
+                except ValueError:
+                    continue
+                ends.append((end, order.index(step) if step in order else len(order), step))
+        out, prev = {}, started
+        for end, _, step in sorted(ends):  # ties (whole seconds) in the script's order
+            out[step] = round(max(0.0, end - prev), 1)
+            prev = end
+        return out
 
     def steps(self, name: str) -> dict[str, str]:
         """The bootstrap's per-step record on a host: step -> its status line."""

@@ -3,8 +3,8 @@
 `AWS` is what `pulumi up` boots (the AMI, its OS, Python, Slurm from its apt, driver,
 EFA); `LOCAL` is the local cluster (this machine's Debian 12 in network namespaces).
 The AMI look-up (infra/ami.py), the rendered files (bootstrap/render.py and the
-templates, through `ClusterFacts.platform`) and the tests (tests/test_target_pins.py,
-tests/test_slurm_keys.py) read these facts; nothing else states them. Why Ubuntu 24.04:
+templates, through `ClusterFacts.platform`) and the tests (tests/unit/test_target_pins.py,
+tests/unit/test_slurm_keys.py) read these facts; nothing else states them. Why Ubuntu 24.04:
 docs/PLATFORM.md.
 """
 

@@ -41,7 +41,7 @@ MIN_ROOT_VOLUME_GIB = 50
 MAX_ROOT_VOLUME_GIB = 16384
 # The most GPU nodes a stack has: the controller's user-data lists them all (slurm.conf's node
 # lines, the hosts block: about 18 bytes each, gzip-compressed) and must stay within EC2's 16 KiB
-# with room to spare (tests/test_user_data_size.py: at this count every host's user-data is at
+# with room to spare (tests/unit/test_user_data_size.py: at this count every host's user-data is at
 # most 12 KiB, three quarters of the limit).
 MAX_GPU_NODES = 96
 

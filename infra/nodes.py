@@ -54,7 +54,7 @@ from infra.quotas import stack_name
 # rebooted", and cloud-init does not run the new user-data (same instance id). So user-data,
 # which the bootstrap templates and pins change with every `git pull`, is ignored on update
 # (IGNORED_ON_UPDATE); the other such inputs the program sets change only with the stack's
-# config or state, never with the code (DELIBERATE, with why). tests/test_infra_updates.py
+# config or state, never with the code (DELIBERATE, with why). tests/unit/test_infra_updates.py
 # checks both against the installed pulumi_aws.
 IGNORED_ON_UPDATE = ("userData", "userDataBase64")
 DELIBERATE = {

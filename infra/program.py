@@ -36,7 +36,7 @@ RESUME_TIMEOUT_S = 900
 # SDK sends replacement_trigger in RegisterResourceRequest without asking the engine whether it
 # supports it (pulumi/runtime/resource.py, unlike deletedWith), so an older engine would ignore a
 # market change silently. Pulumi.yaml's requiredPulumiVersion says the same to the CLI itself
-# (tests/test_infra_project.py keeps them equal).
+# (tests/unit/test_infra_project.py keeps them equal).
 MIN_PULUMI_CLI = "3.208.0"
 
 

@@ -46,7 +46,7 @@ Never rename or move this module or SpotRequestCanceller: existing stacks' state
 pulumi.dynamic serializes the provider by reference (dill; `infra.spot_guard.SpotRequestCanceller`), and
 the engine's dynamic-provider plugin (`python -m pulumi.dynamic`, started in the project directory)
 loads it from there for every diff, update and delete, destroy included
-(tests/test_spot_requests.py loads it so).
+(tests/unit/test_spot_requests.py loads it so).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ fi
 
 pkgs=(slurm-wlm munge openssh-server openssh-client shellcheck cloud-init iproute2 procps
       psmisc util-linux python3 python3-venv python3-pip
-      # The controller's metadata guard (tests/test_imds_guard.py loads its rules with the real nft).
+      # The controller's metadata guard (tests/unit/test_imds_guard.py loads its rules with the real nft).
       nftables
       # The boot test (boottest/): images, containers (systemd-container must match the
       # host's systemd, which apt picks from the same release), the local apt repository.

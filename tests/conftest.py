@@ -10,7 +10,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 # No test reaches the Hugging Face Hub: `fab estimate` and `fab train` read a Hub model's config.json (the fit check,
 # ops/cost/fit.py), so every process started from here, `fab` included, asks a closed loopback port instead, and a
-# test that needs the Hub starts a stand-in on loopback and sets its own HF_ENDPOINT (tests/test_gated_models.py).
+# test that needs the Hub starts a stand-in on loopback and sets its own HF_ENDPOINT (tests/unit/test_gated_models.py).
 os.environ["HF_ENDPOINT"] = "http://127.0.0.1:9"
 
 

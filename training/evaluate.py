@@ -5,7 +5,7 @@ loads a separate file (`eval_dataset_name`). `evaluate` scores them with the mod
 negative log-likelihood over the completion tokens and the share of those tokens the model ranks first,
 each prompt's tokens unscored, exactly as training scores them. On the packed path the rows go through the
 packed LM head (training/fastpath/), on the padded path through the model's logits: the same tokens, the
-same sums, so the two paths' numbers agree to rounding (tests/test_eval_gpu.py). The base model's numbers
+same sums, so the two paths' numbers agree to rounding (tests/unit/test_eval_gpu.py). The base model's numbers
 come from the same function with the LoRA adapters switched off, before the first step.
 """
 

@@ -4,7 +4,7 @@ One definition for the three sides that speak it: training/ (rank 0 prints the t
 the job templates in jobs/ (rendered with `template_context()`: no name is spelled in a template) and
 ops/ (ops/finetune/joblog.py and timeline.py parse the tags; stack_down and pipeline look for COMPLETED).
 
-It lives in training/ because training/ is the lowest layer ops/ may import (tests/test_import_graph.py)
+It lives in training/ because training/ is the lowest layer ops/ may import (tests/unit/test_import_graph.py)
 and the only one that reaches the GPU nodes: `fab train` ships training/ into each job's directory, so
 the batch script's `python -m training.requeue` and the ranks import this very file. Standard library
 only, nothing at all in fact: it is imported beside every rank and by the batch script.

@@ -3,7 +3,7 @@ with the job's Python, before and after the training step). Standard library onl
 
 Why Python and not the batch script's bash: every branch below is a decision on a few facts (markers in
 output_dir, the restart count, the step's exit status, which nodes answer), and here each is unit-tested
-(tests/test_requeue.py) instead of only by the clusters that reach it. What stays in bash is what must:
+(tests/unit/test_requeue.py) instead of only by the clusters that reach it. What stays in bash is what must:
 srun itself, and turning this module's answer into the script's exit.
 
 Limits: a node that keeps failing would requeue the job forever: give up after `max_restarts` restarts.

@@ -31,7 +31,7 @@ class Boot(Target):
     def load(self, stack: str | None) -> Inventory:
         if not BOOT_INVENTORY.exists():
             raise InventoryError(f"no boot cluster: {BOOT_INVENTORY} is missing. The boot test "
-                                 "(pytest -m boot tests/test_boot_cluster.py) starts one.")
+                                 "(pytest -m boot tests/boot/test_boot_cluster.py) starts one.")
         return Inventory.from_dict(json.loads(BOOT_INVENTORY.read_text()))
 
 

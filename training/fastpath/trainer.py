@@ -5,7 +5,7 @@ Built with the config's fast-path settings (training/args.py): `step_layout`, `a
 `auto`, the fast path's, and `choices` records which (value, who decided and why) for the run's log and
 metrics.json. The Trainer's public hooks carry most of it (compute_loss, training_step, get_train_dataloader,
 floating_point_ops, log); what they cannot do is in PRIVATE_OVERRIDES below, with the reason, and
-tests/test_trainer_contract.py holds the pinned transformers' signatures of those methods.
+tests/unit/test_trainer_contract.py holds the pinned transformers' signatures of those methods.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from training.fastpath.step_graphs import StepGraphs, decide_graphs
 log = logging.getLogger(__name__)
 
 # Private methods of transformers.Trainer that the fast path overrides (in this module, deferred_logs.py or
-# training/checkpoints.py), and why no public hook does it. tests/test_trainer_contract.py fails when the
+# training/checkpoints.py), and why no public hook does it. tests/unit/test_trainer_contract.py fails when the
 # pinned transformers changes one of their signatures.
 PRIVATE_OVERRIDES: dict[str, str] = {
     "_prepare_input": "tensors to the GPU with non_blocking=True: the Trainer's blocking copy waits for the "
