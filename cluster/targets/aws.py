@@ -14,8 +14,6 @@ class Aws(Target):
     name = "aws"
     describe = "the current Pulumi stack, the default"
     platforms = (AWS_PLATFORM,)
-    real_gpus = True
-    nccl_efa = True
     hub_offline = False
     cloud_init = True
     takes_stack = True

@@ -19,10 +19,6 @@ class Target:
     describe: ClassVar[str]
     # The OS and Slurm its hosts run (cluster/platform.py); the inventory's facts say which one a cluster has.
     platforms: ClassVar[tuple[Platform, ...]]
-    # The GPUs are real (nvidia-smi lists them) rather than stand-in files.
-    real_gpus: ClassVar[bool]
-    # Ranks talk NCCL through the aws-ofi-nccl EFA plugin (else gloo on CPU).
-    nccl_efa: ClassVar[bool]
     # The cluster cannot reach the Hugging Face Hub: model and data must be paths on it.
     hub_offline: ClassVar[bool]
     # Hosts finish booting through cloud-init (fab waits for it).
@@ -45,6 +41,23 @@ class Target:
 
     def load(self, stack: str | None) -> Inventory:
         raise NotImplementedError
+
+    @property
+    def real_gpus(self) -> bool:
+        """The GPUs are real (nvidia-smi lists them) rather than stand-in files: its platforms ship a driver."""
+        return self._platforms_say("real_gpus", lambda p: p.real_gpus)
+
+    @property
+    def nccl_efa(self) -> bool:
+        """Ranks talk NCCL through the aws-ofi-nccl EFA plugin (else gloo on CPU): its platforms ship it."""
+        return self._platforms_say("nccl_efa", lambda p: p.ofi_nccl_dir is not None)
+
+    def _platforms_say(self, what: str, fact) -> bool:
+        """One fact of the platforms (cluster/platform.py), stated there once; its platforms must agree."""
+        seen = {fact(p) for p in self.platforms}
+        if len(seen) != 1:
+            raise TypeError(f"target {self.name}: its platforms disagree on {what}")
+        return seen.pop()
 
     def flag(self) -> str:
         """The `--target` flag that selects this target again (empty for the default)."""

@@ -22,8 +22,6 @@ class Boot(Target):
     name = "boot"
     describe = "the boot test's containers (boottest/)"
     platforms = (BOOT_DEBIAN12, BOOT_DEBIAN13)
-    real_gpus = False
-    nccl_efa = False
     hub_offline = True  # the containers reach only their bridge
     cloud_init = True  # hosts finish their first boot through cloud-init, as on AWS
     takes_stack = False

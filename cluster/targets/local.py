@@ -29,8 +29,6 @@ class Local(Target):
     name = "local"
     describe = "the cluster of `fab local.up`"
     platforms = (LOCAL_PLATFORM,)
-    real_gpus = False
-    nccl_efa = False
     hub_offline = True  # the job runs with HF_HUB_OFFLINE=1
     cloud_init = False  # `fab local.up` configures the hosts
     takes_stack = False

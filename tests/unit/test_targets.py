@@ -101,3 +101,12 @@ def test_each_target_names_its_platforms_and_a_spec_takes_their_device_prefix():
         assert tgt.platforms, name
         for platform in tgt.platforms:
             assert inventories.make(name, platform=platform).gpu_device_prefix == platform.gpu_device_prefix
+
+
+def test_gpu_and_nccl_flags_come_from_the_platforms():
+    """A target states no GPU or NCCL flag of its own: its platforms (cluster/platform.py) say it."""
+    for name in targets.names():
+        tgt = targets.get(name)
+        assert "real_gpus" not in vars(type(tgt)) and "nccl_efa" not in vars(type(tgt)), name
+        assert tgt.real_gpus == all(p.real_gpus for p in tgt.platforms), name
+    assert targets.get("aws").nccl_efa and not targets.get("local").nccl_efa and not targets.get("boot").nccl_efa
