@@ -24,8 +24,9 @@ from bootstrap.node_layout import STEPS, STEPS_DIR, TRAINING_PYTHON
 from bootstrap.user_data import user_data_gzip
 from boottest import aptlock, aptrepo, host, images, net, nspawn, wheelhouse
 from cluster.facts import ClusterFacts, NodeShape, plan_hosts, this_machine_topology
-from cluster.inventory import Inventory, from_facts
+from cluster.inventory import Inventory
 from cluster.platform import Platform
+from cluster.spec import Access
 from cluster.targets import boot as boot_target
 from ops.actions import cloudinit
 from ops.ssh import hostkeys
@@ -235,9 +236,10 @@ class BootCluster:
     # ------------------------------------------------------------ fab's view
 
     def inventory(self) -> Inventory:
-        return from_facts(self.facts, target="boot", controller_public_ip=self.facts.controller.ip,
-                          python=TRAINING_PYTHON, service_cmd=SERVICE_CMD, ssh_key_file=str(self.key_file),
-                          extra={"known_hosts": str(self.known_hosts), "platform": self.platform.name})
+        """The cluster spec of the containers (its facts carry the platform), written as BOOT_INVENTORY."""
+        return Inventory(target="boot", facts=self.facts, access=Access(
+            controller_public_ip=self.facts.controller.ip, python=TRAINING_PYTHON, service_cmd=SERVICE_CMD,
+            ssh_key_file=str(self.key_file), known_hosts=str(self.known_hosts)))
 
     def write_inventory(self) -> None:
         INVENTORY.parent.mkdir(parents=True, exist_ok=True)

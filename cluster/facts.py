@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from cluster.platform import AWS, PLATFORMS, OsTorch, Platform
@@ -164,7 +164,6 @@ class ClusterFacts:
     spot: bool = False
     # Where the watcher asks for notices: the instance metadata service (tests give a stand-in).
     spot_imds: str = DEFAULT_IMDS
-    extra: dict = field(default_factory=dict, compare=False, hash=False)
     # What the hosts boot (OS, Python, Slurm version, cgroups, driver): cluster/platform.py.
     platform: Platform = AWS
 
@@ -215,11 +214,13 @@ def plan_hosts(subnet_cidr: str, gpu_node_count: int,
 
 
 def facts_to_dict(facts: ClusterFacts) -> dict:
-    """Plain JSON form, lists not tuples (the inventory carries it for `fab reconfigure`)."""
+    """Plain JSON form, lists not tuples."""
     return json.loads(json.dumps(asdict(facts)))
 
 
 def facts_from_dict(data: dict) -> ClusterFacts:
+    # `extra`: an untyped field facts written before cluster/spec.py carried (always empty).
+    data = {k: v for k, v in data.items() if k != "extra"}
     try:
         return ClusterFacts(**{
             **data,

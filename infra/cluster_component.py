@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import pulumi
 
 from bootstrap.node_layout import TRAINING_PYTHON
 from cluster.facts import STACK_TAG, ClusterFacts
-from cluster.inventory import from_facts
 from cluster.settings import SPOT
+from cluster.spec import Access, AwsResources, ClusterSpec, ScratchVolume
 from cluster.stack_config import StackConfig
 from infra.ami import Ami, ImagesArgs, ImagesComponent
 from infra.kms import EbsKey
@@ -26,33 +26,20 @@ SERVICE_CMD = "sudo systemctl {action} {service}"
 
 def build_inventory(facts: ClusterFacts, controller_public_ip: str | None, region: str | None,
                     instance_ids: dict[str, str] | None = None, scratch_volume: dict | None = None) -> dict:
-    """The `inventory` output: cluster.inventory.Inventory as a plain dict. `scratch_volume`: the
-    shared /scratch's own gp3 EBS volume on the controller (infra/nodes.py): {"throughput_mbps",
-    "iops", "size_gib", "volume_id"} (`fab estimate` and the cost lines read them)."""
-    extra = _extra(facts, region, instance_ids or {})
-    if scratch_volume:
-        extra["scratch_volume"] = dict(scratch_volume)
-    inv = from_facts(
-        facts, target="aws", controller_public_ip=controller_public_ip,
+    """The `inventory` output: the AWS target's cluster spec (cluster/spec.py) in its written form.
+    `scratch_volume`: the shared /scratch's own gp3 EBS volume on the controller (infra/nodes.py):
+    {"throughput_mbps", "iops", "size_gib", "volume_id"} (`fab estimate` and the cost lines read them)."""
+    spec = ClusterSpec(target="aws", facts=facts, access=Access(
+        controller_public_ip=controller_public_ip,
         python=TRAINING_PYTHON,  # where the GPU nodes' bootstrap installs the training stack
-        service_cmd=SERVICE_CMD, extra=extra,
-    )
-    return asdict(inv)
-
-
-# What `fab train` tells the user when it starts stopped nodes (an EC2 start plus boot).
-POWER_UP_TIME = "~2-4 minutes"
-
-
-def _extra(facts: ClusterFacts, region: str | None, instance_ids: dict[str, str]) -> dict:
-    extra: dict = {"region": region} if region else {}
-    extra["stack"] = stack_name()  # the STACK_TAG value: `fab status` finds the stack's own resources by it
-    if instance_ids:  # fab reads each host's SSH host keys from its console output by id
-        extra["instance_ids"] = instance_ids
-    if facts.power_save is not None:
-        extra.update(idle_stop_s=facts.power_save.suspend_time, power_up_time=POWER_UP_TIME,
-                     resume_timeout_s=facts.power_save.resume_timeout)
-    return extra
+        service_cmd=SERVICE_CMD,
+    ), aws=AwsResources(
+        region=region,
+        stack=stack_name(),  # the STACK_TAG value: `fab status` finds the stack's own resources by it
+        instance_ids=dict(instance_ids or {}),  # fab reads each host's SSH host keys from its console by id
+        scratch_volume=ScratchVolume(**scratch_volume) if scratch_volume else None,
+    ))
+    return spec.to_dict()
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,15 @@
 """The local cluster as data, before anything is made: its hosts, the ClusterFacts the
-rendered files come from, and the inventory `fab` reaches it with."""
+rendered files come from, and its cluster spec (cluster/spec.py), written as the inventory `fab`
+reaches it with."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from cluster.facts import ClusterFacts, NodeShape, plan_hosts, this_machine_topology
-from cluster.inventory import Inventory, from_facts
+from cluster.inventory import Inventory
 from cluster.platform import LOCAL
+from cluster.spec import Access
 from localcluster import power_save as power
 from localcluster import topology as layout
 from localcluster.state import HostSpec
@@ -62,12 +64,12 @@ def cluster_facts(nodes: int, gpus: int, idle_stop_s: int = 0, cred_expire: int 
 
 def make_inventory(nodes: int, gpus: int, idle_stop_s: int = 0, cred_expire: int | None = None) -> Inventory:
     facts = cluster_facts(nodes, gpus, idle_stop_s, cred_expire)
-    return from_facts(
-        facts, target="local", controller_public_ip=facts.controller.ip,
+    return Inventory(target="local", facts=facts, access=Access(
+        controller_public_ip=facts.controller.ip,
         # Hosts share this machine's filesystem, so the repo's venv is the nodes' Python.
         python=str(REPO / ".venv" / "bin" / "python"),
         service_cmd=f"{layout.HOSTCTL} {{action}} {{service}}",
         ssh_key_file=str(layout.CLUSTER_KEY),
-        extra={**power.inventory_extra(idle_stop_s), "known_hosts": str(layout.KNOWN_HOSTS)},
-    )
+        known_hosts=str(layout.KNOWN_HOSTS),
+    ))
 

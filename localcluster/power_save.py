@@ -28,7 +28,6 @@ KEY = KEY_DIR / "id_ed25519"
 SUSPEND_TIMEOUT_S = 2
 RESUME_TIMEOUT_S = 60
 INTERVAL_S = 1
-POWER_UP_TIME = "a few seconds"
 SLURM_USER = "slurm"
 
 
@@ -50,12 +49,6 @@ def validate_idle_stop(value) -> int:
             f"--idle-stop must be 0 (GPU hosts never stop) or {MIN_IDLE_STOP_S}-{MAX_IDLE_STOP_S} seconds "
             f"of idle time (got {value!r}); e.g. `fab local.up --idle-stop 10`")
     return int(text)
-
-
-def inventory_extra(idle_stop_s: int) -> dict:
-    if not idle_stop_s:
-        return {}
-    return {"idle_stop_s": idle_stop_s, "power_up_time": POWER_UP_TIME, "resume_timeout_s": RESUME_TIMEOUT_S}
 
 
 def power_save(idle_stop_s: int) -> PowerSave | None:

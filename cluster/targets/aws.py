@@ -14,12 +14,10 @@ class Aws(Target):
     name = "aws"
     describe = "the current Pulumi stack, the default"
     platforms = (AWS_PLATFORM,)
-    device_prefix = AWS_PLATFORM.gpu_device_prefix
-    real_gpus = True
-    nccl_efa = True
     hub_offline = False
     cloud_init = True
     takes_stack = True
+    power_up_time = "~2-4 minutes"  # an EC2 start plus boot
 
     def load(self, stack: str | None) -> Inventory:
         cmd = ["pulumi", "stack", "output", "--json"]

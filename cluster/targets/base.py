@@ -19,12 +19,6 @@ class Target:
     describe: ClassVar[str]
     # The OS and Slurm its hosts run (cluster/platform.py); the inventory's facts say which one a cluster has.
     platforms: ClassVar[tuple[Platform, ...]]
-    # gres.conf File= prefix when the inventory's facts do not carry one: its platforms'.
-    device_prefix: ClassVar[str]
-    # The GPUs are real (nvidia-smi lists them) rather than stand-in files.
-    real_gpus: ClassVar[bool]
-    # Ranks talk NCCL through the aws-ofi-nccl EFA plugin (else gloo on CPU).
-    nccl_efa: ClassVar[bool]
     # The cluster cannot reach the Hugging Face Hub: model and data must be paths on it.
     hub_offline: ClassVar[bool]
     # Hosts finish booting through cloud-init (fab waits for it).
@@ -41,9 +35,29 @@ class Target:
     # CPU targets: the network check has a measured figure of this cluster's own network to expect
     # (ops/data/local.json); without one it reports figures and judges transports only.
     measured_network: ClassVar[bool] = False
+    # What `fab train` says while it starts GPU nodes that power saving stopped (None: no figure of
+    # its own, ops/actions/node_power.py's default).
+    power_up_time: ClassVar[str | None] = None
 
     def load(self, stack: str | None) -> Inventory:
         raise NotImplementedError
+
+    @property
+    def real_gpus(self) -> bool:
+        """The GPUs are real (nvidia-smi lists them) rather than stand-in files: its platforms ship a driver."""
+        return self._platforms_say("real_gpus", lambda p: p.real_gpus)
+
+    @property
+    def nccl_efa(self) -> bool:
+        """Ranks talk NCCL through the aws-ofi-nccl EFA plugin (else gloo on CPU): its platforms ship it."""
+        return self._platforms_say("nccl_efa", lambda p: p.ofi_nccl_dir is not None)
+
+    def _platforms_say(self, what: str, fact) -> bool:
+        """One fact of the platforms (cluster/platform.py), stated there once; its platforms must agree."""
+        seen = {fact(p) for p in self.platforms}
+        if len(seen) != 1:
+            raise TypeError(f"target {self.name}: its platforms disagree on {what}")
+        return seen.pop()
 
     def flag(self) -> str:
         """The `--target` flag that selects this target again (empty for the default)."""
@@ -51,9 +65,6 @@ class Target:
 
     def expects_efa(self, inv: Inventory) -> bool:
         return self.nccl_efa and inv.efa
-
-    def gpu_device_prefix(self, inv: Inventory) -> str:
-        return inv.extra.get("gpu_device_prefix") or inv.facts.get("gpu_device_prefix") or self.device_prefix
 
 
 DEFAULT = "aws"

@@ -22,9 +22,6 @@ class Boot(Target):
     name = "boot"
     describe = "the boot test's containers (boottest/)"
     platforms = (BOOT_DEBIAN12, BOOT_DEBIAN13)
-    device_prefix = BOOT_DEBIAN12.gpu_device_prefix  # stand-in character devices (major 195), both releases
-    real_gpus = False
-    nccl_efa = False
     hub_offline = True  # the containers reach only their bridge
     cloud_init = True  # hosts finish their first boot through cloud-init, as on AWS
     takes_stack = False

@@ -29,12 +29,10 @@ class Local(Target):
     name = "local"
     describe = "the cluster of `fab local.up`"
     platforms = (LOCAL_PLATFORM,)
-    device_prefix = LOCAL_PLATFORM.gpu_device_prefix  # stand-in files (localcluster creates them)
-    real_gpus = False
-    nccl_efa = False
     hub_offline = True  # the job runs with HF_HUB_OFFLINE=1
     cloud_init = False  # `fab local.up` configures the hosts
     takes_stack = False
+    power_up_time = "a few seconds"  # a host's slurmd started again (localcluster/power_save.py)
     skip_steps = LOCAL_SKIP_STEPS
     # A host's own /usr/local/sbin only: /etc/slurm-gpu is the cluster's shared directory (written by
     # `fab local.up`), and the rest of /etc is this machine's own.

@@ -46,8 +46,8 @@ def node_counts(cl: Cluster) -> tuple[int, int]:
 
 def stack_tag(inv: Inventory) -> str | None:
     """The stack's STACK_TAG value (organization/project/stack) as its inventory records it (infra/
-    cluster_component.py), or the power programs' copy in inventories made before that."""
-    return inv.extra.get("stack") or ((inv.facts or {}).get("power_save") or {}).get("stack")
+    cluster_component.py; cluster/spec.py reads an older inventory's from its power programs' copy)."""
+    return inv.aws.stack if inv.aws else None
 
 
 def show(cl: Cluster, where: ClusterOptions, say: Say = print, ec2=None) -> None:

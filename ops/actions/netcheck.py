@@ -133,14 +133,12 @@ def expected(inv: Inventory, stack: str | None) -> Expected:
         if target.measured_network:
             return expected_local(target.gloo_ifname)
         return Expected(None, None, threshold(), f"no expected figure for {target.describe}")
-    itype = inv.extra.get("gpu_instance_type")
-    if not itype:
-        from ops.cost import estimate
+    from ops.cost import estimate
 
-        try:
-            itype = estimate.stack_settings(stack).settings.gpu_instance_type
-        except estimate.EstimateError:
-            itype = None
+    try:
+        itype = estimate.stack_settings(stack).settings.gpu_instance_type
+    except estimate.EstimateError:
+        itype = None
     return expected_for_type(itype, target.expects_efa(inv))
 
 

@@ -17,6 +17,7 @@ import shlex
 import time
 
 from bootstrap import node_layout
+from cluster import targets
 from ops.actions import slurm
 from ops.say import Say, shown
 from ops.ssh.remote import Cluster, sudo
@@ -138,14 +139,15 @@ def wake(cl: Cluster, say: Say, poll_s: float = 2.0, timeout_s: float | None = N
     waking = [n for n in names if power.get(n, ON) != ON]
     if not waking:
         return []
-    eta = inv.extra.get("power_up_time", DEFAULT_POWER_UP_TIME)
+    power_save = inv.facts.power_save
+    eta = (targets.of(inv).power_up_time if power_save else None) or DEFAULT_POWER_UP_TIME
     # A failed start from before this one is history: only a new reason (or time) is this start's failure.
     before = {n: seen[n] for n in waking}
     for n in waking:
         say("      " + describe(n, power[n], eta))
         if start_failure(nodes[n]):
             say(f"      (its last start failed: {shown(nodes[n].reason)}; trying again)")
-    timeout_s = timeout_s or float(inv.extra.get("resume_timeout_s", DEFAULT_WAKE_TIMEOUT_S))
+    timeout_s = timeout_s or float(power_save.resume_timeout if power_save else DEFAULT_WAKE_TIMEOUT_S)
     deadline = time.monotonic() + timeout_s
     requested: set[str] = set()
     t0 = time.monotonic()

@@ -29,7 +29,7 @@ from cluster import hostpaths, targets
 from cluster.errors import UserError
 from cluster.facts import ClusterFacts
 from ops.actions import slurm
-from ops.actions.reconfigure import ReconfigureError, facts_of, install_text, read_text
+from ops.actions.reconfigure import facts_of, install_text, read_text
 from ops.say import Say, shown
 from ops.ssh.remote import Cluster, each, sudo
 
@@ -89,22 +89,16 @@ def versions(facts: ClusterFacts, conns: dict[str, Connection]) -> dict[str, Nod
 
 
 def behind_notes(cl: Cluster, names: list[str]) -> list[str]:
-    """`fab status`'s note for each of these GPU nodes that is behind (none without cluster facts)."""
-    try:
-        facts = facts_of(cl.inventory)
-    except ReconfigureError:
-        return []
+    """`fab status`'s note for each of these GPU nodes that is behind."""
+    facts = facts_of(cl.inventory)
     nodes = {n: cl.nodes[n] for n in names if n in cl.nodes}
     late = [v for v in versions(facts, nodes).values() if v.behind]
     return [f"note: {v.describe()}: behind; `fab update-nodes` brings idle nodes up to date" for v in late]
 
 
 def behind_warning(cl: Cluster) -> str | None:
-    """`fab train`'s one line naming the GPU nodes that are behind (None: none, or no cluster facts)."""
-    try:
-        facts = facts_of(cl.inventory)
-    except ReconfigureError:
-        return None
+    """`fab train`'s one line naming the GPU nodes that are behind (None: none)."""
+    facts = facts_of(cl.inventory)
     late = [v.name for v in versions(facts, cl.nodes).values() if v.behind]
     if not late:
         return None

@@ -25,7 +25,7 @@ from fabric import Connection
 from bootstrap import node_layout, render
 from cluster import targets
 from cluster.errors import UserError
-from cluster.facts import ClusterFacts, facts_from_dict
+from cluster.facts import ClusterFacts
 from cluster.inventory import Inventory
 from ops.actions import cloudinit, munge, slurm
 from ops.ssh.remote import Cluster, each, install_text, read_text, service, sudo
@@ -61,13 +61,9 @@ class Change:
 
 
 def facts_of(inv: Inventory) -> ClusterFacts:
-    if not inv.facts:
-        raise ReconfigureError("the inventory carries no cluster facts (it predates `fab reconfigure`); "
-                               "run `pulumi up` (or `fab local.down` and `fab local.up`) to refresh it")
-    try:
-        return facts_from_dict(inv.facts)
-    except ValueError as exc:
-        raise ReconfigureError(f"the inventory's {exc}; run `pulumi up` to refresh it") from None
+    """What slurm.conf is rendered from: the cluster spec's facts (an inventory without them is
+    refused when it is read, cluster/spec.py)."""
+    return inv.facts
 
 
 def slurm_nodes(ctl: Connection) -> list[str]:

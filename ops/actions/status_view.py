@@ -26,7 +26,7 @@ class StatusProblem(UserError, RuntimeError):
 
 
 def idle_stop_line(inv: Inventory) -> str:
-    idle_stop = inv.extra.get("idle_stop_s")
+    idle_stop = inv.idle_stop_s
     if not idle_stop:
         return "  idle GPU nodes never stop (power saving off)"
     return (f"  idle GPU nodes stop after {idle_stop // 60 or idle_stop} "

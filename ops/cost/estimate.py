@@ -561,7 +561,7 @@ def cluster_for(target: str, stack: str | None, inv=None, nodes: int | None = No
     settings = stack_file.settings if stack_file else StackConfig.from_mapping({}, access=False)
     source = stack_file.name if stack_file else "flags"
     itype = gpu_instance_type or settings.gpu_instance_type
-    reg = region or (stack_file and stack_file.region) or (inv.extra.get("region") if inv else None)
+    reg = region or (stack_file and stack_file.region) or (inv.aws.region if inv and inv.aws else None)
     if not reg:
         raise EstimateError(f"{source} sets no aws:region; pass --region (e.g. us-east-1)")
     facts = instance(itype, "--gpu-instance-type" if gpu_instance_type else "slurm-gpu:gpuInstanceType")
@@ -569,8 +569,8 @@ def cluster_for(target: str, stack: str | None, inv=None, nodes: int | None = No
     n = nodes or stack_nodes
     g = gpus or (inv.gpus_per_node if inv else facts["gpus"])
     idle = settings.idle_stop_minutes
-    if inv and inv.extra.get("idle_stop_s") is not None:
-        idle = int(inv.extra["idle_stop_s"]) // 60
+    if inv and inv.idle_stop_s is not None:
+        idle = inv.idle_stop_s // 60
     scratch, iops, scratch_from = _scratch_volume(settings, inv, what_if)
     cl = PricedCluster(target, reg, itype, settings.controller_instance_type, n, g,
                  root_volume_gib=settings.root_volume_gib, idle_stop_min=idle, scratch_mbps=scratch,
@@ -585,17 +585,23 @@ def cluster_for(target: str, stack: str | None, inv=None, nodes: int | None = No
     return cl
 
 
+def _inventory_volume(inv):
+    """The shared volume the stack's inventory records (cluster/spec.py ScratchVolume), or None."""
+    return inv.aws.scratch_volume if inv is not None and inv.aws else None
+
+
 def _scratch_gib(settings: StackConfig, inv) -> int:
     """The shared /scratch volume's GB: the stack's inventory (what the volume got), else slurm-gpu:scratchSizeGiB."""
-    return int(((inv.extra.get("scratch_volume") or {}) if inv else {}).get("size_gib") or settings.scratch_size_gib)
+    volume = _inventory_volume(inv)
+    return int(volume.size_gib if volume and volume.size_gib else settings.scratch_size_gib)
 
 
 def _scratch_volume(settings: StackConfig, inv, what_if: float | None) -> tuple[float, int, str]:
     """The shared volume's throughput, IOPS and where they came from: the stack's inventory (what
     the volume got), else its slurm-gpu:scratchThroughputMBps / scratchIops; --scratch-mbps on top."""
-    volume = (inv.extra.get("scratch_volume") or {}) if inv else {}
-    if volume.get("throughput_mbps"):
-        mbps, iops, where = float(volume["throughput_mbps"]), int(volume.get("iops") or 0), "the stack's inventory"
+    volume = _inventory_volume(inv)
+    if volume and volume.throughput_mbps:
+        mbps, iops, where = float(volume.throughput_mbps), int(volume.iops or 0), "the stack's inventory"
     else:
         mbps, iops = float(settings.scratch_throughput_mbps), settings.scratch_iops
         where = "slurm-gpu:scratchThroughputMBps" if mbps != GP3_BASE_MBPS else "gp3 baseline"

@@ -116,9 +116,8 @@ def run(cl: Cluster, opts: TrainOptions, nodes: int, gpus: int, say: Say = print
     tl.timed("inputs", inputs.check_inputs, cl, opts, say)
     opts = tl.timed("prefetch", prefetch.fetch_inputs, cl, opts, say)  # Hub IDs -> copies on /scratch
     changed = tl.timed("keys", sync_munge_key, cl, say)
-    if cl.inventory.facts:  # older inventories carry no facts: their slurm.conf came with the stack
-        # The stack's node list, after `pulumi up` changed it (a no-op when nothing changed).
-        tl.timed("reconfigure", reconfigure.apply, cl, say=lambda s: say("      " + s))
+    # The stack's node list, after `pulumi up` changed it (a no-op when nothing changed).
+    tl.timed("reconfigure", reconfigure.apply, cl, say=lambda s: say("      " + s))
     tl.timed("service", nodes_to_service, cl, changed, say)
     tl.timed("sanity", sanity.sanity, cl, say)
     checked = None

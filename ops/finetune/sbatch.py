@@ -13,7 +13,6 @@ from pathlib import Path
 import jinja2
 
 from cluster import targets
-from cluster.facts import facts_from_dict
 from cluster.inventory import Inventory
 from cluster.platform import AWS
 from cluster.shell_quote import shell_quote
@@ -79,7 +78,7 @@ class JobSpec:
 
 def torch_libuv(inv: Inventory) -> bool:
     """Whether the GPU nodes' torch has a libuv TCPStore: all but an OS torch built without it."""
-    os_torch = facts_from_dict(inv.facts).platform.os_torch if inv.facts else None
+    os_torch = inv.facts.platform.os_torch
     return os_torch is None or os_torch.libuv
 
 
@@ -90,7 +89,7 @@ def base_spec(inv: Inventory, job_name: str, nodes: int, gpus_per_node: int, job
         cluster_name=inv.cluster_name, job_name=job_name, nodes=nodes, gpus_per_node=gpus_per_node,
         gpu_type=inv.gpu_type, nvlink=inv.nvlink, python=inv.python, scratch=inv.scratch,
         log_dir=f"{inv.scratch}/logs", job_dir=job_dir, work_dir=f"{job_dir}/{WORK}",
-        device_prefix=target.gpu_device_prefix(inv), torch_libuv=torch_libuv(inv), **kw,
+        device_prefix=inv.gpu_device_prefix, torch_libuv=torch_libuv(inv), **kw,
     )
 
 

@@ -25,7 +25,7 @@ The keys come from a source an attacker on the network path cannot forge:
   boot messages before the bootstrap, say, still holds only blocks the host's own programs printed.
   The file lives in ~/.config/slurm-gpu/<cluster>-<controller instance id>/known_hosts.
 - The local cluster: the keys `fab local.up` generated, written when it comes up
-  (/var/lib/slurm-gpu-local/known_hosts, named by the inventory's extra["known_hosts"]).
+  (/var/lib/slurm-gpu-local/known_hosts, named by the inventory's access.known_hosts).
 """
 
 from __future__ import annotations
@@ -74,10 +74,15 @@ def fingerprint(key_b64: str) -> str:
 
 def known_hosts_path(inv) -> Path:
     """The cluster's known_hosts: the inventory's own (local cluster), else one per stack."""
-    if inv.extra.get("known_hosts"):
-        return Path(inv.extra["known_hosts"])
-    ctl_id = inv.extra.get("instance_ids", {}).get(inv.controller.name, "no-instance-id")
+    if inv.access.known_hosts:
+        return Path(inv.access.known_hosts)
+    ctl_id = _instance_ids(inv).get(inv.controller.name, "no-instance-id")
     return CONFIG_HOME / f"{inv.cluster_name}-{ctl_id}" / "known_hosts"
+
+
+def _instance_ids(inv) -> dict[str, str]:
+    """Host name -> EC2 instance id: what `pulumi up` made (none for clusters on this machine)."""
+    return inv.aws.instance_ids if inv.aws else {}
 
 
 def write_known_hosts(path: Path, entries: Iterable[tuple[Iterable[str], Iterable[str]]]) -> None:
@@ -207,8 +212,8 @@ def console_output(instance_id: str, region: str | None) -> str:
 
 def fetch_from_ec2(inv, names: Iterable[str]) -> dict[str, list[Key]]:
     """name -> keys read from each instance's console output (AWS inventories carry the ids)."""
-    ids = inv.extra.get("instance_ids") or {}
-    region = inv.extra.get("region")
+    ids = _instance_ids(inv)
+    region = inv.aws.region if inv.aws else None
     out = {}
     for name in names:
         if name not in ids:
@@ -239,10 +244,10 @@ class Pins:
                 self._keys = read_known_hosts(self.path)
             missing = [n.name for n in self.inv.nodes if not self._keys.get(n.name)]
             if name in missing:
-                if not self.inv.extra.get("instance_ids"):
+                if not _instance_ids(self.inv):
                     raise HostKeyError(f"no pinned host key for {name} in {self.path}; "
                                        + ("bring the cluster up again with `fab local.up`"
-                                          if self.inv.extra.get("known_hosts") else
+                                          if self.inv.access.known_hosts else
                                           "run `pulumi up` so the inventory names the instances"))
                 fetched = fetch_from_ec2(self.inv, missing)
                 self._keys.update(fetched)

@@ -14,7 +14,6 @@ import pytest
 
 from bootstrap import user_data
 from cluster import hostpaths
-from cluster.facts import facts_from_dict
 from localcluster import topology as layout
 from ops.actions import node_update, slurm, status_view
 from ops.ssh import remote
@@ -48,7 +47,7 @@ def test_status_names_nodes_behind_and_update_takes_idle_ones_only():
     with fresh_cluster(nodes=2, gpus=1) as (inventory, _):
         cl = remote.connect(inventory)
         ctl = cl.controller
-        facts = facts_from_dict(inventory.facts)
+        facts = inventory.facts
         try:
             said: list[str] = []
             status_view.show(cl, say=said.append)

@@ -62,7 +62,7 @@ def slurmd_running(cl, name: str) -> bool:
 
 def test_idle_nodes_stop_and_a_job_starts_them(capsys):
     with fresh_cluster(nodes=2, gpus=1, idle_stop_s=IDLE_STOP_S) as (inv, job_dirs):
-        assert inv.extra["idle_stop_s"] == IDLE_STOP_S
+        assert inv.idle_stop_s == IDLE_STOP_S
         cl = remote.connect(inv)
         try:
             ctl = cl.controller

@@ -14,7 +14,6 @@ import time
 import pytest
 
 from bootstrap import node_layout, render
-from cluster.facts import facts_from_dict
 from localcluster import topology as layout
 from ops.actions import reconfigure, slurm
 from ops.ssh import remote
@@ -26,8 +25,7 @@ pytestmark = pytest.mark.cluster
 
 def _shrunk(cl: Cluster, keep: int) -> Cluster:
     inv = cl.inventory
-    facts = dict(inv.facts, gpu_nodes=inv.facts["gpu_nodes"][:keep])
-    smaller = dataclasses.replace(inv, facts=facts, gpu_nodes=inv.gpu_nodes[:keep])
+    smaller = dataclasses.replace(inv, facts=dataclasses.replace(inv.facts, gpu_nodes=inv.facts.gpu_nodes[:keep]))
     return Cluster(smaller, cl.controller, {n.name: cl.nodes[n.name] for n in smaller.gpu_nodes})
 
 
@@ -76,7 +74,7 @@ def test_reconfigure_shrinks_refuses_busy_nodes_and_grows_back():
             assert f"cancelled with --force: job {job}" in said[-1]
             assert _job_state(ctl, job) == ""  # gone from the queue
             assert sorted(slurm.node_states(ctl)) == ["gpu-node-01"]
-            facts = facts_from_dict(one.inventory.facts)
+            facts = one.inventory.facts
             assert (layout.ETC_SLURM / "slurm.conf").read_text() == render.render_slurm_conf(facts)
             assert "gpu-node-02" not in ctl.run(f"cat {node_layout.HOSTS_BLOCK_FILE} /etc/hosts", hide=True).stdout
             # The remaining GPU host fetched the new configuration (configless): it no longer lists node 2.

@@ -17,13 +17,14 @@ from invoke import Context
 
 import tests.support.pulumi_mocks as harness
 from cluster.facts import STACK_TAG
-from cluster.inventory import Inventory, Node
+from cluster.spec import AwsResources
 from ops.actions import billing_status, nccl, options
 from ops.actions import node_power as power
 from ops.cost import estimate as est
 from ops.cost import market_prices, spend, still_bills
 from ops.finetune import pipeline, summary
 from ops.ssh.remote import Cluster
+from tests.support import inventories
 
 REGION = "ap-northeast-2"
 PRICES = json.loads((Path(est.DATA) / "prices.json").read_text())["regions"][REGION]
@@ -299,12 +300,8 @@ def status_lines(tmp_path, monkeypatch, ec2, stack: str = "dev") -> list[str]:
     log.write_text(POWER_LOG + "\n")
     monkeypatch.setattr(power, "POWER_LOG", str(log))
     monkeypatch.setattr(spend, "datetime", type("Frozen", (datetime,), {"now": staticmethod(lambda tz=None: NOW)}))
-    inv = Inventory(target="aws", cluster_name="mini", ssh_user="ubuntu",
-                    controller=Node("controller", "10.0.0.10", "controller", "198.51.100.7"),
-                    gpu_nodes=(Node("gpu-node-01", "10.0.1.11", "gpu"), Node("gpu-node-02", "10.0.1.12", "gpu")),
-                    gpus_per_node=4, gpu_type="l4", nvlink=False, efa=True, python="/usr/bin/python3",
-                    service_cmd="sudo systemctl {action} {service}",
-                    extra={"region": REGION, "idle_stop_s": 1800, "stack": STACK})
+    inv = inventories.make(public_ip="198.51.100.7", gpu_nodes=(("gpu-node-01", "10.0.1.11"), ("gpu-node-02", "10.0.1.12")),
+                           python="/usr/bin/python3", idle_stop_s=1800, aws=AwsResources(region=REGION, stack=STACK))
     said: list[str] = []
     billing_status.show(Cluster(inv, LocalController(), {}), options.parse_cluster(stack=stack), said.append, ec2=ec2)
     return said
@@ -324,10 +321,9 @@ def test_fab_status_shows_what_still_bills_and_what_was_spent(tmp_path, monkeypa
 
 
 def test_fab_status_on_the_local_cluster_says_nothing_bills():
-    inv = Inventory(target="local", cluster_name="local", ssh_user="root",
-                    controller=Node("controller", "10.213.0.10", "controller"),
-                    gpu_nodes=(Node("gpu-node-01", "10.213.0.11", "gpu"),), gpus_per_node=2, gpu_type="l4",
-                    nvlink=False, efa=False, python="/usr/bin/python3", service_cmd="hostctl {action} {service}")
+    inv = inventories.make("local", cluster_name="local", controller=("controller", "10.213.0.10"),
+                           gpu_nodes=(("gpu-node-01", "10.213.0.11"),), gpus_per_node=2,
+                           python="/usr/bin/python3", service_cmd="hostctl {action} {service}")
     said: list[str] = []
     billing_status.show(Cluster(inv, LocalController(), {}), options.parse_cluster(target="local"), said.append)
     assert said == ["  billing: nothing (the local cluster runs on this machine)"]
@@ -340,7 +336,7 @@ def test_every_instance_and_the_nat_gateway_carry_the_stack_tag_spend_filters_by
     """The Cluster tag is shared by every stack of a cluster name (mini by default); the spend is looked up
     by STACK_TAG, which the inventory names."""
     run = harness.run_program(harness.stack_config(clusterName="mini"))
-    stack = run.outputs["inventory"]["extra"]["stack"]
+    stack = run.outputs["inventory"]["aws"]["stack"]
     assert stack == "slurm-gpu/test"  # stack_name() under the mocks (no organization)
     tagged = run.of_type("instance") + run.of_type("nat") + run.of_type("eip")
     assert len(run.of_type("instance")) >= 2 and len(run.of_type("nat")) == 1
@@ -350,10 +346,8 @@ def test_every_instance_and_the_nat_gateway_carry_the_stack_tag_spend_filters_by
 
 def test_an_inventory_without_the_stack_tag_says_the_spend_is_unknown(tmp_path, monkeypatch):
     said: list[str] = []
-    inv = Inventory(target="aws", cluster_name="mini", ssh_user="ubuntu",
-                    controller=Node("controller", "10.0.0.10", "controller", "198.51.100.7"),
-                    gpu_nodes=(), gpus_per_node=4, gpu_type="l4", nvlink=False, efa=True,
-                    python="/usr/bin/python3", service_cmd="x", extra={"region": REGION})
+    inv = inventories.make(public_ip="198.51.100.7", python="/usr/bin/python3", service_cmd="x",
+                           aws=AwsResources(region=REGION))
     monkeypatch.setattr(billing_status, "node_counts", lambda cl: (0, 0))
     billing_status.show(Cluster(inv, LocalController(), {}), options.parse_cluster(stack="dev"), said.append,
                         ec2=object())

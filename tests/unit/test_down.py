@@ -8,7 +8,6 @@ stand-ins on PATH that answer as the real ones print and record their argv (the 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -21,11 +20,13 @@ import pytest
 from invoke import Context
 
 import fabfile
-from cluster.inventory import Inventory, Node
+from cluster.inventory import Inventory
+from cluster.spec import AwsResources
 from ops.actions import options, stack_down
 from ops.finetune import sbatch as jobs
 from ops.ssh import remote
 from ops.ssh.remote import Cluster
+from tests.support import inventories
 from tests.unit.test_memory_model import hub  # noqa: F401  (the stand-in hub serving config.json: a fixture)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -94,9 +95,9 @@ class LocalController(Context):
         pass
 
 
-def write_stacks(path: Path, inventories: dict[str, Inventory]) -> None:
-    path.write_text(json.dumps({name: {"resources": RESOURCES, "inventory": dataclasses.asdict(inv)}
-                                for name, inv in inventories.items()}))
+def write_stacks(path: Path, specs: dict[str, Inventory]) -> None:
+    path.write_text(json.dumps({name: {"resources": RESOURCES, "inventory": inv.to_dict()}
+                                for name, inv in specs.items()}))
 
 
 @pytest.fixture
@@ -114,8 +115,7 @@ def tools(tmp_path, monkeypatch):
     log = tmp_path / "pulumi-argv.jsonl"
     stacks = tmp_path / "stacks.json"
     inv = inventory(tmp_path / "scratch")
-    write_stacks(stacks, {"dev": inv, "other": dataclasses.replace(
-        inv, cluster_name="other", controller=Node("controller", "10.0.0.10", "controller", "203.0.113.9"))})
+    write_stacks(stacks, {"dev": inv, "other": inventory(tmp_path / "scratch", "other", "203.0.113.9")})
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     monkeypatch.setenv("FAKE_PULUMI_LOG", str(log))
     monkeypatch.setenv("FAKE_PULUMI_STACKS", str(stacks))
@@ -126,14 +126,10 @@ def pulumi_calls(log: Path) -> list[list[str]]:
     return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
 
 
-def inventory(scratch: Path) -> Inventory:
-    return Inventory(
-        target="aws", cluster_name="mini", ssh_user="ubuntu",
-        controller=Node("controller", "10.0.0.10", "controller", "198.51.100.7"),
-        gpu_nodes=(Node("gpu-node-01", "10.0.1.11", "gpu"), Node("gpu-node-02", "10.0.1.12", "gpu")),
-        gpus_per_node=4, gpu_type="l4", nvlink=False, efa=True, python="/opt/slurm-gpu/venv/bin/python",
-        service_cmd="sudo systemctl {action} {service}", scratch=str(scratch),
-        extra={"region": "ap-northeast-2", "idle_stop_s": 1800})
+def inventory(scratch: Path, cluster_name: str = "mini", public_ip: str = "198.51.100.7") -> Inventory:
+    return inventories.make(cluster_name=cluster_name, public_ip=public_ip,
+                            gpu_nodes=(("gpu-node-01", "10.0.1.11"), ("gpu-node-02", "10.0.1.12")),
+                            scratch=str(scratch), idle_stop_s=1800, aws=AwsResources(region="ap-northeast-2"))
 
 
 def finished_run(scratch: Path, job_id: str = "12", name: str = JOB_DIR_NAME, completed: bool = True) -> Path:
@@ -223,8 +219,7 @@ def test_fab_down_destroys_the_stack_it_checked_when_another_is_selected_meanwhi
 def test_a_stack_whose_state_holds_another_cluster_is_not_destroyed(tmp_path, tools):
     """`pulumi stack export` of the stack must hold the inventory whose controller was checked."""
     _, log = tools
-    checked = dataclasses.replace(inventory(tmp_path / "scratch"),
-                                  controller=Node("controller", "10.0.0.10", "controller", "203.0.113.50"))
+    checked = inventory(tmp_path / "scratch", public_ip="203.0.113.50")
     with pytest.raises(stack_down.DownRefused) as err:
         stack_down.destroy("dev", checked, say=lambda s: None)
     assert str(err.value).startswith(

@@ -127,9 +127,10 @@ def test_reserved_capacity_has_no_idle_tail_as_its_stack_has_none(tmp_path, monk
 
 
 def test_scratch_volume_size_from_the_inventory_else_the_stack_file(tmp_path):
-    from types import SimpleNamespace
+    from cluster.spec import AwsResources, ScratchVolume
+    from tests.support import inventories
 
-    inv = SimpleNamespace(extra={"scratch_volume": {"throughput_mbps": 125, "iops": 3000, "size_gib": 750}})
+    inv = inventories.make(aws=AwsResources(scratch_volume=ScratchVolume(125, 3000, 750, "vol-0123")))
     assert est._scratch_gib(_stack_file(tmp_path).settings, inv) == 750
     assert est._scratch_gib(_stack_file(tmp_path, scratchSizeGiB=300).settings, None) == 300
 

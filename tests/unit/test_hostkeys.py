@@ -11,9 +11,11 @@ import subprocess
 
 import pytest
 
-from cluster.inventory import Inventory, Node
+from cluster.inventory import Inventory
+from cluster.spec import AwsResources
 from ops.actions.options import OptionError
 from ops.ssh import hostkeys, sshcmd
+from tests.support import inventories
 
 
 def keygen(tmp_path, name: str, keytype: str = "ed25519") -> tuple[str, str]:
@@ -178,15 +180,11 @@ def test_known_hosts_round_trip(tmp_path, host_keys):
     assert res.returncode == 0 and "gpu-node-01 ecdsa-sha2-nistp256" in res.stdout
 
 
-def aws_inventory(**extra) -> Inventory:
-    return Inventory(
-        target="aws", cluster_name="mini", ssh_user="ubuntu",
-        controller=Node("controller", "10.0.0.10", "controller", "198.51.100.7"),
-        gpu_nodes=(Node("gpu-node-01", "10.0.1.11", "gpu"), Node("gpu-node-02", "10.0.1.12", "gpu")),
-        gpus_per_node=4, gpu_type="l4", nvlink=False, efa=True, python="/opt/slurm-gpu/venv/bin/python",
-        service_cmd="sudo systemctl {action} {service}",
-        extra={"region": "ap-northeast-2", "instance_ids": {
-            "controller": "i-0ctl", "gpu-node-01": "i-0g01", "gpu-node-02": "i-0g02"}, **extra})
+def aws_inventory(known_hosts: str | None = None) -> Inventory:
+    return inventories.make(
+        public_ip="198.51.100.7", known_hosts=known_hosts, gpu_nodes=(("gpu-node-01", "10.0.1.11"), ("gpu-node-02", "10.0.1.12")),
+        aws=AwsResources(region="ap-northeast-2", instance_ids={
+            "controller": "i-0ctl", "gpu-node-01": "i-0g01", "gpu-node-02": "i-0g02"}))
 
 
 def test_pins_are_read_from_the_ec2_console_once_and_kept(tmp_path, monkeypatch, host_keys):

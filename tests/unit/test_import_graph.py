@@ -223,3 +223,49 @@ def test_a_path_into_a_layer_above_is_caught():
     assert paths_into_layers_above({"cluster/targets/base.py": source}) == [
         "cluster/targets/base.py:2: a path into training/"]
     assert paths_into_layers_above({"ops/actions/options.py": source}) == []
+
+
+# ---------------------------------------------------------------- the cluster spec's builders
+
+# Each target's own plan builds its cluster spec (cluster/spec.py); everything else reads one that a
+# target loaded (cluster.targets.load). The spec's own module reads its written form.
+SPEC_BUILDERS = {
+    "infra/cluster_component.py": "aws",  # the stack's `inventory` output
+    "localcluster/plan.py": "local",
+    "boottest/boot_cluster.py": "boot",
+    "cluster/spec.py": "the written form",
+}
+SPEC_NAMES = {"ClusterSpec", "Inventory"}
+
+
+def spec_builders(files: dict[str, str]) -> list[str]:
+    """Where a module outside SPEC_BUILDERS calls ClusterSpec(...) or Inventory(...)."""
+    found = []
+    for rel, source in sorted(files.items()):
+        if rel in SPEC_BUILDERS:
+            continue
+        for node in ast.walk(ast.parse(source, rel)):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in SPEC_NAMES:
+                found.append(f"{rel}:{node.lineno}: builds a cluster spec outside its target's plan")
+    return found
+
+
+def test_only_each_targets_plan_builds_the_cluster_spec():
+    modules = project_modules()
+    assert set(SPEC_BUILDERS) <= set(modules)
+    assert spec_builders(modules) == []
+
+
+def test_a_spec_built_elsewhere_is_caught():
+    source = "from cluster.inventory import Inventory\nINV = Inventory(target='aws', facts=None, access=None)\n"
+    assert spec_builders({"ops/actions/status_view.py": source}) == [
+        "ops/actions/status_view.py:2: builds a cluster spec outside its target's plan"]
+    assert spec_builders({"localcluster/plan.py": source}) == []
+
+
+def test_the_spec_stands_on_the_facts_alone():
+    """cluster/spec.py imports only the facts and the error base: the record every side shares."""
+    tree = ast.parse((REPO / "cluster" / "spec.py").read_text())
+    project = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
+               and node.module.split(".")[0] in LAYERS}
+    assert project == {"cluster.facts", "cluster.errors"}

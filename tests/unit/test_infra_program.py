@@ -17,8 +17,9 @@ import pytest
 import yaml
 
 from bootstrap import node_layout, render, shipped_form, user_data
-from cluster.facts import ClusterFacts, Host, NodeShape, PowerSave, facts_from_dict, max_gpu_nodes
+from cluster.facts import ClusterFacts, Host, NodeShape, PowerSave, max_gpu_nodes
 from cluster.inventory import Inventory
+from cluster.spec import ScratchVolume
 from infra.config import PlanError
 from tests.support.pulumi_mocks import (
     ADMIN_CIDR,
@@ -361,8 +362,8 @@ def test_shared_scratch_is_its_own_gp3_volume_attached_to_the_controller(deploye
     for node in [*controller, *gpus]:
         assert (node.inputs["rootBlockDevice"]["throughput"], node.inputs["rootBlockDevice"]["iops"]) == (125, 3000)
     inv = Inventory.from_dict(run.outputs["inventory"])
-    assert inv.extra["scratch_volume"] == {"throughput_mbps": case.scratch[0], "iops": case.scratch[1],
-                                           "size_gib": 100, "volume_id": vol_id}
+    assert inv.aws.scratch_volume == ScratchVolume(throughput_mbps=case.scratch[0], iops=case.scratch[1],
+                                                   size_gib=100, volume_id=vol_id)
 
 
 def test_scratch_volume_size_is_the_setting_and_its_parent_the_nodes():
@@ -515,7 +516,7 @@ def test_inventory_output_is_what_fab_reads(deployed):
         (f"gpu-node-{i:02d}", ip, "gpu") for i, ip in enumerate(case.ips[1:], 1)
     ]
     assert not any(n.public_ip for n in inv.gpu_nodes)  # reached through the controller only
-    facts = facts_from_dict(inv.facts)  # what `fab reconfigure` renders slurm.conf from
+    facts = inv.facts  # what `fab reconfigure` renders slurm.conf from
     assert [(h.name, h.ip) for h in facts.hosts] == [(n.name, n.private_ip) for n in inv.nodes]
     assert (facts.subnet_cidr, facts.shape.gpu_count, facts.efa) == (case.subnet, case.gpus, case.efa)
     ctl_files = _decoded_files(yaml.safe_load(user_data_of(_instances(run)[0][0])))
@@ -523,7 +524,8 @@ def test_inventory_output_is_what_fab_reads(deployed):
     assert (inv.gpus_per_node, inv.gpu_type, inv.nvlink, inv.efa) == (case.gpus, case.gres, case.nvlink, case.efa)
     assert inv.python == "/opt/slurm-gpu/venv/bin/python"
     assert inv.service_cmd.format(action="restart", service="slurmd") == "sudo systemctl restart slurmd"
-    assert inv.extra["region"] == "ap-northeast-2"
+    assert inv.aws.region == "ap-northeast-2"
+    assert set(inv.aws.instance_ids) == {n.name for n in inv.nodes}
 
 
 # ---------------------------------------------------------------- structure

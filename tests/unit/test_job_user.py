@@ -22,9 +22,10 @@ from invoke.runners import Result
 
 from bootstrap import render
 from cluster.facts import JOB_USER, ClusterFacts
-from cluster.inventory import Inventory, Node
+from cluster.inventory import Inventory
 from localcluster.plan import cluster_facts
 from ops.actions import slurm
+from tests.support import inventories
 
 
 class Controller:
@@ -43,10 +44,9 @@ class Controller:
         return self.answer
 
 
-def inventory(job_user: str = JOB_USER, ssh_user: str = "ubuntu") -> Inventory:
-    return Inventory(target="aws", cluster_name="c", ssh_user=ssh_user, controller=Node("controller", "10.0.0.10", "controller"),
-                     gpu_nodes=(), gpus_per_node=1, gpu_type="l4", nvlink=False, efa=True, python="/p",
-                     service_cmd="systemctl {action} {service}", job_user=job_user)
+def inventory(job_user: str = JOB_USER, ssh_user: str = "ubuntu", scratch: str = "/scratch") -> Inventory:
+    return inventories.make(cluster_name="c", ssh_user=ssh_user, gpus_per_node=1, python="/p",
+                            service_cmd="systemctl {action} {service}", job_user=job_user, scratch=scratch)
 
 
 def inner(cmd: str) -> list[str]:
@@ -99,7 +99,7 @@ def test_shared_folders_of_another_user_become_the_job_users_once_and_nothing_li
     (scratch / "hf-cache").mkdir()
     os.chown(scratch / "hf-cache", pwd.getpwnam(job).pw_uid, grp.getgrnam(job).gr_gid)
     (scratch / "hf-cache" / "linked-in").write_text("root's")  # what a hard link to a root file would be
-    inv = dataclasses.replace(inventory(job_user=job), scratch=str(scratch))
+    inv = inventory(job_user=job, scratch=str(scratch))
     slurm.make_job_dir(LocalRoot("root"), inv, str(scratch / "jobs" / "a"), "work")
 
     def owner(p):
@@ -167,7 +167,7 @@ def test_a_model_the_jobs_user_cannot_read_is_refused_before_anything_is_written
     weights = model / "model.safetensors"
     weights.write_bytes(b"weights")
     weights.chmod(0o600)
-    inv = dataclasses.replace(inventory(job_user="daemon"), scratch=str(open_dir))
+    inv = inventory(job_user="daemon", scratch=str(open_dir))
     cl = types.SimpleNamespace(inventory=inv, controller=LocalRoot("root"), nodes={})
     opts = TrainOptions(target="aws", stack=None, config=Path("c.yaml"), nodes=None, gpus_per_node=None,
                         examples=None, model=str(model), data=None, identity=None)

@@ -10,32 +10,29 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from cluster.facts import ClusterFacts, NodeShape, plan_hosts
-from cluster.inventory import Inventory, Node, from_facts
+from cluster.facts import plan_hosts
 from cluster.platform import BOOT_DEBIAN12, BOOT_DEBIAN13
 from ops.finetune import sbatch as jobs
+from tests.support import inventories
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def inventory(target="aws", gpu_type="l4", nvlink=False, gpus=4, nodes=2):
-    return Inventory(
-        target=target, cluster_name="mini", ssh_user="ubuntu" if target == "aws" else "root",
-        controller=Node("controller", "10.213.0.10", "controller", "10.213.0.10"),
-        gpu_nodes=tuple(Node(f"gpu-node-{i:02d}", f"10.213.0.{10 + i}", "gpu") for i in range(1, nodes + 1)),
-        gpus_per_node=gpus, gpu_type=gpu_type, nvlink=nvlink, efa=target == "aws",
+    return inventories.make(
+        target, controller=("controller", "10.213.0.10"), public_ip="10.213.0.10",
+        gpu_nodes=tuple((f"gpu-node-{i:02d}", f"10.213.0.{10 + i}") for i in range(1, nodes + 1)),
+        gpus_per_node=gpus, gpu_type=gpu_type, nvlink=nvlink,
         python="/opt/slurm-gpu/venv/bin/python" if target == "aws" else "/work/main/.venv/bin/python",
-        service_cmd="sudo systemctl {action} {service}",
     )
 
 
 def boot_inventory(platform):
     """The boot test's inventory (boottest/boot_cluster.py): its facts carry the platform."""
     ctl, nodes = plan_hosts("10.213.1.0/24", 2)
-    facts = ClusterFacts("boot", ctl, nodes, NodeShape(2, 1000, 2, "l4"), "10.213.1.0/24", platform=platform,
-                         efa=False)
-    return from_facts(facts, target="boot", controller_public_ip=ctl.ip, python="/opt/slurm-gpu/venv/bin/python",
-                      service_cmd="sudo systemctl {action} {service}")
+    return inventories.make("boot", cluster_name="boot", controller=(ctl.name, ctl.ip), public_ip=ctl.ip,
+                            gpu_nodes=tuple((h.name, h.ip) for h in nodes), gpus_per_node=2, gpu_type="l4",
+                            subnet_cidr="10.213.1.0/24", platform=platform, ssh_user="ubuntu")
 
 
 def finetune(inv, nodes=2, gpus=None):

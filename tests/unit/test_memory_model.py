@@ -236,7 +236,10 @@ class HostTouched(AssertionError):
 @pytest.fixture
 def aws_inventory(monkeypatch, tmp_path):
     """`fab train --target aws` on the default cluster (2 x 4 L4s) with no host: connecting is an error."""
-    inv = dataclasses.replace(local_plan.make_inventory(2, 4), target="aws", ssh_key_file="", gpu_type="l4")
+    local = local_plan.make_inventory(2, 4)
+    inv = dataclasses.replace(local, target="aws", access=dataclasses.replace(local.access, ssh_key_file=""),
+                              facts=dataclasses.replace(local.facts, shape=dataclasses.replace(
+                                  local.facts.shape, gpu_type="l4")))
     monkeypatch.setattr(finetune.targets, "load", lambda target, stack=None: inv)
     monkeypatch.setattr(runs, "RUNS", tmp_path)
 

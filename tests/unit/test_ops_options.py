@@ -4,16 +4,14 @@ import subprocess
 
 import pytest
 
-from cluster.inventory import Inventory, Node
 from ops.actions import options
+from tests.support import inventories
 from tests.unit.test_ops_units import REPO
 
-INV = Inventory(
-    target="local", cluster_name="local", ssh_user="root",
-    controller=Node("controller", "10.213.0.10", "controller", "10.213.0.10"),
-    gpu_nodes=(Node("gpu-node-01", "10.213.0.11", "gpu"), Node("gpu-node-02", "10.213.0.12", "gpu")),
-    gpus_per_node=2, gpu_type="sim", nvlink=False, efa=False, python="/usr/bin/python3",
-    service_cmd="hostctl {action} {service}",
+INV = inventories.make(
+    "local", cluster_name="local", controller=("controller", "10.213.0.10"), public_ip="10.213.0.10",
+    gpu_nodes=(("gpu-node-01", "10.213.0.11"), ("gpu-node-02", "10.213.0.12")),
+    gpus_per_node=2, gpu_type="sim", python="/usr/bin/python3", service_cmd="hostctl {action} {service}",
 )
 
 

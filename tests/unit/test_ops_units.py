@@ -156,14 +156,12 @@ def test_unreachable_controller_is_a_clear_error_not_a_traceback(task, tmp_path)
     import subprocess
     import sys
 
-    from cluster.inventory import Inventory, Node
+    from tests.support import inventories
 
     # An inventory whose controller is a loopback address with no sshd behind it.
-    inv = Inventory(target="local", cluster_name="gone", ssh_user="root",
-                    controller=Node("controller", "127.0.0.1", "controller", public_ip="127.0.0.1"),
-                    gpu_nodes=(Node("gpu-node-01", "127.0.0.2", "gpu"),), gpus_per_node=1,
-                    gpu_type="sim", nvlink=False, efa=False, python="python3",
-                    service_cmd="true {action} {service}")
+    inv = inventories.make("local", cluster_name="gone", controller=("controller", "127.0.0.1"),
+                           public_ip="127.0.0.1", gpu_nodes=(("gpu-node-01", "127.0.0.2"),), gpus_per_node=1,
+                           gpu_type="sim", python="python3", service_cmd="true {action} {service}")
     (tmp_path / "inventory.json").write_text(inv.to_json())
     fab = Path(sys.executable).with_name("fab")
     res = subprocess.run([str(fab), task, "--target", "local"], capture_output=True, text=True,

@@ -77,7 +77,7 @@ def test_a_local_cluster_may_shorten_the_requeue_wait():
         f"cred_expire={local_plan.CRED_EXPIRE_S}"
     short = local_plan.cluster_facts(2, 2, cred_expire=20)
     assert settings(render.render_slurm_conf(short))["AuthInfo"] == "cred_expire=20"
-    assert local_plan.make_inventory(2, 2, cred_expire=20).facts["cred_expire"] == 20  # `fab reconfigure` renders from it
+    assert local_plan.make_inventory(2, 2, cred_expire=20).facts.cred_expire == 20  # `fab reconfigure` renders from it
 
 
 def test_wheel_tags_are_pips_own_for_the_platforms_glibc():

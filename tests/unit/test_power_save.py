@@ -22,6 +22,7 @@ import pytest
 import tests.support.pulumi_mocks as harness
 from bootstrap import node_layout, node_pins, render, user_data
 from cluster.facts import STACK_TAG, ClusterFacts, NodeShape, PowerSave, plan_hosts
+from cluster.inventory import Inventory
 from cluster.stack_config import ConfigError, StackConfig
 from ops.actions import node_power as power
 from ops.actions import slurm
@@ -519,14 +520,15 @@ def test_controller_role_may_stop_and_start_only_this_clusters_gpu_nodes():
     assert all(i.inputs["tags"]["slurm-gpu:stack"] == "slurm-gpu/test" for i in gpus)
     # The inventory tells fab the idle stop and how long a start takes.
     inv = run.outputs["inventory"]
-    assert inv["extra"]["idle_stop_s"] == 1800 and inv["extra"]["resume_timeout_s"] == 900
+    power_save = Inventory.from_dict(inv).facts.power_save
+    assert (power_save.suspend_time, power_save.resume_timeout) == (1800, 900)
 
 
 def test_idle_stop_0_declares_no_role_and_no_power_keys():
     run = harness.run_program(stack_config(idleStopMinutes=0))
     assert not run.of_type("role") and not run.of_type("role_policy") and not run.of_type("instance_profile")
     assert all(not i.inputs.get("iamInstanceProfile") for i in run.of_type("instance"))
-    assert "idle_stop_s" not in run.outputs["inventory"]["extra"]
+    assert Inventory.from_dict(run.outputs["inventory"]).idle_stop_s is None
 
 
 # ------------------------------------------------- sinfo power flags

@@ -2,25 +2,21 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
-from cluster.facts import ClusterFacts, NodeShape, facts_to_dict, plan_hosts
-from cluster.inventory import Inventory, Node
+from cluster.facts import ClusterFacts, NodeShape, plan_hosts
+from cluster.inventory import Inventory, InventoryError
+from cluster.spec import Access, AwsResources
 from ops.actions import reconfigure
 from ops.ssh import remote
 
 
-def _inventory(**kw) -> Inventory:
+def _inventory() -> Inventory:
     ctl, gpus = plan_hosts("10.0.1.0/24", 2, "10.0.0.0/24")
     facts = ClusterFacts("mini", ctl, gpus, NodeShape(48, 184800, 4, "l4"), "10.0.1.0/24")
-    inv = Inventory(target="aws", cluster_name="mini", ssh_user="ubuntu",
-                    controller=Node("controller", ctl.ip, "controller", "198.51.100.1"),
-                    gpu_nodes=tuple(Node(h.name, h.ip, "gpu") for h in gpus), gpus_per_node=4,
-                    gpu_type="l4", nvlink=False, efa=True, python="/opt/slurm-gpu/venv/bin/python",
-                    service_cmd="sudo systemctl {action} {service}", facts=facts_to_dict(facts))
-    return dataclasses.replace(inv, **kw)
+    return Inventory(target="aws", facts=facts, aws=AwsResources(region="us-east-1"), access=Access(
+        python="/opt/slurm-gpu/venv/bin/python", service_cmd="sudo systemctl {action} {service}",
+        controller_public_ip="198.51.100.1"))
 
 
 def test_facts_come_back_from_the_inventory():
@@ -30,12 +26,15 @@ def test_facts_come_back_from_the_inventory():
 
 
 def test_an_inventory_without_facts_is_refused_with_the_fix():
-    with pytest.raises(reconfigure.ReconfigureError, match=r"carries no cluster facts.*run `pulumi up`"):
-        reconfigure.facts_of(_inventory(facts={}))
-    broken = _inventory()
-    broken = dataclasses.replace(broken, facts={k: v for k, v in broken.facts.items() if k != "shape"})
-    with pytest.raises(reconfigure.ReconfigureError, match=r"cluster facts are malformed.*pulumi up"):
-        reconfigure.facts_of(broken)
+    """Refused where it is read (cluster/spec.py), so `fab reconfigure` always has facts."""
+    written = _inventory().to_dict()
+    flat = {"target": "aws", "cluster_name": "mini", "python": "/p", "service_cmd": "x",
+            "controller": {"name": "controller", "private_ip": "10.0.0.10", "role": "controller"}, "facts": {}}
+    with pytest.raises(InventoryError, match=r"carries no cluster facts.*run `pulumi up`"):
+        Inventory.from_dict(flat)
+    del written["facts"]["shape"]
+    with pytest.raises(InventoryError, match=r"cluster facts are malformed.*pulumi up"):
+        Inventory.from_dict(written)
 
 
 def test_inventory_json_round_trip_keeps_the_facts():

@@ -115,7 +115,7 @@ def test_a_real_session_under_forward_agent_yes_gets_no_agent(ssh_config, tmp_pa
     import os
     import time
 
-    from cluster.inventory import Inventory, Node
+    from tests.support import inventories
 
     for name in ("host", "user"):
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / name)], check=True)
@@ -136,10 +136,9 @@ def test_a_real_session_under_forward_agent_yes_gets_no_agent(ssh_config, tmp_pa
         host_pub = (tmp_path / "host.pub").read_text().split()
         known = tmp_path / "known_hosts"
         known.write_text(f"controller {host_pub[0]} {host_pub[1]}\n")
-        inv = Inventory(target="local", cluster_name="t", ssh_user="root",
-                        controller=Node("controller", "127.0.0.1", "controller"), gpu_nodes=(),
-                        gpus_per_node=1, gpu_type="sim", nvlink=False, efa=False, python="/usr/bin/python3",
-                        service_cmd="true {action} {service}", extra={"known_hosts": str(known)})
+        inv = inventories.make("local", cluster_name="t", controller=("controller", "127.0.0.1"),
+                               gpus_per_node=1, gpu_type="sim", python="/usr/bin/python3",
+                               service_cmd="true {action} {service}", known_hosts=str(known))
         for _ in range(100):  # sshd is listening once it accepts
             if subprocess.run(["bash", "-c", f"exec 3<>/dev/tcp/127.0.0.1/{port}"],
                               stderr=subprocess.DEVNULL).returncode == 0:

@@ -12,6 +12,7 @@ from cluster import targets
 from cluster.inventory import Inventory, InventoryError
 from cluster.targets import Target
 from ops.finetune import sbatch as jobs
+from tests.support import inventories
 from tests.unit.test_jobs_render import inventory as make_inventory
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,22 +58,25 @@ def test_pulumi_stack_output_that_is_not_a_json_object_names_the_fix(monkeypatch
 def test_flags_and_efa():
     aws, local = targets.get("aws"), targets.get("local")
     assert aws.flag() == "" and local.flag() == " --target local"
-    assert aws.expects_efa(make_inventory()) and not aws.expects_efa(replace(make_inventory(), efa=False))
-    assert not local.expects_efa(replace(make_inventory(target="local"), efa=True))
+    assert aws.expects_efa(make_inventory()) and not aws.expects_efa(inventories.make(efa=False))
+    assert not local.expects_efa(inventories.make("local", efa=True))
 
 
-def test_device_prefix_comes_from_the_facts_first():
+def test_device_prefix_comes_from_the_facts_alone():
+    """One source: the spec's facts (their platform's prefix); targets state none of their own."""
     local = make_inventory(target="local")
-    assert targets.of(local).gpu_device_prefix(local) == "/var/lib/slurm/gpu-standin/nvidia"
-    moved = replace(local, facts={"gpu_device_prefix": "/dev/fake"})
-    assert targets.of(moved).gpu_device_prefix(moved) == "/dev/fake"
+    assert local.gpu_device_prefix == "/var/lib/slurm/gpu-standin/nvidia"
+    moved = replace(local, facts=replace(local.facts, gpu_device_prefix="/dev/fake"))
+    assert jobs.base_spec(moved, jobs.SANITY_NAME, 2, 2, "/scratch/j").device_prefix == "/dev/fake"
+    for name in targets.names():
+        assert not hasattr(targets.get(name), "device_prefix"), name
+        assert not hasattr(targets.get(name), "gpu_device_prefix"), name
 
 
 def test_a_third_target_is_one_registration(monkeypatch):
     class OnPrem(Target):
         name = "onprem"
         describe = "a test platform"
-        device_prefix = "/dev/nvidia"
         real_gpus = True
         nccl_efa = False
         hub_offline = False
@@ -91,8 +95,18 @@ def test_a_third_target_is_one_registration(monkeypatch):
     assert "FI_PROVIDER" not in finetune and "OMP_NUM_THREADS=1" in finetune
 
 
-def test_each_target_names_its_platforms_and_takes_their_device_prefix():
+def test_each_target_names_its_platforms_and_a_spec_takes_their_device_prefix():
     for name in targets.names():
         tgt = targets.get(name)
         assert tgt.platforms, name
-        assert {p.gpu_device_prefix for p in tgt.platforms} == {tgt.device_prefix}, name
+        for platform in tgt.platforms:
+            assert inventories.make(name, platform=platform).gpu_device_prefix == platform.gpu_device_prefix
+
+
+def test_gpu_and_nccl_flags_come_from_the_platforms():
+    """A target states no GPU or NCCL flag of its own: its platforms (cluster/platform.py) say it."""
+    for name in targets.names():
+        tgt = targets.get(name)
+        assert "real_gpus" not in vars(type(tgt)) and "nccl_efa" not in vars(type(tgt)), name
+        assert tgt.real_gpus == all(p.real_gpus for p in tgt.platforms), name
+    assert targets.get("aws").nccl_efa and not targets.get("local").nccl_efa and not targets.get("boot").nccl_efa
