@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from cluster.inventory import Inventory, Node
 from ops.finetune import upload
 from ops.ssh import remote
+from tests.support import inventories
 from tests.unit.test_ssh_forwarding import _free_port
 from tests.unit.test_upload import alpaca_jsonl
 
@@ -39,10 +39,9 @@ def sshd(tmp_path_factory):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     host_pub = (d / "host.pub").read_text().split()
     (d / "known_hosts").write_text(f"controller {host_pub[0]} {host_pub[1]}\n")
-    inv = Inventory(target="local", cluster_name="t", ssh_user="root",
-                    controller=Node("controller", "127.0.0.1", "controller"), gpu_nodes=(),
-                    gpus_per_node=1, gpu_type="sim", nvlink=False, efa=False, python="/usr/bin/python3",
-                    service_cmd="true {action} {service}", extra={"known_hosts": str(d / "known_hosts")})
+    inv = inventories.make("local", cluster_name="t", ssh_user="root", controller=("controller", "127.0.0.1"),
+                           gpus_per_node=1, gpu_type="sim", python="/usr/bin/python3",
+                           service_cmd="true {action} {service}", known_hosts=str(d / "known_hosts"))
     (d / "inventory.json").write_text(inv.to_json())
     (d / "scratch").mkdir()
     try:
