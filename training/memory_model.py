@@ -10,6 +10,8 @@ peak. docs/MEMORY.md gives the formula and its sources. The terms, in bytes per 
   and the one prefetched, each as large as the largest of a decoder layer and the embedding;
 - lora_state: the adapters in fp32 (PEFT keeps adapter weights in fp32 over a bf16 base: 4 bytes), their
   gradients (4) and AdamW's two moments (8), plus DDP's gradient buckets (4) when several ranks replicate;
+  divided by the shards when sharded (training/sharding.py shards the adapters with their layer; the few
+  buffers FSDP2 leaves whole on every rank are `replicated_bytes`);
 - activations: what autograd keeps for the backward pass, per token and layer, counted tensor by tensor for a
   Qwen3/Llama decoder layer (`layer_activation_bytes`): the two RMSNorms' fp32 inputs (4h each), Qwen3's q/k
   norms' fp32 inputs (4q + 4kv), the attention's q, k, v and output in bf16 (4q + 4kv: a fused attention,
@@ -133,6 +135,15 @@ def parameter_count(config: Mapping) -> int:
     s = Shape.of(config)
     head = 0 if s.tied else s.embedding_parameters()
     return s.embedding_parameters() + s.layers * s.layer_parameters() + s.hidden + head
+
+
+def replicated_bytes(config: Mapping) -> int:
+    """What every rank keeps whole when the model is sharded (FSDP2 shards parameters, not buffers): the rotary
+    embedding's inverse frequencies, `inv_freq` and `original_inv_freq`, head_dim / 2 fp32 values each
+    (transformers' modeling_rope_utils / Qwen3RotaryEmbedding). A few hundred bytes: nothing beside the shards,
+    but what a per-rank measurement adds to them."""
+    s = Shape.of(config)
+    return 2 * (s.head_dim // 2) * 4
 
 
 def lora_parameters(config: Mapping, r: int, targets) -> int:
