@@ -80,9 +80,9 @@ def tiny(tmp_path_factory):
     return make_tiny(tmp_path_factory.mktemp("tiny"), examples=RANKS * 4 * STEPS + EVAL_ROWS, seed=0)
 
 
-def torchrun(tiny, out: Path, *extra, env=None, timeout=900) -> subprocess.CompletedProcess:
+def torchrun(tiny, out: Path, *extra, env=None, ranks=RANKS, timeout=900) -> subprocess.CompletedProcess:
     model_dir, data_file = tiny
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={RANKS}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
            "-m", "training.train", "--config", str(CONFIG), "--model_name_or_path", str(model_dir),
            "--dataset_name", str(data_file), "--output_dir", str(out), "--save_steps", "3",
            "--eval_split", str(EVAL_ROWS), "--samples", "0", "--report_to", "none", *extra]
@@ -202,3 +202,21 @@ def test_a_sharded_run_killed_mid_way_resumes_sharded_and_completes(runs, tiny, 
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["resumed_from_step"] == 3 and metrics["choices"]["sharding"]["value"] == "fsdp 4-way"
     assert (out / "adapter_model.safetensors").exists() and (out / train.COMPLETED_MARKER).exists()
+
+
+@pytest.mark.slow
+def test_the_padded_path_with_recomputation_trains_sharded_as_unsharded(tiny, tmp_path):
+    """TRL's padded batches (flex_packing false) and activation checkpointing, sharded over 2 ranks: the same
+    losses as the same run unsharded (tolerances above)."""
+    losses = {}
+    for name in ("fsdp", "none"):
+        proc = torchrun(tiny, tmp_path / name, "--sharding", name, "--flex_packing", "false",
+                        "--activation_checkpointing", "true", "--max_steps", "3", "--eval_split", "0", ranks=2)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        losses[name] = step_losses(proc.stdout)
+    assert sorted(losses["fsdp"]) == [1, 2, 3]
+    for step, loss in losses["none"].items():
+        assert losses["fsdp"][step] == pytest.approx(loss, rel=STEP_RTOL), step
+    metrics = json.loads((tmp_path / "fsdp" / "metrics.json").read_text())
+    assert metrics["choices"]["path"]["value"] == "padded" and metrics["choices"]["activation_checkpointing"]["value"]
+    assert metrics["choices"]["sharding"]["value"] == "fsdp 2-way"

@@ -261,6 +261,14 @@ class TrainConfig(SFTConfig):
         super().__post_init__()
 
 
+    @property
+    def place_model_on_device(self) -> bool | None:
+        """The Trainer moves the model to the GPU unless this says False (transformers TrainingArguments'
+        documented override): a sharded run's model is placed unit by unit as it is sharded
+        (training/sharding.py), never whole."""
+        return False if getattr(self, "sharded", False) else None
+
+
 def make_parser() -> TrlParser:
     return TrlParser((DataArguments, ModelArguments, TrainConfig))
 

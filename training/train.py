@@ -126,8 +126,11 @@ def load_model(model_args: ModelArguments, train_args: TrainConfig, flex_packing
     if not gpu_available() and dtype != "float32":
         log.warning("no GPU: loading the model in float32 instead of %s", dtype)
         dtype = "float32"
-    # Straight onto this rank's GPU: no staging copy of the weights in host memory.
-    device_map = {"": torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))} if gpu_available() else None
+    # Straight onto this rank's GPU: no staging copy of the weights in host memory. Sharded, the whole model would
+    # not fit one GPU: it loads into host memory and each FSDP2 unit moves to the GPU as it is sharded
+    # (training/sharding.py).
+    on_gpu = gpu_available() and not getattr(train_args, "sharded", False)
+    device_map = {"": torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))} if on_gpu else None
     return AutoModelForCausalLM.from_pretrained(
         model_args.model_name_or_path, revision=model_args.model_revision,
         trust_remote_code=train_args.trust_remote_code,
@@ -201,6 +204,8 @@ def build_trainer(model, tokenizer, dataset, model_args: ModelArguments, train_a
     trainer.sharded = sharded
     if sharded:
         sharding.shard(trainer.model, train_args.world_size)
+        if gpu_available() and hasattr(trainer, "_set_token_budget"):
+            trainer._set_token_budget()  # the packed path's budget again, from the memory left beside the shards
     if not trainer.completion_only_loss:
         raise ValueError("completion_only_loss is off: the loss would cover the prompt; leave it unset or true")
     trainer.choices = {"path": {"value": path.NAME, "by": "config" if switch(getattr(
