@@ -186,6 +186,13 @@ class TrainConfig(SFTConfig):
                           "(flex attention with a document BlockMask). auto: varlen where this torch has it, else "
                           "flex. On CPU always packed_sdpa. One of auto, varlen, flex."},
     )
+    sharding: str = field(
+        default="auto",
+        metadata={"help": "The frozen base (and the adapters) sharded across the ranks with PyTorch FSDP2 "
+                          "(training/sharding.py; docs/MEMORY.md). auto: sharded when the memory model says one GPU "
+                          "cannot hold the run unsharded (never on CPU); fsdp: sharded (needs 2 or more ranks); "
+                          "none: every rank holds the whole model (DDP). One of auto, none, fsdp."},
+    )
     compile_layers: str = field(
         default="auto",
         metadata={"help": "Packed path: torch.compile the decoder blocks. auto: decided per run from this rank's "
@@ -229,7 +236,7 @@ class TrainConfig(SFTConfig):
                                        "counts as spent."})
 
     def __post_init__(self):
-        for name in ("step_layout", "attention", "compile_layers", "cuda_graphs"):
+        for name in ("step_layout", "attention", "compile_layers", "cuda_graphs", "sharding"):
             setattr(self, name, choice(name, getattr(self, name)))
         setting = choice("activation_checkpointing", self.activation_checkpointing)
         if setting == "auto" and self.gradient_checkpointing is not None:  # the deprecated alias, if given
@@ -252,6 +259,14 @@ class TrainConfig(SFTConfig):
             raise ValueError(f"max_cost_usd must be 0 (no cap) or positive with cost_per_hour_usd > 0: got "
                              f"{self.max_cost_usd}, {self.cost_per_hour_usd}")
         super().__post_init__()
+
+
+    @property
+    def place_model_on_device(self) -> bool | None:
+        """The Trainer moves the model to the GPU unless this says False (transformers TrainingArguments'
+        documented override): a sharded run's model is placed unit by unit as it is sharded
+        (training/sharding.py), never whole."""
+        return False if getattr(self, "sharded", False) else None
 
 
 def make_parser() -> TrlParser:

@@ -17,6 +17,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "flex_packing": AUTO_SWITCH, "activation_checkpointing": AUTO_SWITCH, "compile_layers": AUTO_SWITCH,
     "cuda_graphs": AUTO_SWITCH, "attention": ("auto", "varlen", "flex"), "step_layout": ("auto", "as_configured"),
     "long_rows": ("truncate", "drop"),
+    "sharding": ("auto", "none", "fsdp"),
 }
 
 

@@ -132,7 +132,8 @@ def base_model(model):
 @torch.no_grad()
 def evaluate(trainer, dataset=None) -> dict | None:
     """{"loss", "token_accuracy", "tokens", "rows"} of the held-out rows (`dataset`: the trainer's prepared
-    eval_dataset by default), every rank scoring its share; a collective: every rank calls it."""
+    eval_dataset by default), every rank scoring its share (all of them when sharded); a collective: every rank
+    calls it."""
     import torch.distributed as dist
 
     from training.fastpath.batches import PackedCollator
@@ -143,8 +144,10 @@ def evaluate(trainer, dataset=None) -> dict | None:
     model = trainer.model
     model = getattr(model, "module", model)
     args, device = trainer.args, trainer.args.device
-    world = max(1, args.world_size)
-    rows = [dataset[i] for i in range(args.process_index, len(dataset), world)]
+    # Sharded (training/sharding.py), a forward is a collective: every rank scores every row, the same forwards.
+    sharded = bool(getattr(trainer, "sharded", False))
+    world = 1 if sharded else max(1, args.world_size)
+    rows = [dataset[i] for i in range(0 if sharded else args.process_index, len(dataset), world)]
     was_training = model.training
     model.eval()
     try:

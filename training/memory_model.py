@@ -10,6 +10,8 @@ peak. docs/MEMORY.md gives the formula and its sources. The terms, in bytes per 
   and the one prefetched, each as large as the largest of a decoder layer and the embedding;
 - lora_state: the adapters in fp32 (PEFT keeps adapter weights in fp32 over a bf16 base: 4 bytes), their
   gradients (4) and AdamW's two moments (8), plus DDP's gradient buckets (4) when several ranks replicate;
+  divided by the shards when sharded (training/sharding.py shards the adapters with their layer; the few
+  buffers FSDP2 leaves whole on every rank are `replicated_bytes`);
 - activations: what autograd keeps for the backward pass, per token and layer, counted tensor by tensor for a
   Qwen3/Llama decoder layer (`layer_activation_bytes`): the two RMSNorms' fp32 inputs (4h each), Qwen3's q/k
   norms' fp32 inputs (4q + 4kv), the attention's q, k, v and output in bf16 (4q + 4kv: a fused attention,
@@ -133,6 +135,15 @@ def parameter_count(config: Mapping) -> int:
     s = Shape.of(config)
     head = 0 if s.tied else s.embedding_parameters()
     return s.embedding_parameters() + s.layers * s.layer_parameters() + s.hidden + head
+
+
+def replicated_bytes(config: Mapping) -> int:
+    """What every rank keeps whole when the model is sharded (FSDP2 shards parameters, not buffers): the rotary
+    embedding's inverse frequencies, `inv_freq` and `original_inv_freq`, head_dim / 2 fp32 values each
+    (transformers' modeling_rope_utils / Qwen3RotaryEmbedding). A few hundred bytes: nothing beside the shards,
+    but what a per-rank measurement adds to them."""
+    s = Shape.of(config)
+    return 2 * (s.head_dim // 2) * 4
 
 
 def lora_parameters(config: Mapping, r: int, targets) -> int:
@@ -275,6 +286,54 @@ def predict(config: Mapping, settings: Mapping, ranks: int = 1, shards: int = 1,
     return breakdown(config, plan)
 
 
+# ---------------------------------------------------------------- the plan the run takes
+
+
+class ShardingError(ValueError):
+    """A `sharding` setting the run cannot take (fsdp with one rank): the setting and the fix."""
+
+
+def one_rank_refusal(ranks: int) -> str:
+    return (f"sharding: fsdp needs 2 or more ranks to shard over; this run has {ranks}: set sharding to auto or "
+            "none, or run on more GPUs (--nodes, --gpus-per-node)")
+
+
+def run_plan(config: Mapping, setting: Callable[[str], object], ranks: int, usable: float,
+             gpu: bool = True) -> Plan:
+    """The plan a run of these settings takes on `ranks` ranks of `usable` bytes each: what the run itself decides
+    (training/train.py asks this with its GPU's memory; ops/cost/fit.py with the instance type's), in order:
+
+    1. `plan_from_settings`, unsharded;
+    2. the packed path's `activation_checkpointing: auto` turns recomputation on when one row does not fit
+       without it (training/fastpath/trainer.py);
+    3. `sharding`: fsdp shards the base over every rank; auto shards it when the plan of 2. does not fit one
+       GPU and there are ranks to shard over (never on CPU: no GPU memory to fit), and then 2. again for the
+       sharded plan (sharded, the row may fit without recomputation); none never shards.
+    ShardingError: fsdp with one rank."""
+    packed = gpu and str(setting("flex_packing")).lower() in ("auto", "true")
+    ckpt_auto = packed and str(setting("activation_checkpointing")).lower() == "auto"
+
+    def recompute_if_needed(plan: Plan) -> Plan:
+        if ckpt_auto and not plan.checkpointing and peak_bytes(config, plan) > usable:
+            return replace(plan, checkpointing=True,
+                           notes=(*plan.notes, "activation_checkpointing auto: on, as the run would turn it on"))
+        return plan
+
+    first = plan_from_settings(setting, ranks, gpu)
+    plan = recompute_if_needed(first)
+    sharding = str(setting("sharding") or "auto").lower()
+    if sharding == "fsdp":
+        if ranks < 2:
+            raise ShardingError(one_rank_refusal(ranks))
+        why = f"sharding fsdp: the base sharded {ranks}-way (config)"
+    elif sharding == "auto" and gpu and ranks > 1 and peak_bytes(config, plan) > usable:
+        why = (f"sharding auto: the base sharded {ranks}-way, as one GPU cannot hold the run unsharded "
+               f"(peak {peak_bytes(config, plan) / GIB:.1f} GiB > {usable / GIB:.1f} GiB)")
+    else:
+        return plan
+    return recompute_if_needed(replace(first, shards=ranks, notes=(*first.notes, why)))
+
+
 # ---------------------------------------------------------------- what would make it fit
 
 
@@ -284,7 +343,6 @@ class FitChange:
 
     what: str  # e.g. "max_length 512"
     plan: Plan
-    available: bool = True  # False: the memory model knows it, the project cannot run it yet (sharding)
 
 
 def changes(plan: Plan, setting: Callable[[str], object], packed: bool) -> list[FitChange]:
@@ -314,8 +372,8 @@ def changes(plan: Plan, setting: Callable[[str], object], packed: bool) -> list[
         out.append(FitChange(", ".join([*done, f"max_length: {shorter}"]), replace(base, tokens=rows * shorter)))
         shorter //= 2
     if plan.ranks > 1 and plan.shards < plan.ranks:
-        out.append(FitChange(f"the base sharded {plan.ranks}-way over the run's ranks (FSDP), with activation "
-                             "checkpointing", replace(plan, shards=plan.ranks, checkpointing=True), available=False))
+        out.append(FitChange(f"sharding: fsdp (the base sharded {plan.ranks}-way over the run's ranks), "
+                             "activation_checkpointing: true", replace(plan, shards=plan.ranks, checkpointing=True)))
     return out
 
 

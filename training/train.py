@@ -34,7 +34,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from training import cost_cap, interrupts, protocol, tensorboard_events
+from training import cost_cap, interrupts, protocol, sharding, tensorboard_events
 from training import samples as sample_answers
 from training.args import DataArguments, ModelArguments, TrainConfig, gpu_available, parse_args
 from training.callbacks import FAULT_RANK_ENV, FAULT_STEP_ENV, LOG_PREFIX, PhaseTimingCallback, make_callbacks
@@ -126,8 +126,11 @@ def load_model(model_args: ModelArguments, train_args: TrainConfig, flex_packing
     if not gpu_available() and dtype != "float32":
         log.warning("no GPU: loading the model in float32 instead of %s", dtype)
         dtype = "float32"
-    # Straight onto this rank's GPU: no staging copy of the weights in host memory.
-    device_map = {"": torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))} if gpu_available() else None
+    # Straight onto this rank's GPU: no staging copy of the weights in host memory. Sharded, the whole model would
+    # not fit one GPU: it loads into host memory and each FSDP2 unit moves to the GPU as it is sharded
+    # (training/sharding.py).
+    on_gpu = gpu_available() and not getattr(train_args, "sharded", False)
+    device_map = {"": torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))} if on_gpu else None
     return AutoModelForCausalLM.from_pretrained(
         model_args.model_name_or_path, revision=model_args.model_revision,
         trust_remote_code=train_args.trust_remote_code,
@@ -144,15 +147,65 @@ def use_compile_cache(directory: str | None) -> None:
     os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(os.environ["TORCHINDUCTOR_CACHE_DIR"], "triton"))
 
 
+def decide_sharding(data_args: DataArguments, model_args: ModelArguments, train_args: TrainConfig) -> dict:
+    """Whether this run shards the base (training/sharding.py): {"value", "by"}. Decided before the model loads,
+    from its config.json, the settings, the world size and this GPU's memory; the same function as the fit check
+    before launch (training/memory_model.py `run_plan`). A sharded run turns off what cannot run sharded, and
+    says why in its choices."""
+    from transformers import AutoConfig
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    gpu = gpu_available()
+    usable = None
+    if gpu:
+        import torch
+
+        usable = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory
+    setting = sharding.setting_reader(train_args, model_args, data_args)
+    config = {}
+    if str(train_args.sharding) == "auto" and gpu:  # config.json alone, no weights
+        config = AutoConfig.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision,
+                                            trust_remote_code=train_args.trust_remote_code).to_dict()
+    shard, why = sharding.decide(setting, config, world, gpu, usable)
+    train_args.sharded = shard
+    choice = {"sharding": {"value": f"fsdp {world}-way" if shard else "none", "by": why}}
+    if shard:  # what the fast path cannot do sharded falls back, and says why
+        fallback = "off: sharded (FSDP2) runs "
+        if train_args.compile_layers != "false":
+            train_args.compile_layers = "false"
+            choice["compile_layers"] = {"value": False, "by": fallback + "eager blocks"}
+        if train_args.cuda_graphs != "false":
+            train_args.cuda_graphs = "false"
+            choice["cuda_graphs"] = {"value": False, "by": fallback + "no CUDA graphs"}
+        if train_args.background_checkpoints:
+            train_args.background_checkpoints = False
+            choice["background_checkpoints"] = {
+                "value": False, "by": fallback + "write checkpoints on the training thread (every rank its shard)"}
+        if data_args.samples:
+            data_args.samples = 0
+            choice["samples"] = {"value": 0, "by": fallback + "answer no samples (one rank cannot "
+                                                           "generate alone from a sharded model)"}
+    return choice
+
+
 def build_trainer(model, tokenizer, dataset, model_args: ModelArguments, train_args: TrainConfig,
                   flex_packing: bool = False, callbacks: list[TrainerCallback] | None = None, eval_dataset=None):
     from trl import get_peft_config
 
     path = training_path(flex_packing)
-    trainer = with_background_checkpoints(path.trainer_class())(
+    sharded = bool(getattr(train_args, "sharded", False))
+    trainer_class = with_background_checkpoints(path.trainer_class())
+    if sharded:
+        trainer_class = sharding.sharded_trainer(trainer_class)
+    trainer = trainer_class(
         model=model, args=train_args, train_dataset=dataset, eval_dataset=eval_dataset, processing_class=tokenizer,
         data_collator=path.make_collator(tokenizer, train_args), peft_config=get_peft_config(model_args),
         callbacks=callbacks)
+    trainer.sharded = sharded
+    if sharded:
+        sharding.shard(trainer.model, train_args.world_size)
+        if gpu_available() and hasattr(trainer, "_set_token_budget"):
+            trainer._set_token_budget()  # the packed path's budget again, from the memory left beside the shards
     if not trainer.completion_only_loss:
         raise ValueError("completion_only_loss is off: the loss would cover the prompt; leave it unset or true")
     trainer.choices = {"path": {"value": path.NAME, "by": "config" if switch(getattr(
@@ -201,6 +254,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     set_seed(train_args.seed)
 
     flex_packing = resolve_flex_packing(switch(data_args.flex_packing))
+    sharding_choice = decide_sharding(data_args, model_args, train_args)  # before the model loads
     # Rank 0 first: it fills the (shared) HF_HOME cache from the hub, then the other ranks read it.
     with train_args.main_process_first(local=False, desc="loading data and model"):
         with phases.phase("data"):
@@ -233,6 +287,7 @@ def main(argv: list[str] | None = None) -> dict | None:
                                 [*make_callbacks(train_args.final_checkpoint), clock, every, on_signal,
                                  *([cap] if cap else []), hangs], eval_rows)
     every.trainer = trainer
+    trainer.choices.update(sharding_choice)
     report = reports["train"]
     trainer.choices["data_format"] = {"value": report.format, "by": "auto: the data's columns"}
     if report.template:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from cluster.errors import UserError
 from ops.cost import estimate as est
@@ -106,10 +106,7 @@ class FitVerdict:
     def advice(self) -> list[str]:
         out = []
         if self.change is not None:
-            how = f"cheapest change that fits: {self.change.what} (peak {self.change_peak / GIB:.1f} GiB)"
-            if not self.change.available:
-                how += " (not yet supported: sharding is issue 43's item 1; no setting turns it on today)"
-            out.append(how)
+            out.append(f"cheapest change that fits: {self.change.what} (peak {self.change_peak / GIB:.1f} GiB)")
         if self.bigger:
             itype, price = self.bigger[0]
             cost = f"${price:.2f}/h" if price is not None else "no price for it in ops/data/prices.json here"
@@ -128,14 +125,12 @@ def check(config: Mapping, setting: Callable[[str], object], gpu_type: str, rank
     """The verdict for a run of these settings on `ranks` GPUs of `gpu_type`."""
     gpu, usable = gpu_memory(gpu_type)
     packed = str(setting("flex_packing")).lower() in ("auto", "true")
-    try:
-        plan = mm.plan_from_settings(setting, ranks, gpu=True)
+    try:  # what the run decides itself: recomputation and sharding under auto (memory_model.run_plan)
+        plan = mm.run_plan(config, setting, ranks, usable, gpu=True)
+    except mm.ShardingError as exc:
+        raise FitError(str(exc)) from None
     except ValueError as exc:
         raise FitError(f"the fit check: {exc}") from None
-    if packed and not plan.checkpointing and str(setting("activation_checkpointing")) == "auto" \
-            and mm.peak_bytes(config, plan) > usable:  # the packed path turns recomputation on itself (trainer.py)
-        plan = replace(plan, checkpointing=True,
-                       notes=(*plan.notes, "activation_checkpointing auto: on, as the run would turn it on"))
     terms = mm.breakdown(config, plan)
     peak = sum(terms.values())
     verdict = FitVerdict(peak <= usable, peak, usable, plan, terms, gpu, gpu_type)
@@ -165,6 +160,7 @@ def _bigger_types(gpu_type: str, peak: float, region: str | None) -> list[tuple[
 def report(opts, cluster: est.PricedCluster, controller=None, say=print) -> FitVerdict | None:
     """`fab estimate` and `fab train`: the verdict's lines for this run; None on the local cluster (CPU: nothing
     to fit). FitError when the model's config.json cannot be read."""
+    refuse_one_rank_sharding(opts, cluster)
     if cluster.calibrated:
         say("  fit: the local cluster trains on CPU (float32, no GPU memory to fit): reported, never refused")
         return None
@@ -174,6 +170,13 @@ def report(opts, cluster: est.PricedCluster, controller=None, say=print) -> FitV
     for line in verdict.lines(model):
         say(line)
     return verdict
+
+
+def refuse_one_rank_sharding(opts, cluster: est.PricedCluster) -> None:
+    """`sharding: fsdp` on a run of one rank has nothing to shard over: refused before launch, CPU or GPU."""
+    ranks = cluster.nodes * cluster.ranks_per_node
+    if str(settings_of(opts)("sharding")).lower() == "fsdp" and ranks < 2:
+        raise FitError(mm.one_rank_refusal(ranks))
 
 
 def estimate_report(opts, cluster: est.PricedCluster, say=print) -> FitVerdict | None:
@@ -194,5 +197,7 @@ def refuse_unless_fits(verdict: FitVerdict | None, model: str) -> None:
     if verdict is None or verdict.fits:
         return
     raise FitError(f"{model} does not fit one {verdict.gpu} of {verdict.gpu_type}: predicted peak "
-                   f"{verdict.peak / GIB:.1f} GiB per GPU > {verdict.usable / GIB:.1f} GiB; "
+                   f"{verdict.peak / GIB:.1f} GiB per GPU"
+                   + (f" sharded {verdict.plan.shards}-way" if verdict.plan.shards > 1 else "")
+                   + f" > {verdict.usable / GIB:.1f} GiB; "
                    + "; ".join(verdict.advice()) + " (nothing was started; `fab estimate` shows the terms)")

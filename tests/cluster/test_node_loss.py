@@ -177,7 +177,11 @@ class Streamed:
         return [int(m[1]) for line in self.lines if (m := re.search(r"^\s+step (\d+)/\d+  loss", line))]
 
 
-def test_node_loss_requeues_and_resumes_from_checkpoint(local_cluster, tmp_path):
+@pytest.mark.parametrize("sharding", ["none", "fsdp"])
+def test_node_loss_requeues_and_resumes_from_checkpoint(local_cluster, tmp_path, sharding):
+    """Unsharded, and sharded over the 4 ranks of both nodes (training/sharding.py): the killed node's ranks held
+    a quarter of the model each; the requeued job resumes sharded from the checkpoint's adapters and each rank's
+    optimizer shard."""
     inv, job_dirs = local_cluster
     ranks = len(inv.gpu_nodes) * inv.gpus_per_node  # 2 x 2
     examples, save_steps = 320, 2
@@ -185,7 +189,7 @@ def test_node_loss_requeues_and_resumes_from_checkpoint(local_cluster, tmp_path)
     # Five epochs (100 optimizer steps): the packed path trains one epoch of these rows in a few seconds, and the
     # job log reaches `fab train` in chunks (one per poll), so a shorter run can end before the kill lands.
     # eval_split 0: every row trains, so the step count below is an uninterrupted run's.
-    cfg.update(save_steps=save_steps, save_total_limit=3, num_train_epochs=5, eval_split=0)
+    cfg.update(save_steps=save_steps, save_total_limit=3, num_train_epochs=5, eval_split=0, sharding=sharding)
     config = tmp_path / "node-loss.yaml"
     config.write_text(yaml.safe_dump(cfg))
     # What an uninterrupted run does: each rank sees ceil(examples / ranks) rows per epoch.
@@ -262,5 +266,7 @@ def test_node_loss_requeues_and_resumes_from_checkpoint(local_cluster, tmp_path)
     assert metrics["train_steps"] == state["global_step"] == expected_steps, (metrics, state["global_step"])
     assert metrics["resumed_from_step"] == resumed_step
     assert metrics["world_size"] == ranks
+    assert metrics["choices"]["sharding"] == {"value": f"fsdp {ranks}-way" if sharding == "fsdp" else "none",
+                                              "by": "config"}
     log = (run / "job.log").read_text()
     assert log.count("SLURM_GPU_JOB") == 2  # the first attempt's log kept (--open-mode=append)

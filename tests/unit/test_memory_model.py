@@ -70,32 +70,57 @@ def setting_with(**given):
     return lambda key: given[key] if key in given else default(key)
 
 
-# The issue's premise: Qwen3-4B fits an L4 with room, Qwen3-8B barely, 14B and 32B not; on an H100 all of them.
-VERDICTS = [("4B", "g6.12xlarge", True), ("8B", "g6.12xlarge", True), ("14B", "g6.12xlarge", False),
-            ("32B", "g6.12xlarge", False), ("4B", "p5.48xlarge", True), ("8B", "p5.48xlarge", True),
-            ("14B", "p5.48xlarge", True), ("32B", "p5.48xlarge", True)]
+# The issue's premise: Qwen3-4B fits an L4 with room, Qwen3-8B barely, 14B and 32B not unsharded; on an H100 all
+# of them. sharding auto (the default) shards 14B and 32B over the 8 L4s, and then they fit.
+VERDICTS = [("4B", "g6.12xlarge", 1), ("8B", "g6.12xlarge", 1), ("14B", "g6.12xlarge", 8),
+            ("32B", "g6.12xlarge", 8), ("4B", "p5.48xlarge", 1), ("8B", "p5.48xlarge", 1),
+            ("14B", "p5.48xlarge", 1), ("32B", "p5.48xlarge", 1)]
 
 
-@pytest.mark.parametrize("size,itype,fits", VERDICTS, ids=[f"{s}-{t}" for s, t, _f in VERDICTS])
-def test_verdicts_of_the_default_recipe(size, itype, fits):
+@pytest.mark.parametrize("size,itype,shards", VERDICTS, ids=[f"{s}-{t}" for s, t, _f in VERDICTS])
+def test_verdicts_of_the_default_recipe(size, itype, shards):
     v = fit.check(qwen3(size), default, itype, 8, "ap-northeast-2")
-    assert v.fits is fits
+    assert v.fits and v.plan.shards == shards and v.change is None and "fits with" in v.lines(size)[0]
     assert v.peak == pytest.approx(sum(mm.breakdown(qwen3(size), v.plan).values()))
     assert v.usable == {"g6.12xlarge": 23034, "p5.48xlarge": 81559}[itype] * 2**20
-    if fits:
-        assert v.change is None and "fits with" in v.lines(size)[0]
-    else:  # only sharding (not yet available) or a bigger GPU would fit it: both named, sharding as not supported
-        assert v.change is not None and not v.change.available and v.change.plan.shards == 8
-        assert mm.peak_bytes(qwen3(size), v.change.plan) <= v.usable
-        assert "not yet supported" in " ".join(v.advice())
-        assert v.bigger and fit.gpu_memory(v.bigger[0][0])[1] >= v.peak
+    if shards > 1:  # auto sharded it because the unsharded run does not fit, and says so
+        assert "sharding auto: the base sharded 8-way" in " ".join(v.plan.notes)
+        unsharded = fit.check(qwen3(size), setting_with(sharding="none"), itype, 8, "ap-northeast-2")
+        assert not unsharded.fits and unsharded.plan.shards == 1
+
+
+@pytest.mark.parametrize("size", ["14B", "32B"])
+def test_sharding_none_names_sharding_or_a_bigger_gpu(size):
+    v = fit.check(qwen3(size), setting_with(sharding="none"), "g6.12xlarge", 8, "ap-northeast-2")
+    assert not v.fits and v.change is not None and v.change.plan.shards == 8
+    assert mm.peak_bytes(qwen3(size), v.change.plan) <= v.usable
+    assert "cheapest change that fits: sharding: fsdp (the base sharded 8-way" in " ".join(v.advice())
+    assert "not yet supported" not in " ".join(v.advice())
+    assert v.bigger and fit.gpu_memory(v.bigger[0][0])[1] >= v.peak
+
+
+def test_sharding_fsdp_shards_a_model_that_fits_unsharded_too():
+    v = fit.check(qwen3("4B"), setting_with(sharding="fsdp"), "g6.12xlarge", 8)
+    assert v.fits and v.plan.shards == 8 and "sharding fsdp: the base sharded 8-way (config)" in v.plan.notes
+    assert v.terms["base_weights"] == pytest.approx(mm.parameter_count(qwen3("4B")) * 2 / 8)
+
+
+def test_sharding_asked_with_one_rank_is_refused_naming_the_setting():
+    with pytest.raises(fit.FitError, match=r"^sharding: fsdp needs 2 or more ranks to shard over; this run has 1: "
+                                           r"set sharding to auto or none"):
+        fit.check(qwen3("4B"), setting_with(sharding="fsdp"), "g6.12xlarge", 1)
+    # auto with one rank: nothing to shard over, so the run is checked unsharded
+    assert fit.check(qwen3("4B"), default, "g6.12xlarge", 1).plan.shards == 1
 
 
 def test_8b_on_an_l4_fits_only_with_recomputation_which_the_run_turns_on_itself():
     v = fit.check(qwen3("8B"), default, "g6.12xlarge", 8)
     assert v.plan.checkpointing and "activation_checkpointing auto: on" in " ".join(v.plan.notes)
-    off = fit.check(qwen3("8B"), setting_with(activation_checkpointing="false"), "g6.12xlarge", 8)
-    assert not off.fits and off.change.what == "activation_checkpointing: true" and off.change.available
+    off = fit.check(qwen3("8B"), setting_with(activation_checkpointing="false", sharding="none"), "g6.12xlarge", 8)
+    assert not off.fits and off.change.what == "activation_checkpointing: true"
+    # sharding auto: without recomputation it does not fit one L4 unsharded, so the run shards instead
+    auto = fit.check(qwen3("8B"), setting_with(activation_checkpointing="false"), "g6.12xlarge", 8)
+    assert auto.fits and auto.plan.shards == 8 and not auto.plan.checkpointing
 
 
 def test_the_padded_path_advises_a_smaller_micro_batch_with_more_accumulation():
@@ -133,13 +158,20 @@ def test_a_micro_batch_that_cannot_fit_even_sharded_is_refused_naming_it():
     setting = setting_with(flex_packing="false", per_device_train_batch_size=1, max_length=131072,
                            activation_checkpointing="true")
     v = fit.check(qwen3("32B"), setting, "g6.12xlarge", 8)
-    sharded = dataclasses.replace(v.plan, shards=8)
-    assert not v.fits and v.change is None and v.bigger == [] and mm.peak_bytes(qwen3("32B"), sharded) > v.usable
+    assert v.plan.shards == 8  # sharding auto: sharded, and still too big
+    assert not v.fits and v.bigger == [] and mm.peak_bytes(qwen3("32B"), v.plan) > v.usable
+    assert v.change.what == "max_length: 8192" and v.change.plan.shards == 8  # shorter rows, still sharded
     with pytest.raises(fit.FitError) as info:
         fit.refuse_unless_fits(v, "Qwen/Qwen3-32B")
     msg = str(info.value)
-    assert msg.startswith("Qwen/Qwen3-32B does not fit one L4 of g6.12xlarge: predicted peak ")
-    assert "nothing fits: not even the base sharded 8-way with checkpointing" in msg and "nothing was started" in msg
+    assert re.match(r"Qwen/Qwen3-32B does not fit one L4 of g6\.12xlarge: predicted peak \d+\.\d GiB per GPU "
+                    r"sharded 8-way > 22\.5 GiB; cheapest change that fits: max_length: 8192", msg), msg
+    assert "nothing was started" in msg
+    # nothing at all fits: the message says that not even sharding does
+    one_row = setting_with(flex_packing="false", per_device_train_batch_size=1, max_length=131072,
+                           activation_checkpointing="true", sharding="fsdp", lora_r=2**16)
+    with pytest.raises(fit.FitError, match="nothing fits: not even the base sharded 8-way with checkpointing"):
+        fit.refuse_unless_fits(fit.check(qwen3("32B"), one_row, "g6.12xlarge", 8), "Qwen/Qwen3-32B")
 
 
 @pytest.mark.parametrize("body,words", [
@@ -248,14 +280,21 @@ def aws_inventory(monkeypatch, tmp_path):
     monkeypatch.setattr(finetune, "connect", connect)
 
 
-def test_fab_train_refuses_a_run_that_cannot_fit_before_touching_a_host(hub, aws_inventory, capsys):
+def unsharded_config(tmp_path, **more) -> str:
+    path = tmp_path / "unsharded.yaml"
+    path.write_text("".join(f"{k}: {v}\n" for k, v in {"sharding": "none", **more}.items()))
+    return str(path)
+
+
+def test_fab_train_refuses_a_run_that_cannot_fit_before_touching_a_host(hub, aws_inventory, capsys, tmp_path):
     with pytest.raises(Exit) as info:
-        fabfile.train(Context(config=Config()), target="aws", stack="dev", model="Qwen/Qwen3-14B")
+        fabfile.train(Context(config=Config()), target="aws", stack="dev", model="Qwen/Qwen3-14B",
+                      config=unsharded_config(tmp_path))
     msg = str(info.value.message)
     assert info.value.code == 1 and msg.startswith("fab train: Qwen/Qwen3-14B does not fit one L4 of g6.12xlarge: ")
     peak = re.search(r"predicted peak (\d+\.\d) GiB per GPU > 22\.5 GiB", msg)
-    assert peak and float(peak.group(1)) > 28 and "sharded 8-way" in msg, msg  # 14B's bf16 weights alone: 27.5 GiB
-    assert "not yet supported" in msg and "or a type with bigger GPUs: p4d.24xlarge" in msg  # the smallest that fits
+    assert peak and float(peak.group(1)) > 28 and "sharding: fsdp (the base sharded 8-way" in msg, msg  # 27.5 GiB
+    assert "or a type with bigger GPUs: p4d.24xlarge" in msg  # the smallest that fits
     assert hub.seen == ["/Qwen/Qwen3-14B/resolve/main/config.json"]  # config.json alone: no weights
     # a model that fits goes on to the cluster (here: the connection, which the fixture refuses)
     with pytest.raises(HostTouched):
@@ -269,17 +308,44 @@ def test_fab_train_refuses_an_unreadable_config_before_touching_a_host(hub, aws_
     assert "org/none: its config.json" in str(info.value.message) and "check the model ID" in str(info.value.message)
 
 
-def test_fab_estimate_prints_the_verdict_and_the_change(hub, capsys):
+def test_fab_estimate_prints_the_verdict_and_the_change(hub, capsys, tmp_path):
     fabfile.estimate(Context(config=Config()), target="aws", stack="dev", model="Qwen/Qwen3-8B")
     out = capsys.readouterr().out
     assert "fit: Qwen/Qwen3-8B on L4 (g6.12xlarge, 22.5 GiB): predicted peak" in out and "fits with" in out
-    fabfile.estimate(Context(config=Config()), target="aws", stack="dev", model="Qwen/Qwen3-32B", model_gb="65.5")
+    fabfile.estimate(Context(config=Config()), target="aws", stack="dev", model="Qwen/Qwen3-32B", model_gb="65.5",
+                     config=unsharded_config(tmp_path))
     out = capsys.readouterr().out
-    peak = fit.check(qwen3("32B"), default, "g6.12xlarge", 8).peak  # 2 nodes x 4 L4s: 8 ranks
+    peak = fit.check(qwen3("32B"), setting_with(sharding="none"), "g6.12xlarge", 8).peak  # 2 nodes x 4 L4s: 8 ranks
     assert f"fit: Qwen/Qwen3-32B on L4 (g6.12xlarge, 22.5 GiB): predicted peak {peak / GIB:.1f} GiB per GPU: " \
         "does NOT fit" in out
-    assert "cheapest change that fits: the base sharded 8-way" in out and "not yet supported" in out
+    assert "cheapest change that fits: sharding: fsdp (the base sharded 8-way" in out
+    # the default (sharding auto) shards it and says so
+    fabfile.estimate(Context(config=Config()), target="aws", stack="dev", model="Qwen/Qwen3-32B", model_gb="65.5")
+    out = capsys.readouterr().out
+    assert "fits with" in out and "sharding auto: the base sharded 8-way" in out
     assert "cost, new stack" in out  # the time and cost still printed
+
+
+def test_fab_train_refuses_sharding_with_one_rank_before_touching_a_host(hub, aws_inventory, tmp_path):
+    path = tmp_path / "fsdp.yaml"
+    path.write_text("sharding: fsdp\n")
+    with pytest.raises(Exit) as info:
+        fabfile.train(Context(config=Config()), target="aws", stack="dev", model="Qwen/Qwen3-4B", config=str(path),
+                      nodes="1", gpus_per_node="1")
+    assert info.value.code == 1 and str(info.value.message).startswith(
+        "fab train: sharding: fsdp needs 2 or more ranks to shard over; this run has 1"), info.value.message
+
+
+def test_the_local_cluster_refuses_sharding_with_one_rank(tmp_path):
+    from ops.cost import estimate as est
+
+    path = tmp_path / "fsdp.yaml"
+    path.write_text("sharding: fsdp\n")
+    opts = options.parse(target="local", config=str(path), nodes="1", gpus_per_node="1", model="/scratch/tiny/model",
+                         data="/scratch/tiny/data/train.jsonl")
+    cluster = est.for_run(opts, None).cluster
+    with pytest.raises(fit.FitError, match="sharding: fsdp needs 2 or more ranks"):
+        fit.report(opts, cluster)
 
 
 def test_the_local_cluster_reports_and_never_refuses(capsys):
@@ -322,11 +388,11 @@ def test_changes_add_up_when_one_alone_does_not_fit():
     """Recomputation alone is not enough for 8 padded rows of 4,096 tokens of Qwen3-8B on an L4: the advice
     keeps it and adds the smaller micro-batch (and shorter rows) until the peak fits."""
     setting = setting_with(flex_packing="false", per_device_train_batch_size=8, gradient_accumulation_steps=2,
-                           max_length=4096, activation_checkpointing="false")
+                           max_length=4096, activation_checkpointing="false", sharding="none")
     v = fit.check(qwen3("8B"), setting, "g6.12xlarge", 8)
     alone = mm.peak_bytes(qwen3("8B"), dataclasses.replace(v.plan, checkpointing=True))
     assert not v.fits and alone > v.usable
-    assert v.change.available and v.change.what.startswith("activation_checkpointing: true, per_device_train_batch")
+    assert v.change.what.startswith("activation_checkpointing: true, per_device_train_batch")
     assert v.change_peak <= v.usable and v.change.plan.checkpointing
 
 
