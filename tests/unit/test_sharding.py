@@ -16,7 +16,7 @@ from training import sharding, train
 from training.make_tiny import make_tiny
 from training.validate import default
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "training" / "configs" / "local-tiny.yaml"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 RANKS = 4
