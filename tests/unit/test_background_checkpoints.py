@@ -54,7 +54,9 @@ def test_background_checkpoints_match_the_trainers_while_training_runs_on(tiny, 
     own = tmp_path / "own"
     assert run(tiny, own, monkeypatch, background=False)["train_steps"] == 7
 
-    # A slow writer: training goes on (and changes the adapters and the optimizer state) during each write.
+    # A slow writer: it writes only once training has gone on past the checkpoint's step (changing the
+    # adapters and the optimizer state meanwhile), so a write that blocked training would show. It waits
+    # for the step, not for a time: a loaded machine's slow steps cannot make the writer come too early.
     seen = []  # (the checkpoint's step, the training thread's step when the writer wrote it)
     real_build = train.build_trainer
 
@@ -63,9 +65,12 @@ def test_background_checkpoints_match_the_trainers_while_training_runs_on(tiny, 
         inner = trainer._save
 
         def slow(output_dir, *args, **kwargs):
-            time.sleep(0.5)
             name = Path(output_dir).name  # checkpoint-N, or the run's own directory at the end
-            seen.append((int(name.split("-")[1]) if name.startswith("checkpoint-") else None, trainer.state.global_step))
+            step = int(name.split("-")[1]) if name.startswith("checkpoint-") else None
+            deadline = time.monotonic() + 120  # a blocking write never sees training move: it ends here
+            while step is not None and trainer.state.global_step <= step and time.monotonic() < deadline:
+                time.sleep(0.05)
+            seen.append((step, trainer.state.global_step))
             return inner(output_dir, *args, **kwargs)
 
         trainer._save = slow
