@@ -105,10 +105,6 @@ class PowerSave:
     resume_timeout: int
     provider: str = "ec2"
     interval: int | None = None
-    region: str | None = None  # ec2: the stack's region (None: the programs ask the instance metadata)
-    # ec2: the Pulumi stack that owns the nodes (their STACK_TAG): the programs and the controller's
-    # role touch only its instances, not another stack's of the same cluster name (None: no such tag).
-    stack: str | None = None
 
 
 # On each instance: the Pulumi stack that owns it ("organization/project/stack"; infra/quotas.py
@@ -166,6 +162,12 @@ class ClusterFacts:
     spot_imds: str = DEFAULT_IMDS
     # What the hosts boot (OS, Python, Slurm version, cgroups, driver): cluster/platform.py.
     platform: Platform = AWS
+    # AWS: the stack's region (the EC2 power program's, fab's EC2 calls; None: the power program asks
+    # the instance metadata) and the Pulumi stack that owns the instances (their STACK_TAG value,
+    # organization/project/stack): the power program, the controller's role and `fab status` touch only
+    # its instances, not another stack's of the same cluster name. None off AWS.
+    region: str | None = None
+    stack: str | None = None
 
     def __post_init__(self) -> None:
         if self.gpu_device_prefix is None:
@@ -221,13 +223,18 @@ def facts_to_dict(facts: ClusterFacts) -> dict:
 def facts_from_dict(data: dict) -> ClusterFacts:
     # `extra`: an untyped field facts written before cluster/spec.py carried (always empty).
     data = {k: v for k, v in data.items() if k != "extra"}
+    power = dict(data.get("power_save") or {})
+    # Facts written before the region and stack were the cluster's own held them in the power-save part.
+    for key in ("region", "stack"):
+        if key in power:
+            data.setdefault(key, power.pop(key))
     try:
         return ClusterFacts(**{
             **data,
             "controller": Host(**data["controller"]),
             "gpu_nodes": tuple(Host(**h) for h in data["gpu_nodes"]),
             "shape": NodeShape(**data["shape"]),
-            "power_save": PowerSave(**data["power_save"]) if data.get("power_save") else None,
+            "power_save": PowerSave(**power) if power else None,
             "platform": _platform_from(data.get("platform")),
         })
     except (KeyError, TypeError) as exc:

@@ -71,10 +71,8 @@ class ScratchVolume:
 
 @dataclass(frozen=True)
 class AwsResources:
-    """What `pulumi up` made, for fab's EC2 calls."""
-    region: str | None = None
-    # The STACK_TAG value (organization/project/stack): `fab status` finds the stack's own resources by it.
-    stack: str | None = None
+    """What `pulumi up` made, for fab's EC2 calls (the stack's region and name are facts: `facts.region`,
+    `facts.stack`)."""
     # host name -> EC2 instance id: fab reads each host's SSH host keys from its console output by id.
     instance_ids: dict[str, str] = field(default_factory=dict)
     scratch_volume: ScratchVolume | None = None
@@ -176,10 +174,15 @@ class ClusterSpec:
             if schema != SCHEMA:
                 raise InventoryError(f"the inventory has schema {schema!r}, this fab reads {SCHEMA}: "
                                      "update slurm-gpu (git pull), or " + REFRESH)
-            aws = data.get("aws")
-            return cls(target=data["target"], facts=facts_from_dict(data["facts"]),
-                       access=Access(**data["access"]), aws=_aws(**aws) if aws is not None else None)
-        except (KeyError, TypeError, ValueError) as exc:
+            aws = dict(data["aws"]) if data.get("aws") is not None else None
+            facts = facts_from_dict(data["facts"])
+            if aws is not None:  # written when the region and stack were AWS resources, not facts
+                facts = replace(facts, region=facts.region or aws.pop("region", None),
+                                stack=facts.stack or aws.pop("stack", None))
+                aws.pop("region", None), aws.pop("stack", None)
+            return cls(target=data["target"], facts=facts, access=Access(**data["access"]),
+                       aws=_aws(**aws) if aws is not None else None)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             if isinstance(exc, InventoryError):
                 raise
             raise InventoryError(f"inventory is malformed ({exc}); {REFRESH}") from exc
@@ -194,7 +197,8 @@ def _from_flat(data: dict) -> ClusterSpec:
     and `extra` (region, stack, instance_ids, scratch_volume, known_hosts; the power-save figures are
     the facts' own)."""
     if not data.get("facts"):
-        raise InventoryError("the inventory carries no cluster facts (it predates them); " + REFRESH)
+        raise InventoryError("the inventory carries no cluster facts (it predates them); " + REFRESH
+                             + ", or take the stack down with `pulumi destroy`")
     extra = data.get("extra") or {}
     facts = facts_from_dict(data["facts"])
     if not data.get("job_user"):  # written before jobs had their own user: they run as ssh_user
@@ -204,8 +208,8 @@ def _from_flat(data: dict) -> ClusterSpec:
                     ssh_key_file=data.get("ssh_key_file"), known_hosts=extra.get("known_hosts"))
     aws = None
     if data["target"] == "aws":
-        aws = _aws(region=extra.get("region"),
-                   stack=extra.get("stack") or (facts.power_save.stack if facts.power_save else None),
-                   instance_ids=dict(extra.get("instance_ids") or {}),
-                   scratch_volume=extra.get("scratch_volume"))
+        # The region and stack were in `extra` (and the stack in the power-save facts, read there by
+        # facts_from_dict); they are facts now.
+        facts = replace(facts, region=facts.region or extra.get("region"), stack=facts.stack or extra.get("stack"))
+        aws = _aws(instance_ids=dict(extra.get("instance_ids") or {}), scratch_volume=extra.get("scratch_volume"))
     return ClusterSpec(target=data["target"], facts=facts, access=access, aws=aws)

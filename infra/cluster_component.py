@@ -24,7 +24,7 @@ from infra.spot_guard import SpotRequestGuard, provider_account
 SERVICE_CMD = "sudo systemctl {action} {service}"
 
 
-def build_inventory(facts: ClusterFacts, controller_public_ip: str | None, region: str | None,
+def build_inventory(facts: ClusterFacts, controller_public_ip: str | None,
                     instance_ids: dict[str, str] | None = None, scratch_volume: dict | None = None) -> dict:
     """The `inventory` output: the AWS target's cluster spec (cluster/spec.py) in its written form.
     `scratch_volume`: the shared /scratch's own gp3 EBS volume on the controller (infra/nodes.py):
@@ -34,8 +34,6 @@ def build_inventory(facts: ClusterFacts, controller_public_ip: str | None, regio
         python=TRAINING_PYTHON,  # where the GPU nodes' bootstrap installs the training stack
         service_cmd=SERVICE_CMD,
     ), aws=AwsResources(
-        region=region,
-        stack=stack_name(),  # the STACK_TAG value: `fab status` finds the stack's own resources by it
         instance_ids=dict(instance_ids or {}),  # fab reads each host's SSH host keys from its console by id
         scratch_volume=ScratchVolume(**scratch_volume) if scratch_volume else None,
     ))
@@ -77,7 +75,7 @@ class ClusterComponent(pulumi.ComponentResource):
         # The controller's role to stop/start idle GPU nodes (none when they never stop).
         self.power = PowerSaveComponent(f"{name}-power", PowerSaveArgs(
             cluster_name=facts.cluster_name, region=args.region, ebs_key_arn=ebs_key_arn,
-            stack=facts.power_save.stack if facts.power_save else None,
+            stack=facts.stack,
         ), opts=child) if facts.power_save is not None else None
         # The image ids the instances take, kept with the stack (infra/ami.py).
         self.images = ImagesComponent(f"{name}-images", ImagesArgs(images=args.images), opts=child)
@@ -135,7 +133,7 @@ class ClusterComponent(pulumi.ComponentResource):
         self.inventory = pulumi.Output.all(
             self.nodes.controller.public_ip, vol.throughput, vol.iops, vol.size, vol.id,
             self.nodes.controller.id, *[n.id for n in self.nodes.gpu_nodes]
-        ).apply(lambda v: build_inventory(facts, v[0], args.region, dict(zip(names, v[5:], strict=True)),
+        ).apply(lambda v: build_inventory(facts, v[0], dict(zip(names, v[5:], strict=True)),
                                           {"throughput_mbps": v[1], "iops": v[2], "size_gib": v[3],
                                            "volume_id": v[4]}))
 

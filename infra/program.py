@@ -40,7 +40,7 @@ RESUME_TIMEOUT_S = 900
 MIN_PULUMI_CLI = "3.208.0"
 
 
-def power_save(cfg: StackConfig, region: str | None) -> PowerSave | None:
+def power_save(cfg: StackConfig) -> PowerSave | None:
     """slurm.conf's power saving from slurm-gpu:idleStopMinutes (0: none)."""
     if cfg.idle_stop_minutes == 0:
         return None
@@ -48,7 +48,7 @@ def power_save(cfg: StackConfig, region: str | None) -> PowerSave | None:
 
     return PowerSave(suspend_time=cfg.idle_stop_minutes * 60, suspend_program=SUSPEND_PATH,
                      resume_program=RESUME_PATH, suspend_timeout=SUSPEND_TIMEOUT_S,
-                     resume_timeout=RESUME_TIMEOUT_S, provider="ec2", region=region, stack=stack_name())
+                     resume_timeout=RESUME_TIMEOUT_S, provider="ec2")
 
 
 def plan(cfg: StackConfig) -> tuple[ClusterFacts, str, dict[str, Ami], int, EbsKey,
@@ -83,9 +83,11 @@ def plan(cfg: StackConfig) -> tuple[ClusterFacts, str, dict[str, Ami], int, EbsK
         efa=cfg.efa,
         nvlink=gpu.nvlink,
         nvswitch=gpu.nvswitch,
-        power_save=power_save(cfg, region),
+        power_save=power_save(cfg),
         platform=AWS,
         spot=cfg.gpu_market == SPOT,
+        region=region,
+        stack=stack_name(),
     )
     return facts, az, images, gpu.efa_interfaces, ebs_key, reservation
 

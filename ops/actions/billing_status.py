@@ -47,7 +47,7 @@ def node_counts(cl: Cluster) -> tuple[int, int]:
 def stack_tag(inv: Inventory) -> str | None:
     """The stack's STACK_TAG value (organization/project/stack) as its inventory records it (infra/
     cluster_component.py; cluster/spec.py reads an older inventory's from its power programs' copy)."""
-    return inv.aws.stack if inv.aws else None
+    return inv.facts.stack
 
 
 def show(cl: Cluster, where: ClusterOptions, say: Say = print, ec2=None) -> None:

@@ -561,7 +561,7 @@ def cluster_for(target: str, stack: str | None, inv=None, nodes: int | None = No
     settings = stack_file.settings if stack_file else StackConfig.from_mapping({}, access=False)
     source = stack_file.name if stack_file else "flags"
     itype = gpu_instance_type or settings.gpu_instance_type
-    reg = region or (stack_file and stack_file.region) or (inv.aws.region if inv and inv.aws else None)
+    reg = region or (stack_file and stack_file.region) or (inv.facts.region if inv else None)
     if not reg:
         raise EstimateError(f"{source} sets no aws:region; pass --region (e.g. us-east-1)")
     facts = instance(itype, "--gpu-instance-type" if gpu_instance_type else "slurm-gpu:gpuInstanceType")

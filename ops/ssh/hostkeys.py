@@ -213,7 +213,7 @@ def console_output(instance_id: str, region: str | None) -> str:
 def fetch_from_ec2(inv, names: Iterable[str]) -> dict[str, list[Key]]:
     """name -> keys read from each instance's console output (AWS inventories carry the ids)."""
     ids = _instance_ids(inv)
-    region = inv.aws.region if inv.aws else None
+    region = inv.facts.region
     out = {}
     for name in names:
         if name not in ids:

@@ -301,7 +301,7 @@ def status_lines(tmp_path, monkeypatch, ec2, stack: str = "dev") -> list[str]:
     monkeypatch.setattr(power, "POWER_LOG", str(log))
     monkeypatch.setattr(spend, "datetime", type("Frozen", (datetime,), {"now": staticmethod(lambda tz=None: NOW)}))
     inv = inventories.make(public_ip="198.51.100.7", gpu_nodes=(("gpu-node-01", "10.0.1.11"), ("gpu-node-02", "10.0.1.12")),
-                           python="/usr/bin/python3", idle_stop_s=1800, aws=AwsResources(region=REGION, stack=STACK))
+                           python="/usr/bin/python3", idle_stop_s=1800, aws=AwsResources(), region=REGION, stack=STACK)
     said: list[str] = []
     billing_status.show(Cluster(inv, LocalController(), {}), options.parse_cluster(stack=stack), said.append, ec2=ec2)
     return said
@@ -336,7 +336,7 @@ def test_every_instance_and_the_nat_gateway_carry_the_stack_tag_spend_filters_by
     """The Cluster tag is shared by every stack of a cluster name (mini by default); the spend is looked up
     by STACK_TAG, which the inventory names."""
     run = harness.run_program(harness.stack_config(clusterName="mini"))
-    stack = run.outputs["inventory"]["aws"]["stack"]
+    stack = run.outputs["inventory"]["facts"]["stack"]
     assert stack == "slurm-gpu/test"  # stack_name() under the mocks (no organization)
     tagged = run.of_type("instance") + run.of_type("nat") + run.of_type("eip")
     assert len(run.of_type("instance")) >= 2 and len(run.of_type("nat")) == 1
@@ -347,7 +347,7 @@ def test_every_instance_and_the_nat_gateway_carry_the_stack_tag_spend_filters_by
 def test_an_inventory_without_the_stack_tag_says_the_spend_is_unknown(tmp_path, monkeypatch):
     said: list[str] = []
     inv = inventories.make(public_ip="198.51.100.7", python="/usr/bin/python3", service_cmd="x",
-                           aws=AwsResources(region=REGION))
+                           aws=AwsResources(), region=REGION)
     monkeypatch.setattr(billing_status, "node_counts", lambda cl: (0, 0))
     billing_status.show(Cluster(inv, LocalController(), {}), options.parse_cluster(stack="dev"), said.append,
                         ec2=object())

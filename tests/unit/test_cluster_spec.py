@@ -44,7 +44,7 @@ def test_each_targets_plan_writes_a_spec_that_reads_back_equal(specs):
         assert written["schema"] == SCHEMA
         assert ClusterSpec.from_dict(written) == spec, target
     aws = specs["aws"]
-    assert aws.aws.region and aws.aws.stack == "slurm-gpu/test"
+    assert aws.facts.region and aws.facts.stack == "slurm-gpu/test"
     assert set(aws.aws.instance_ids) == {n.name for n in aws.nodes}
     assert isinstance(aws.aws.scratch_volume, ScratchVolume)
     assert specs["local"].aws is None and specs["boot"].aws is None
@@ -79,14 +79,24 @@ def old_form(spec: ClusterSpec, extra: dict) -> dict:
         "gpus_per_node": f.shape.gpu_count, "gpu_type": f.shape.gpu_type, "nvlink": f.nvlink, "efa": f.efa,
         "python": spec.access.python, "service_cmd": spec.access.service_cmd, "scratch": f.scratch,
         "job_user": f.job_user, "ssh_key_file": spec.access.ssh_key_file, "extra": extra,
-        "facts": {**facts_to_dict(f), "extra": {}},
+        "facts": old_facts(f),
     }
+
+
+def old_facts(f) -> dict:
+    """The facts as fab wrote them before the region and stack were the cluster's own: the power-save
+    part held them (and an empty `extra`)."""
+    d = facts_to_dict(f)
+    region, stack = d.pop("region"), d.pop("stack")
+    if d.get("power_save"):
+        d["power_save"] = {**d["power_save"], "region": region, "stack": stack}
+    return {**d, "extra": {}}
 
 
 def test_an_inventory_written_before_the_schema_is_read_as_it_was_meant(aws_spec):
     """A stack brought up by an older fab keeps working (status, down, train) without a `pulumi up`."""
     aws = aws_spec.aws
-    extra = {"region": aws.region, "stack": aws.stack, "instance_ids": aws.instance_ids,
+    extra = {"region": aws_spec.facts.region, "stack": aws_spec.facts.stack, "instance_ids": aws.instance_ids,
              "scratch_volume": json.loads(json.dumps(aws.scratch_volume.__dict__)),
              "idle_stop_s": 1800, "power_up_time": "~2-4 minutes", "resume_timeout_s": 900}
     assert ClusterSpec.from_dict(old_form(aws_spec, extra)) == aws_spec
@@ -111,3 +121,23 @@ def test_access_and_aws_parts_are_typed():
     spec = Inventory.from_dict(local_plan.make_inventory(1, 1).to_dict())
     assert isinstance(spec.access, Access) and spec.access.known_hosts
     assert AwsResources().instance_ids == {} and spec.controller.public_ip == spec.facts.controller.ip
+
+
+def test_a_schema_2_inventory_with_the_region_and_stack_under_aws_reads_into_the_facts(aws_spec):
+    """The first schema 2 form kept the stack's region and name under `aws`; they are facts now."""
+    written = aws_spec.to_dict()
+    facts = dict(written["facts"])
+    region, stack = facts.pop("region"), facts.pop("stack")
+    older = {**written, "facts": facts, "aws": {**written["aws"], "region": region, "stack": stack}}
+    assert ClusterSpec.from_dict(older) == aws_spec
+
+
+@pytest.mark.parametrize("bad", [{"aws": "x"}, {"access": 3}, {"facts": {"controller": "x"}}])
+def test_a_part_of_the_wrong_type_is_a_one_line_error(aws_spec, bad):
+    with pytest.raises(InventoryError, match="inventory is malformed"):
+        ClusterSpec.from_dict({**aws_spec.to_dict(), **bad})
+
+
+def test_an_older_inventory_with_a_part_of_the_wrong_type_is_a_one_line_error(aws_spec):
+    with pytest.raises(InventoryError, match="inventory is malformed"):
+        ClusterSpec.from_dict({**old_form(aws_spec, {}), "controller": "x"})

@@ -129,7 +129,7 @@ def pulumi_calls(log: Path) -> list[list[str]]:
 def inventory(scratch: Path, cluster_name: str = "mini", public_ip: str = "198.51.100.7") -> Inventory:
     return inventories.make(cluster_name=cluster_name, public_ip=public_ip,
                             gpu_nodes=(("gpu-node-01", "10.0.1.11"), ("gpu-node-02", "10.0.1.12")),
-                            scratch=str(scratch), idle_stop_s=1800, aws=AwsResources(region="ap-northeast-2"))
+                            scratch=str(scratch), idle_stop_s=1800, aws=AwsResources(), region="ap-northeast-2")
 
 
 def finished_run(scratch: Path, job_id: str = "12", name: str = JOB_DIR_NAME, completed: bool = True) -> Path:

@@ -183,8 +183,8 @@ def test_known_hosts_round_trip(tmp_path, host_keys):
 def aws_inventory(known_hosts: str | None = None) -> Inventory:
     return inventories.make(
         public_ip="198.51.100.7", known_hosts=known_hosts, gpu_nodes=(("gpu-node-01", "10.0.1.11"), ("gpu-node-02", "10.0.1.12")),
-        aws=AwsResources(region="ap-northeast-2", instance_ids={
-            "controller": "i-0ctl", "gpu-node-01": "i-0g01", "gpu-node-02": "i-0g02"}))
+        aws=AwsResources(instance_ids={
+            "controller": "i-0ctl", "gpu-node-01": "i-0g01", "gpu-node-02": "i-0g02"}), region="ap-northeast-2")
 
 
 def test_pins_are_read_from_the_ec2_console_once_and_kept(tmp_path, monkeypatch, host_keys):

@@ -424,8 +424,8 @@ def test_user_data_is_rendered_from_the_cluster_facts(deployed):
         # idleStopMinutes' default (30 min), the EC2 programs, the stack's region.
         power_save=PowerSave(suspend_time=1800, suspend_program="/usr/local/sbin/slurm-gpu-suspend",
                              resume_program="/usr/local/sbin/slurm-gpu-resume", suspend_timeout=180,
-                             resume_timeout=900, provider="ec2", region="ap-northeast-2",
-                             stack="slurm-gpu/test"),  # the stack tag the power programs look for
+                             resume_timeout=900, provider="ec2"),
+        region="ap-northeast-2", stack="slurm-gpu/test",  # the stack tag the power programs look for
     )
     assert ctl_ud == user_data.user_data(facts, "controller")
     # Each GPU node gets its own user-data, made from the controller and itself only.
@@ -524,7 +524,7 @@ def test_inventory_output_is_what_fab_reads(deployed):
     assert (inv.gpus_per_node, inv.gpu_type, inv.nvlink, inv.efa) == (case.gpus, case.gres, case.nvlink, case.efa)
     assert inv.python == "/opt/slurm-gpu/venv/bin/python"
     assert inv.service_cmd.format(action="restart", service="slurmd") == "sudo systemctl restart slurmd"
-    assert inv.aws.region == "ap-northeast-2"
+    assert inv.facts.region == "ap-northeast-2"
     assert set(inv.aws.instance_ids) == {n.name for n in inv.nodes}
 
 

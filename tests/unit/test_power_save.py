@@ -50,15 +50,18 @@ def test_bad_idle_stop_names_the_setting_and_the_fix(value):
 
 # ---------------------------------------------------------------- slurm.conf
 
-def facts(power_save: PowerSave | None, cluster: str = "mini") -> ClusterFacts:
+REGION, STACK = "ap-northeast-2", "acme/slurm-gpu/prod"  # the stack's, as infra/program.py puts them in the facts
+
+
+def facts(power_save: PowerSave | None, cluster: str = "mini", region: str | None = REGION) -> ClusterFacts:
     ctl, nodes = plan_hosts("10.0.1.0/24", 3)
     return ClusterFacts(cluster, ctl, nodes, NodeShape(48, 184800, 4, "l4"), "10.0.1.0/24",
-                        power_save=power_save)
+                        power_save=power_save, region=region, stack=STACK)
 
 
 EC2 = PowerSave(suspend_time=1800, suspend_program="/usr/local/sbin/slurm-gpu-suspend",
                 resume_program="/usr/local/sbin/slurm-gpu-resume", suspend_timeout=180,
-                resume_timeout=900, provider="ec2", region="ap-northeast-2", stack="acme/slurm-gpu/prod")
+                resume_timeout=900, provider="ec2")
 
 
 def conf_keys(text: str) -> dict[str, str]:
@@ -117,10 +120,10 @@ def test_bad_power_facts_are_refused(bad):
 
 # ------------------------------------------------- the EC2 programs, botocore's Stubber
 
-def load_program(tmp_path: Path, power_save: PowerSave = EC2):
+def load_program(tmp_path: Path, power_save: PowerSave = EC2, region: str | None = REGION):
     """The rendered program, imported as a module, logging into tmp_path."""
     path = tmp_path / "slurm-gpu-power"
-    path.write_text(render.render_power_program(facts(power_save)))
+    path.write_text(render.render_power_program(facts(power_save, region=region)))
     loader = importlib.machinery.SourceFileLoader("slurm_gpu_power", str(path))
     module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
     loader.exec_module(module)
@@ -146,7 +149,7 @@ def ec2_client():
         "ec2", region_name="ap-northeast-2", aws_access_key_id="test", aws_secret_access_key="test")
 
 
-def described(*instances: tuple, stack: str = EC2.stack) -> dict:
+def described(*instances: tuple, stack: str = STACK) -> dict:
     """(id, Name tag, state[, stack tag]) each: DescribeInstances' answer."""
     return {"Reservations": [{"Instances": [
         {"InstanceId": i[0], "State": {"Name": i[2], "Code": 0},
@@ -157,7 +160,7 @@ def described(*instances: tuple, stack: str = EC2.stack) -> dict:
 
 def filters(*names: str) -> list[dict]:
     return [{"Name": "tag:Cluster", "Values": ["mini"]}, {"Name": "tag:Role", "Values": ["gpu"]},
-            {"Name": "tag:Name", "Values": list(names)}, {"Name": f"tag:{STACK_TAG}", "Values": [EC2.stack]},
+            {"Name": "tag:Name", "Values": list(names)}, {"Name": f"tag:{STACK_TAG}", "Values": [STACK]},
             {"Name": "instance-state-name", "Values": ["pending", "running", "stopping", "stopped"]}]
 
 
@@ -362,7 +365,7 @@ def test_the_region_is_the_stacks_else_the_instance_metadatas(tmp_path, monkeypa
     assert load_program(tmp_path).ec2_client().meta.region_name == "ap-northeast-2"
     # No region in the stack: botocore's IMDSv2 region look-up (answered here without a network).
     monkeypatch.setattr(botocore.utils.InstanceMetadataRegionFetcher, "retrieve_region", lambda self: "eu-west-1")
-    no_region = load_program(tmp_path, dataclasses.replace(EC2, region=None))
+    no_region = load_program(tmp_path, EC2, region=None)
     assert no_region.REGION is None and no_region.ec2_client().meta.region_name == "eu-west-1"
 
 

@@ -13,8 +13,8 @@ from ops.ssh import remote
 
 def _inventory() -> Inventory:
     ctl, gpus = plan_hosts("10.0.1.0/24", 2, "10.0.0.0/24")
-    facts = ClusterFacts("mini", ctl, gpus, NodeShape(48, 184800, 4, "l4"), "10.0.1.0/24")
-    return Inventory(target="aws", facts=facts, aws=AwsResources(region="us-east-1"), access=Access(
+    facts = ClusterFacts("mini", ctl, gpus, NodeShape(48, 184800, 4, "l4"), "10.0.1.0/24", region="us-east-1")
+    return Inventory(target="aws", facts=facts, aws=AwsResources(), access=Access(
         python="/opt/slurm-gpu/venv/bin/python", service_cmd="sudo systemctl {action} {service}",
         controller_public_ip="198.51.100.1"))
 

@@ -17,7 +17,7 @@ from localcluster import plan as local_plan
 from tests.unit.test_bootstrap_render import FACTS
 
 KIND = {node_layout.SLURM_CONF: "slurm.conf", node_layout.GRES_CONF: "gres.conf", node_layout.CGROUP_CONF: "cgroup.conf"}
-EC2_POWER = PowerSave(1800, node_layout.SUSPEND_PATH, node_layout.RESUME_PATH, 300, 900, "ec2", 60, "us-east-1")
+EC2_POWER = PowerSave(1800, node_layout.SUSPEND_PATH, node_layout.RESUME_PATH, 300, 900, "ec2", 60)
 
 
 def stacks() -> dict[str, ClusterFacts]:

@@ -114,10 +114,10 @@ def test_the_power_program_ships_as_the_same_code_without_its_comments():
     the same AST, less text; fab's copy (`fab update-nodes`) keeps them."""
     import ast
 
-    from tests.unit.test_power_save import EC2
+    from tests.unit.test_power_save import EC2, REGION, STACK
     from tests.unit.test_spot_watch import _code
 
-    facts = replace(FACTS["l4x2"], power_save=EC2)
+    facts = replace(FACTS["l4x2"], power_save=EC2, region=REGION, stack=STACK)
     source = user_data.bootstrap_files(facts, "controller")[node_layout.POWER_PATH]
     files = yaml.safe_load(user_data.user_data(facts, "controller"))["write_files"]
     shipped = next(f["content"] for f in files if f["path"] == node_layout.POWER_PATH)
