@@ -45,6 +45,7 @@ MAX_PROMPTS = 10_000
 # absolute path of plain name characters, no "..": it reaches a command (quoted) and names what is read.
 _JOB_DIR = re.compile(r"/(?:[A-Za-z0-9_.-]+/)*[A-Za-z0-9_.-]+")
 READY_TIMEOUT_S = 1800  # a node that powers up (AWS: minutes) and a model that loads
+MAX_LINE_BYTES = 1 << 20  # one protocol line (a token, a done record) is far smaller
 
 
 class ChatError(UserError, RuntimeError):
@@ -185,7 +186,8 @@ class Session:
         self.channel.shutdown_write()
 
     def events(self, timeout_s: float) -> Iterator[tuple[str, object]]:
-        """The protocol's events as they arrive; ends when the server's output ends."""
+        """The protocol's events as they arrive; ends when the server's output ends. `timeout_s`: the
+        longest silence between two pieces of output (each event starts the wait again)."""
         deadline = time.monotonic() + timeout_s
         self.channel.settimeout(1.0)
         while True:
@@ -194,6 +196,9 @@ class Session:
                 found = parse_event(line.decode("utf-8", errors="replace"))
                 if found:
                     yield found
+                    deadline = time.monotonic() + timeout_s
+            if len(self.buffer) > MAX_LINE_BYTES:  # the server's output is not the protocol's lines
+                raise ChatError(f"the chat server sent {len(self.buffer)} bytes without a line end")
             while self.channel.recv_stderr_ready():
                 self.err = (self.err + self.channel.recv_stderr(65536))[-20000:]
             try:
@@ -217,7 +222,8 @@ def stats_line(done: dict) -> str:
     """`[first token 0.12 s, 20 tokens, 19.5 tokens/s]` of a `done` event."""
     ttft, rate = done.get("ttft_s"), done.get("tokens_per_s")
     parts = [f"first token {ttft:.2f} s" if isinstance(ttft, (int, float)) else "no token",
-             f"{done.get('tokens', 0)} tokens"]
+             # the server's word: shown only as a number
+             f"{done['tokens'] if isinstance(done.get('tokens'), int) else 0} tokens"]
     if isinstance(rate, (int, float)):
         parts.append(f"{rate:.1f} tokens/s")
     return "[" + ", ".join(parts) + "]"
@@ -231,8 +237,9 @@ def converse(session: Session, prompts: Iterable[str], say: Say, write: Callable
     for kind, value in events:
         if kind == "ready":
             info = value if isinstance(value, dict) else {}
+            load_s = info["load_s"] if isinstance(info.get("load_s"), (int, float)) else 0
             say(f"      loaded on {shown(info.get('device', '?'))} ({shown(info.get('dtype', '?'))}) in "
-                f"{info.get('load_s', 0):.1f} s; prompts shaped as the run's {shown(info.get('format', '?'))} rows")
+                f"{load_s:.1f} s; prompts shaped as the run's {shown(info.get('format', '?'))} rows")
             break
         if kind == "error":
             raise ChatError(f"the chat server failed: {shown(value)}")
@@ -318,6 +325,6 @@ def _chat(cl: Cluster, opts: ChatOptions, say: Say, write: Callable[[str], None]
         finally:
             channel.close()
             # A step left behind (Ctrl-C, a dropped connection) is ended: it holds a GPU.
-            sudo(ctl, f"scancel --name {q(name)}", warn=True)
+            sudo(ctl, f"scancel --name {q(name)} --user {q(slurm.job_user(inv))}", warn=True)
     finally:
         sudo(ctl, f"rm -rf {q(chat_dir)}", warn=True)

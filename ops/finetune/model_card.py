@@ -19,9 +19,17 @@ def _num(value, fmt: str) -> str:
     return format(value, fmt) if isinstance(value, (int, float)) and not isinstance(value, bool) else "-"
 
 
+# Markdown's own characters in a value a job wrote: a link or an image (a tracking pixel) in the card
+# the user publishes, or a `|` that breaks its table, become text.
+_MARKDOWN = str.maketrans({c: "\\" + c for c in "\\`[]()!|"})
+
+
 def _text(value) -> str:
-    """A recorded value as one plain Markdown line (a job wrote some of these: no line breaks, no HTML)."""
-    return " ".join(str(value).split()).replace("<", "&lt;").replace(">", "&gt;") if value is not None else "-"
+    """A recorded value as one plain Markdown line (a job wrote some of these: no line breaks, no HTML,
+    no Markdown of its own)."""
+    if value is None:
+        return "-"
+    return " ".join(str(value).split()).replace("<", "&lt;").replace(">", "&gt;").translate(_MARKDOWN)
 
 
 def render(run: Path, config_text: str | None) -> str:
@@ -43,7 +51,7 @@ def render(run: Path, config_text: str | None) -> str:
     base_ev = ev.get("base") if isinstance(ev.get("base"), dict) else {}
     tuned_ev = ev.get("tuned") if isinstance(ev.get("tuned"), dict) else {}
     targets = adapter.get("target_modules")
-    targets = ", ".join(sorted(targets)) if isinstance(targets, list) else _text(targets)
+    targets = _text(", ".join(sorted(map(str, targets)))) if isinstance(targets, list) else _text(targets)
     front = ["---"] + ([f"base_model: {json.dumps(base)}"] if hub_base else []) + \
         ["library_name: transformers", "tags:", "- lora", "- merged", "- slurm-gpu", "---"]
     lines = [

@@ -31,7 +31,8 @@ HOME_DIRS = ("tensorboard", "hangs")
 # The files fab itself writes into runs/<job>/ beside the download (run_dir, finish, record_run,
 # record_timeline, summary.plot_loss/plot_gpus): a job's file of the same name is not downloaded, so
 # nothing the job wrote can overwrite or pre-fill fab's own records.
-OWN_RECORDS = frozenset({"job_dir", "job.log", "run.json", "network.json", "timeline.json", "loss.png", "gpus.png"})
+OWN_RECORDS = frozenset({"job_dir", "job.log", "run.json", "network.json", "timeline.json", "loss.png", "gpus.png",
+                         "README.md", "merged.json", "merged"})  # the last three: fab merge's (ship.py)
 # What one run may bring home. Today's files: a LoRA's adapters (a 70B Llama's at rank 64 on every
 # linear layer: 161,792 x 64 x 80 layers = 0.83 G parameters, 3.3 GB in fp32), the tokenizer,
 # trainer_state.json, metrics.json, samples.md, the GPU samples, TensorBoard events and hang dumps
@@ -54,17 +55,28 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
-def _copy_capped(sftp, remote: str, tmp: str, cap: int) -> str | None:
+def job_owner(inv) -> int | None:
+    """The uid whose files a job's output holds, where the job's user is not the admin fab logs in as:
+    a file fab opens there owned by anyone else is a link the job swapped in to another user's file
+    (the SFTP server follows links on open). None where jobs run as the login user (the local cluster,
+    a stack from before jobs had their own user): there is no other user to read for."""
+    return None if inv.facts.job_user == inv.facts.ssh_user else inv.facts.job_uid
+
+
+def _copy_capped(sftp, remote: str, tmp: str, cap: int, owner: int | None = None) -> str | None:
     """Copy `remote` to `tmp`, reading at most `cap` bytes; None when copied, else why not.
 
     The remote file is checked as it is opened (fstat of the open handle: a regular file within
-    `cap`), so a listed file swapped for a link to a device or a larger file after the listing is
-    refused, and the read stops at `cap` whatever the file grows to. `tmp` is created afresh, never
-    through a symbolic link (O_NOFOLLOW, O_EXCL after removing a left-over)."""
+    `cap`, owned by `owner` when given), so a listed file swapped for a link to a device, a larger
+    file or another user's file after the listing is refused, and the read stops at `cap` whatever
+    the file grows to. `tmp` is created afresh, never through a symbolic link (O_NOFOLLOW, O_EXCL
+    after removing a left-over)."""
     with sftp.open(remote, "rb") as f:
         st = f.stat()
         if not stat.S_ISREG(st.st_mode or 0):
             return "not a regular file when opened (replaced after the listing?)"
+        if owner is not None and st.st_uid != owner:
+            return f"owned by uid {st.st_uid}, not the job's user (uid {owner}) when opened (a link swapped in?)"
         if (st.st_size or 0) > cap:
             return f"{_gib(st.st_size)} when opened, over the cap of {_gib(cap)}"
         try:
@@ -85,14 +97,15 @@ def _copy_capped(sftp, remote: str, tmp: str, cap: int) -> str | None:
     return None
 
 
-def download(ctl: Connection, output_dir: str, dest: Path, say: Say = print) -> list[str]:
+def download(ctl: Connection, output_dir: str, dest: Path, say: Say = print, owner: int | None = None) -> list[str]:
     """Top-level files of the run's output_dir (adapters, tokenizer, state, metrics, samples.md, GPU
     samples) and the files of HOME_DIRS (TensorBoard events); no checkpoints. A listed name that
     would leave `dest` (fetch_files.inside: "..", a separator, a symbolic link), or that is one of
     fab's own records (OWN_RECORDS), is not downloaded: `say` names it. The listing holds what the
     job wrote; symbolic links there are skipped (the SFTP server lists each entry's lstat: OpenSSH
     sftp-server.c process_readdir), and each file is lstat'ed again right before it is read and read
-    with a byte cap (MAX_FILE_BYTES each, MAX_RUN_BYTES in all): a file over the cap is skipped."""
+    with a byte cap (MAX_FILE_BYTES each, MAX_RUN_BYTES in all): a file over the cap is skipped.
+    `owner` (job_owner): the uid every file read must belong to as it is opened."""
     sftp = ctl.sftp()
     dest.mkdir(parents=True, exist_ok=True)
     got = []
@@ -117,7 +130,7 @@ def download(ctl: Connection, output_dir: str, dest: Path, say: Say = print) -> 
             why = f"{_gib(st.st_size)}, over the cap of {_gib(cap)} ({_gib(MAX_FILE_BYTES)} a file, " \
                   f"{_gib(MAX_RUN_BYTES)} a run)"
         else:
-            why = _copy_capped(sftp, remote, tmp, cap)
+            why = _copy_capped(sftp, remote, tmp, cap, owner)
         if why:
             say(f"      not downloaded from {remote_dir}: {name!r}: {why}")
             return False
@@ -170,7 +183,7 @@ def finish(cl: Cluster, job_id: str, followed: stream.Followed, say: Say,
     got: list[str] = []
     if job_dir:
         slurm.let_admin_read(cl.controller, cl.inventory, f"{job_dir}/output")
-        got = download(cl.controller, f"{job_dir}/output", dest, say)
+        got = download(cl.controller, f"{job_dir}/output", dest, say, owner=job_owner(cl.inventory))
     if log_path:
         dest.mkdir(parents=True, exist_ok=True)
         (dest / "job.log").write_text(read_remote(cl.controller, log_path))

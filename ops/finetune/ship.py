@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import uuid
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from ops.actions.options import REPO
 from ops.finetune import model_card, run_home, runs
 from ops.finetune import sbatch as jobs
 from ops.say import Say, shown
-from ops.ssh.remote import Cluster, exists, put_bytes, put_text, read_remote, read_text
+from ops.ssh.remote import Cluster, exists, put_bytes, put_text, read_text
 
 MERGED = "merged"  # in the run's job folder on the cluster, and in runs/<run>/ with --download
 TIME_LIMIT = "02:00:00"  # a 70B model's 140 GB read from /scratch and written back, with room to spare
@@ -81,7 +82,7 @@ def merge(cl: Cluster, run: Path, download: bool = False, say: Say = print) -> d
     say(f"fab merge: run {run.name}: job {job_id} merges {adapters} into its base model on one node")
     job = slurm.wait_job(ctl, job_id, WAIT_S)
     log_path = f"{inv.scratch}/logs/{jobs.MERGE_NAME}-{job_id}.out"
-    log = read_remote(ctl, log_path, missing_ok=True)
+    log = _job_log(ctl, inv, log_path)
     result = _result(log)
     if not job.ok or result is None:
         tail = shown("\n".join(log.splitlines()[-15:]), block=True)
@@ -93,7 +94,7 @@ def merge(cl: Cluster, run: Path, download: bool = False, say: Say = print) -> d
     say(f"      model card: {_local(run / 'README.md')}")
     if download:
         dest = run / MERGED
-        got = run_home.download(ctl, out, dest, say)
+        got = run_home.download(ctl, out, dest, say, owner=run_home.job_owner(inv))
         result["home"] = str(dest)
         size = sum((dest / f).stat().st_size for f in got if (dest / f).is_file())
         say(f"      downloaded to {_local(dest)}/: {len(got)} files, {size / 1e9:.2f} GB")
@@ -117,3 +118,16 @@ def _result(log: str) -> dict | None:
 
 def _local(p: Path) -> str:
     return str(p.relative_to(REPO)) if p.is_relative_to(REPO) else str(p)
+
+
+LOG_TAIL_BYTES = 64 * 1024  # of the merge job's log: its result line and an error's last lines
+
+
+def _job_log(ctl, inv, path: str) -> str:
+    """The end of the merge job's log, read as the jobs' user: the log folder is that user's, so a
+    job may have put a link to a file only the admin can read (or to /dev/zero) at the log's name;
+    read as the job's user, such a link shows no more than the job could read itself, and the read
+    stops at LOG_TAIL_BYTES. Empty when there is no log."""
+    res = slurm.as_job_user(ctl, slurm.job_user(inv), f"tail -c {LOG_TAIL_BYTES} -- {shlex.quote(path)}",
+                            warn=True, hide=True)
+    return res.stdout if res.ok else ""

@@ -281,3 +281,40 @@ def test_a_server_that_dies_before_ready_is_named_with_its_error(tmp_path):
     with pytest.raises(chat.ChatError, match="ended before it was ready: .*Error"):
         chat.converse(chat.Session(channel), ["hi"], print, print)
     channel.proc.wait(timeout=60)
+
+
+class BytesChannel:
+    """A channel that hands out fixed chunks, then silence (TimeoutError) or the end of output."""
+
+    def __init__(self, chunks, then_end=True):
+        self.chunks, self.then_end = list(chunks), then_end
+
+    def settimeout(self, t):
+        pass
+
+    def recv(self, n):
+        if self.chunks:
+            return self.chunks.pop(0)
+        if self.then_end:
+            return b""
+        raise TimeoutError
+
+    def recv_stderr_ready(self):
+        return False
+
+
+def test_a_server_that_never_ends_a_line_is_stopped_not_buffered_without_end():
+    """Output with no line end (a job's process, not the protocol) is refused past MAX_LINE_BYTES,
+    instead of growing fab's memory and rescans for ever."""
+    chunk = b"x" * (1 << 16)
+    session = chat.Session(BytesChannel([chunk] * ((chat.MAX_LINE_BYTES >> 16) + 2)))
+    with pytest.raises(chat.ChatError, match="without a line end"):
+        list(session.events(60))
+
+
+def test_the_stats_line_shows_the_servers_numbers_only():
+    """A `done` record is the server's word (a job's process on a GPU node): text where a number
+    belongs, terminal escapes included, never reaches the admin's terminal."""
+    line = chat.stats_line({"ttft_s": 0.5, "tokens": "\x1b]52;c;ZXZpbA==\x07\x1b[2J", "tokens_per_s": "fast"})
+    assert "\x1b" not in line and "\x07" not in line
+    assert line == "[first token 0.50 s, 0 tokens]"

@@ -219,3 +219,60 @@ def test_fab_merge_refuses_bad_input_before_touching_a_host(tmp_path, make, args
 def test_find_run_takes_the_newest_run_by_default(tmp_path):
     run = _run_dir(tmp_path)
     assert ship.find_run(tmp_path, None) == run
+
+
+def test_a_download_refuses_a_file_owned_by_another_user_when_opened(tmp_path):
+    """fab reads a job's output as the admin over SFTP, which follows a link on open: a file swapped
+    for a link to another user's file after the listing is refused by its owner (run_home.job_owner)."""
+    import stat as st_
+
+    from ops.finetune import run_home
+
+    class Attrs:
+        def __init__(self, uid):
+            self.st_mode, self.st_size, self.st_uid = st_.S_IFREG | 0o644, 5, uid
+
+    class File:
+        def __init__(self, uid):
+            self.uid, self.data = uid, [b"hello", b""]
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+        def stat(self):
+            return Attrs(self.uid)
+
+        def read(self, n):
+            return self.data.pop(0)
+
+    class Sftp:
+        def __init__(self, uid):
+            self.uid = uid
+
+        def open(self, path, mode):
+            return File(self.uid)
+
+    why = run_home._copy_capped(Sftp(0), "/scratch/x/output/adapter_model.safetensors", str(tmp_path / "a"), 100, 2950)
+    assert why and "owned by uid 0" in why and not (tmp_path / "a").exists()
+    assert run_home._copy_capped(Sftp(2950), "/x", str(tmp_path / "b"), 100, 2950) is None
+    assert (tmp_path / "b").read_bytes() == b"hello"
+
+
+def test_job_owner_is_the_job_users_uid_where_jobs_have_their_own_user():
+    from ops.finetune import run_home
+    from tests.support import inventories
+
+    assert run_home.job_owner(inventories.make("aws")) == 2950
+    assert run_home.job_owner(inventories.make("local", job_user="root", ssh_user="root")) is None
+
+
+def test_model_card_values_carry_no_markdown_of_their_own():
+    """A value a job wrote (adapter_config.json, metrics.json) cannot put a link, an image or a table
+    cell into the card the user publishes."""
+    from ops.finetune import model_card
+
+    text = model_card._text("![x](https://example.invalid/p.png) | [a](b)")
+    assert "](" not in text.replace("\\](", "") and "\\|" in text and "\\!\\[" in text
