@@ -29,27 +29,32 @@ def sshd(tmp_path_factory):
     for name in ("host", "user"):
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / name)], check=True)
     (d / "authorized_keys").write_text((d / "user.pub").read_text())
-    port = _free_port()
+    host_pub = (d / "host.pub").read_text().split()
+    (d / "known_hosts").write_text(f"controller {host_pub[0]} {host_pub[1]}\n")
+    (d / "scratch").mkdir()
     os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
+    port = _free_port()
+    inv = inventories.make("local", cluster_name="t", ssh_user="root", controller=("controller", "127.0.0.1"),
+                           gpus_per_node=1, gpu_type="sim", python="/usr/bin/python3",
+                           service_cmd="true {action} {service}", known_hosts=str(d / "known_hosts"))
+    (d / "inventory.json").write_text(inv.to_json())
+    # Started last, and stopped whatever follows: a setup error leaves no sshd behind.
     proc = subprocess.Popen(["/usr/sbin/sshd", "-D", "-e", "-f", "/dev/null", "-p", str(port),
                              "-o", "ListenAddress=127.0.0.1", "-o", f"HostKey={d / 'host'}",
                              "-o", f"AuthorizedKeysFile={d / 'authorized_keys'}",
                              "-o", "PermitRootLogin=prohibit-password", "-o", "Subsystem=sftp internal-sftp",
                              "-o", "StrictModes=no", "-o", f"PidFile={d / 'sshd.pid'}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    host_pub = (d / "host.pub").read_text().split()
-    (d / "known_hosts").write_text(f"controller {host_pub[0]} {host_pub[1]}\n")
-    inv = inventories.make("local", cluster_name="t", ssh_user="root", controller=("controller", "127.0.0.1"),
-                           gpus_per_node=1, gpu_type="sim", python="/usr/bin/python3",
-                           service_cmd="true {action} {service}", known_hosts=str(d / "known_hosts"))
-    (d / "inventory.json").write_text(inv.to_json())
-    (d / "scratch").mkdir()
+                            stdout=subprocess.DEVNULL, stderr=open(d / "sshd.log", "wb"))  # noqa: SIM115
     try:
-        for _ in range(100):
-            if subprocess.run(["bash", "-c", f"exec 3<>/dev/tcp/127.0.0.1/{port}"],
-                              stderr=subprocess.DEVNULL).returncode == 0:
+        # Ready when its pid file is written (after it has bound the port); one that could not bind
+        # (another process took the free port meanwhile) exits, and says so, rather than letting the
+        # tests talk to whoever holds the port.
+        for _ in range(200):
+            if proc.poll() is not None:
+                raise RuntimeError(f"sshd on port {port} exited: {(d / 'sshd.log').read_text(errors='replace')}")
+            if (d / "sshd.pid").exists():
                 break
-            time.sleep(0.1)
+            time.sleep(0.05)
         yield {"inventory": d / "inventory.json", "port": port, "key": d / "user", "scratch": d / "scratch"}
     finally:
         proc.terminate()
