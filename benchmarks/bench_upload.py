@@ -6,8 +6,10 @@ run of the same file uploads nothing.
     fab local.up --nodes 1 --gpus 1            # (root) or any cluster fab reaches: --target aws
     python -m benchmarks.bench_upload --size-gb 1 --out upload.json
 
-The peak is this process's maxrss (getrusage): Python, fab's imports and the upload together. The generated
-file and its copy on the cluster are removed at the end.
+The peak is this process's own high-water resident set (/proc/self/status VmHWM): Python, fab's imports and
+the upload together. Not getrusage's maxrss: Linux keeps that across execve, so a benchmark started from a
+large process (pytest with torch imported) would report its parent's peak. The generated file and its copy on
+the cluster are removed at the end.
 """
 
 from __future__ import annotations
@@ -44,7 +46,11 @@ def generate(path: Path, size: int) -> int:
 
 
 def peak_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    """This process image's peak resident set in MB (VmHWM: kB, per address space, so new at exec)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # no /proc: Linux's KiB, kept across exec
 
 
 def cpu_model() -> str:

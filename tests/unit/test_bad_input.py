@@ -164,10 +164,14 @@ def test_stack_config_refused_by_the_program(overrides, expected):
 
 
 def _daemon_pids() -> set[str]:
+    """Our daemons' pids: those in this machine's own PID namespace. The boot test's containers
+    (systemd-nspawn, each with a PID namespace of its own) run slurmd, munged and sshd too, beside
+    the unit tier (scripts/test.sh): theirs are not a local cluster's."""
     pids = set()
+    ours = os.readlink("/proc/self/ns/pid")
     for comm in Path("/proc").glob("[0-9]*/comm"):
         try:
-            if comm.read_text().strip() in DAEMONS:
+            if comm.read_text().strip() in DAEMONS and os.readlink(comm.parent / "ns" / "pid") == ours:
                 pids.add(comm.parent.name)
         except OSError:  # the process ended meanwhile
             pass

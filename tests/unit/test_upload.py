@@ -150,3 +150,21 @@ def test_rows_and_first_rows_hold_at_every_piece_boundary(tmp_path, monkeypatch,
     assert count == sum(1 for line in text.split(b"\n") if line.strip()) == 40
     assert digest == hashlib.sha256(text).hexdigest()
     assert [json.loads(line) for line in head] == [json.loads(r) for r in rows[:25]]
+
+
+def test_the_benchmarks_peak_is_its_own_not_its_parents():
+    """bench_upload's peak memory is its own process image's: started from a large parent (pytest with
+    torch imported, here a 400 MB one), getrusage's maxrss would report the parent's peak (Linux keeps it
+    across execve) and the 256 MB bound would fail for the wrong reason."""
+    import subprocess
+    import sys
+
+    code = ("import subprocess, sys\n"
+            "x = bytearray(400 << 20)\n"
+            "for i in range(0, len(x), 4096): x[i] = 1\n"
+            "out = subprocess.run([sys.executable, '-c', 'import benchmarks.bench_upload as b; print(b.peak_mb())'],"
+            " capture_output=True, text=True, check=True).stdout\n"
+            "print(out.strip())\n")
+    peak = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                cwd=Path(__file__).resolve().parents[2]).stdout)
+    assert peak < 200
