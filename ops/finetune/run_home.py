@@ -32,7 +32,7 @@ HOME_DIRS = ("tensorboard", "hangs")
 # record_timeline, summary.plot_loss/plot_gpus): a job's file of the same name is not downloaded, so
 # nothing the job wrote can overwrite or pre-fill fab's own records.
 OWN_RECORDS = frozenset({"job_dir", "job.log", "run.json", "network.json", "timeline.json", "loss.png", "gpus.png",
-                         "README.md", "merged.json", "merged"})  # the last three: fab merge's (ship.py)
+                         "README.md", "merged.json", "merged"})  # the last three: fab merge's in runs/<run>/ (ship.py)
 # What one run may bring home. Today's files: a LoRA's adapters (a 70B Llama's at rank 64 on every
 # linear layer: 161,792 x 64 x 80 layers = 0.83 G parameters, 3.3 GB in fp32), the tokenizer,
 # trainer_state.json, metrics.json, samples.md, the GPU samples, TensorBoard events and hang dumps
@@ -97,7 +97,8 @@ def _copy_capped(sftp, remote: str, tmp: str, cap: int, owner: int | None = None
     return None
 
 
-def download(ctl: Connection, output_dir: str, dest: Path, say: Say = print, owner: int | None = None) -> list[str]:
+def download(ctl: Connection, output_dir: str, dest: Path, say: Say = print, owner: int | None = None,
+             reserved: frozenset[str] = OWN_RECORDS) -> list[str]:
     """Top-level files of the run's output_dir (adapters, tokenizer, state, metrics, samples.md, GPU
     samples) and the files of HOME_DIRS (TensorBoard events); no checkpoints. A listed name that
     would leave `dest` (fetch_files.inside: "..", a separator, a symbolic link), or that is one of
@@ -105,7 +106,8 @@ def download(ctl: Connection, output_dir: str, dest: Path, say: Say = print, own
     job wrote; symbolic links there are skipped (the SFTP server lists each entry's lstat: OpenSSH
     sftp-server.c process_readdir), and each file is lstat'ed again right before it is read and read
     with a byte cap (MAX_FILE_BYTES each, MAX_RUN_BYTES in all): a file over the cap is skipped.
-    `owner` (job_owner): the uid every file read must belong to as it is opened."""
+    `owner` (job_owner): the uid every file read must belong to as it is opened. `reserved`: the names
+    fab writes itself in `dest` (a run's folder: OWN_RECORDS; the merged model's folder holds none)."""
     sftp = ctl.sftp()
     dest.mkdir(parents=True, exist_ok=True)
     got = []
@@ -144,7 +146,7 @@ def download(ctl: Connection, output_dir: str, dest: Path, say: Say = print, own
         raise TrainError(f"{output_dir} is not on the cluster (removed?): nothing to download") from None
     for entry in entries:
         name = entry.filename
-        if name in OWN_RECORDS:
+        if name in reserved:
             say(f"      not downloaded from {output_dir}: {name!r} is the name of fab's own record in {dest}")
         elif stat.S_ISREG(entry.st_mode or 0):
             if _single(name, output_dir, say) and fetch(output_dir, name, name):

@@ -94,7 +94,8 @@ def merge(cl: Cluster, run: Path, download: bool = False, say: Say = print) -> d
     say(f"      model card: {_local(run / 'README.md')}")
     if download:
         dest = run / MERGED
-        got = run_home.download(ctl, out, dest, say, owner=run_home.job_owner(inv))
+        # into runs/<run>/merged/, which holds no record of fab's: the model card (README.md) comes home too
+        got = run_home.download(ctl, out, dest, say, owner=run_home.job_owner(inv), reserved=frozenset())
         result["home"] = str(dest)
         size = sum((dest / f).stat().st_size for f in got if (dest / f).is_file())
         say(f"      downloaded to {_local(dest)}/: {len(got)} files, {size / 1e9:.2f} GB")
