@@ -22,13 +22,22 @@ from localcluster.state import ClusterState
 
 
 def namespaces(state: ClusterState | None) -> set[str]:
-    """The namespace ids ("net:[ino]", ...) of the cluster's hosts: recorded and found."""
-    ns = {i for e in (state.hosts if state else ()) for i in e.ns}
+    """The namespace ids ("net:[ino]", ...) of the cluster's hosts that are provably still its own: the
+    network namespaces found by name (sgpu-*, which `ip netns add` bind-mounts under /run/netns), and a
+    recorded host's other namespaces (mount, UTS) only while its named network namespace still has the
+    id the state recorded. A recorded id alone proves nothing: the kernel reuses namespace inode
+    numbers, so a state file that outlived its cluster (a reboot, a killed `fab`) can name namespaces
+    that other processes now have (containers, another tool's), and those must never be killed."""
+    named = {}
     for name in netns.our_netns():
         try:
-            ns.add(f"net:[{os.stat(netns.netns_path(name)).st_ino}]")
+            named[name] = f"net:[{os.stat(netns.netns_path(name)).st_ino}]"
         except OSError:
             pass
+    ns = set(named.values())
+    for e in state.hosts if state else ():
+        if named.get(e.netns) in e.ns:
+            ns.update(e.ns)
     return ns
 
 

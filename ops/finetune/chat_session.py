@@ -65,20 +65,7 @@ class ChatOptions:
 
 def _run_dir(runs_root: Path, run: str | None) -> Path:
     """runs/<run>/, or the newest run with adapters."""
-    if run is None:
-        found = [d for d in runs.run_dirs(runs_root) if (d / "adapter_config.json").is_file()]
-        if not found:
-            raise OptionError(f"no run with adapters under {runs_root}: `fab train` brings one home, "
-                              "or pass --run with a run that `fab runs` lists")
-        return found[0]
-    run = str(run).strip()
-    if not runs.RUN_NAME.fullmatch(run):
-        raise OptionError(f"--run {run!r} is not a run's name: give a job id as `fab runs` lists it (e.g. --run 12)")
-    d = runs_root / run
-    if not d.is_dir():
-        known = ", ".join(p.name for p in runs.run_dirs(runs_root)) or "none"
-        raise OptionError(f"--run {run}: no such run under {runs_root} (runs there: {known}); `fab runs` lists them")
-    return d
+    return runs.with_adapters(runs_root, run, OptionError, "fab chat --run N")
 
 
 def _prompts(prompt: str | None, prompts_file: str | None) -> tuple[str, ...] | None:

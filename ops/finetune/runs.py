@@ -79,6 +79,30 @@ def run_dirs(runs: Path) -> list[Path]:
     return sorted(found, key=lambda d: (d / "metrics.json").stat().st_mtime, reverse=True)
 
 
+def with_adapters(root: Path, name: str | None, error: type[Exception], task: str) -> Path:
+    """runs/<name>/ holding a run's adapters (default: the newest such run), for `fab chat` and `fab merge`. `name`
+    is checked against RUN_NAME before it is joined to `root`; `error` is the task's own kind, and each message
+    names the fix. `task` is the command the message suggests (e.g. "fab merge --run N")."""
+    if name is None:
+        found = [d for d in run_dirs(root) if (d / "adapter_config.json").is_file()]
+        if not found:
+            raise error(f"no run with adapters under {root} yet: `fab train` brings each run home there, then "
+                        f"`{task}` takes one")
+        return found[0]
+    name = str(name).strip()
+    if not RUN_NAME.fullmatch(name):
+        shown_name = repr(name) if len(name) <= 40 else f"a value of {len(name)} characters"
+        raise error(f"--run {shown_name} is not a run's name: give one as `fab runs` lists it (e.g. --run 12)")
+    run = root / name
+    if not run.is_dir():
+        known = ", ".join(p.name for p in run_dirs(root)[:10]) or "none"
+        raise error(f"--run {name}: no such run under {root} (runs there: {known}); `fab runs` lists them")
+    if not (run / "adapter_config.json").is_file():
+        raise error(f"run {run.name} has no adapters in {run} (adapter_config.json): it did not finish, or its "
+                    f"download did not; `fab logs --job {run.name.split('-')[0]}` brings a finished run home")
+    return run
+
+
 def _f(value, fmt: str) -> str:
     return format(value, fmt) if isinstance(value, (int, float)) else "-"
 

@@ -35,25 +35,8 @@ class MergeError(UserError):
 
 
 def find_run(root: Path, name: str | None) -> Path:
-    """runs/<name>/ (default: the newest run brought home), checked to hold a run's adapters and job folder."""
-    if name is None:
-        found = runs.run_dirs(root)
-        if not found:
-            raise MergeError(f"no runs under {root} yet: `fab train` brings each run home there, then "
-                             "`fab merge --run N` merges one")
-        run = found[0]
-    else:
-        name = str(name).strip()
-        if not runs.RUN_NAME.fullmatch(name):
-            shown_name = repr(name) if len(name) <= 40 else f"a value of {len(name)} characters"
-            raise MergeError(f"--run {shown_name} is not a run's name: give one as `fab runs` lists it (e.g. --run 12)")
-        run = root / name
-        if not run.is_dir():
-            raise MergeError(f"--run {name}: no such run under {root}; `fab runs` lists the runs brought home")
-    if not (run / "adapter_config.json").is_file():
-        raise MergeError(f"run {run.name} has no adapters in {run} (adapter_config.json): it did not finish, "
-                         f"or its download did not; `fab logs --job {run.name.split('-')[0]}` brings a finished run "
-                         "home")
+    """runs/<name>/ (default: the newest run with adapters), checked to hold a run's adapters and job folder."""
+    run = runs.with_adapters(root, name, MergeError, "fab merge --run N")
     job_dir = (run / "job_dir").read_text().strip() if (run / "job_dir").is_file() else ""
     if not _JOB_DIR.fullmatch(job_dir) or ".." in job_dir.split("/"):
         raise MergeError(f"run {run.name}: {run / 'job_dir'} does not name the run's job folder on the cluster "

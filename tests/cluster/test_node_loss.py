@@ -23,6 +23,8 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -38,6 +40,7 @@ KEEP = {"munged", "sshd", "sleep"}
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
+NODES = ("gpu-node-01", "gpu-node-02")
 
 @pytest.fixture(scope="module")
 def local_cluster():
@@ -157,6 +160,44 @@ def restarts(job_id: str) -> int:
     return int(m[1]) if m else 0
 
 
+@contextmanager
+def frozen(job_id: str, nodes) -> Iterator[list[int]]:
+    """The job's training ranks on `nodes` stopped (SIGSTOP) while the test makes its fault, and continued
+    after: the fault lands mid-run whatever this machine's speed (the tiny model trains a step in a tenth
+    of a second on a fast machine, and `fab train` shows the log a poll late, so an unfrozen run can end
+    between the test seeing a step and its fault landing). Ranks killed meanwhile are skipped."""
+    from bootstrap.spot_watch import training_pids
+
+    pids = [p for n in nodes for p in training_pids(job_id, n)]
+    assert pids, f"no training rank of job {job_id} on {', '.join(nodes)}"
+    for p in pids:
+        os.kill(p, signal.SIGSTOP)
+    try:
+        yield pids
+    finally:
+        for p in pids:
+            try:
+                os.kill(p, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
+
+def output_dir(job_dir: str) -> Path:
+    """Where this machine sees a job's output folder (the job's /scratch is the local cluster's)."""
+    from localcluster import topology as layout
+
+    return layout.SCRATCH / os.path.relpath(job_dir, "/scratch") / "output"
+
+
+def submitted(out: "Streamed", proc: subprocess.Popen, timeout: float = 240) -> tuple[str, str]:
+    """(job id, job folder) once `fab train` has said it submitted the job."""
+    m = wait_for("fab train to submit the job",
+                 lambda: re.search(r"submitted job (\d+): .* in (\S+);", out.text) or proc.poll() is not None,
+                 timeout, 0.05)
+    assert m is not True and proc.poll() is None, out.text
+    return m[1], m[2]
+
+
 class Streamed:
     """`fab train`'s output, read in a thread so the test can act on what it has seen so far."""
 
@@ -177,19 +218,20 @@ class Streamed:
         return [int(m[1]) for line in self.lines if (m := re.search(r"^\s+step (\d+)/\d+  loss", line))]
 
 
-@pytest.mark.parametrize("sharding", ["none", "fsdp"])
-def test_node_loss_requeues_and_resumes_from_checkpoint(local_cluster, tmp_path, sharding):
-    """Unsharded, and sharded over the 4 ranks of both nodes (training/sharding.py): the killed node's ranks held
-    a quarter of the model each; the requeued job resumes sharded from the checkpoint's adapters and each rank's
-    optimizer shard."""
+def test_node_loss_requeues_and_resumes_from_checkpoint(local_cluster, tmp_path):
+    """Sharded over the 4 ranks of both nodes (training/sharding.py): the killed node's ranks held a quarter of the
+    model each; the requeued job resumes sharded from the checkpoint's adapters and each rank's optimizer shard.
+    The same crash unsharded differs only in the checkpoint read back, which the spot and hang tests
+    (test_spot_cluster.py, test_hang_cluster.py) resume from after their requeues; each crash costs the
+    requeue's cred_expire wait (localcluster/plan.py), so it runs once."""
     inv, job_dirs = local_cluster
     ranks = len(inv.gpu_nodes) * inv.gpus_per_node  # 2 x 2
     examples, save_steps = 320, 2
     cfg = yaml.safe_load((REPO / "training" / "configs" / "local-tiny.yaml").read_text())
-    # Five epochs (100 optimizer steps): the packed path trains one epoch of these rows in a few seconds, and the
-    # job log reaches `fab train` in chunks (one per poll), so a shorter run can end before the kill lands.
-    # eval_split 0: every row trains, so the step count below is an uninterrupted run's.
-    cfg.update(save_steps=save_steps, save_total_limit=3, num_train_epochs=5, eval_split=0, sharding=sharding)
+    # Two epochs (40 optimizer steps): the ranks are frozen while the node is crashed (frozen()), so the run cannot
+    # end before the fault lands however fast this machine trains. eval_split 0: every row trains, so the step
+    # count below is an uninterrupted run's.
+    cfg.update(save_steps=save_steps, save_total_limit=3, num_train_epochs=2, eval_split=0, sharding="fsdp")
     config = tmp_path / "node-loss.yaml"
     config.write_text(yaml.safe_dump(cfg))
     # What an uninterrupted run does: each rank sees ceil(examples / ranks) rows per epoch.
@@ -203,19 +245,18 @@ def test_node_loss_requeues_and_resumes_from_checkpoint(local_cluster, tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out = Streamed(proc)
     try:
-        # A checkpoint exists once rank 0 logs the step after the first save.
-        wait_for("a step after the first checkpoint",
-                 lambda: any(s > save_steps for s in out.steps()) or proc.poll() is not None, 240, 0.1)
-        assert proc.poll() is None, out.text
-        m = re.search(r"submitted job (\d+): .* in (\S+);", out.text)
-        assert m, out.text
-        job_id, job_dir = m[1], m[2]
+        job_id, job_dir = submitted(out, proc)
         job_dirs.append(job_dir)
-        step_at_fault = max(out.steps())
-        assert step_at_fault < expected_steps, f"the run finished before the fault:\n{out.text}"
-
-        killed = crash("gpu-node-02")
+        # The first checkpoint is complete (its trainer_state.json is written last): the ranks are frozen
+        # there, one node is crashed, the others go on and find their peers gone.
+        first = output_dir(job_dir) / f"checkpoint-{save_steps}" / "trainer_state.json"
+        wait_for("the first checkpoint", lambda: first.is_file() or proc.poll() is not None, 240, 0.02)
+        assert proc.poll() is None, out.text
+        with frozen(job_id, NODES):
+            killed = crash("gpu-node-02")
         assert "slurmd" in killed and "slurmstepd" in killed, killed
+        step_at_fault = max(out.steps(), default=0)
+        assert step_at_fault < expected_steps, f"the run finished before the fault:\n{out.text}"
 
         # Slurm requeues the job (same id, restart count 1) ...
         wait_for(f"job {job_id} to be requeued", lambda: restarts(job_id) >= 1, 90)
@@ -266,7 +307,7 @@ def test_node_loss_requeues_and_resumes_from_checkpoint(local_cluster, tmp_path,
     assert metrics["train_steps"] == state["global_step"] == expected_steps, (metrics, state["global_step"])
     assert metrics["resumed_from_step"] == resumed_step
     assert metrics["world_size"] == ranks
-    assert metrics["choices"]["sharding"] == {"value": f"fsdp {ranks}-way" if sharding == "fsdp" else "none",
+    assert metrics["choices"]["sharding"] == {"value": f"fsdp {ranks}-way",
                                               "by": "config"}
     log = (run / "job.log").read_text()
     assert log.count("SLURM_GPU_JOB") == 2  # the first attempt's log kept (--open-mode=append)

@@ -19,12 +19,23 @@ import time
 import pytest
 import yaml
 
-from tests.cluster.test_node_loss import FAB, REPO, Streamed, holder, on, restarts, wait_for
+from tests.cluster.test_node_loss import (
+    FAB,
+    NODES,
+    REPO,
+    Streamed,
+    frozen,
+    holder,
+    on,
+    output_dir,
+    restarts,
+    submitted,
+    wait_for,
+)
 from tests.support.local_cluster import fresh_cluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 PORT = 18169  # each host's own 127.0.0.1: the stand-in metadata service
-NODES = ("gpu-node-01", "gpu-node-02")
 
 
 # No node is lost here (the job script requeues itself after the notice): the requeued job need not wait out the
@@ -78,7 +89,6 @@ class Host:
 
 def test_spot_notice_checkpoints_drains_requeues_and_resumes(local_cluster, tmp_path):
     inv, job_dirs = local_cluster
-    from localcluster import topology as layout
 
     ranks = len(inv.gpu_nodes) * inv.gpus_per_node
     examples, save_steps = 320, 10
@@ -98,18 +108,23 @@ def test_spot_notice_checkpoints_drains_requeues_and_resumes(local_cluster, tmp_
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out = Streamed(proc)
     try:
-        wait_for("a few steps", lambda: any(s >= 3 for s in out.steps()) or proc.poll() is not None, 240, 0.1)
-        assert proc.poll() is None, out.text
-        m = re.search(r"submitted job (\d+): .* in (\S+);", out.text)
-        assert m, out.text
-        job_id, job_dir = m[1], m[2]
+        job_id, job_dir = submitted(out, proc)
         job_dirs.append(job_dir)
-        output = layout.SCRATCH / os.path.relpath(job_dir, "/scratch") / "output"
-        shown_before = max(out.steps())
-
+        output = output_dir(job_dir)
+        # Ten steps in (the schedule's first checkpoint is complete), every rank is frozen while the notice is posted
+        # and the watcher signals gpu-node-02's ranks; then the run goes on and meets the signal at the end of its
+        # step in progress. Frozen, a fast machine cannot finish the run before the notice lands.
+        first = output / f"checkpoint-{save_steps}" / "trainer_state.json"
+        wait_for("the first checkpoint", lambda: first.is_file() or proc.poll() is not None, 240, 0.02)
+        assert proc.poll() is None, out.text
         notice_time = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 120))
-        t0 = time.time()
-        hosts["gpu-node-02"].state.write_text(json.dumps({"instance-action": {"action": "stop", "time": notice_time}}))
+        with frozen(job_id, NODES):
+            shown_before = max(out.steps(), default=0)
+            hosts["gpu-node-02"].state.write_text(json.dumps({"instance-action": {"action": "stop", "time": notice_time}}))
+            wait_for("the watcher to signal gpu-node-02's ranks",
+                     lambda: len(set(re.findall(r"SIGUSR1 to rank pid (\d+)", hosts["gpu-node-02"].log.read_text()))) >= 2,
+                     30, 0.1)
+            t0 = time.time()
 
         said = wait_for("fab to report the interruption",
                         lambda: re.search(r"spot interruption on (\S+) \((.*?)\): checkpoint at step (\d+), requeued",

@@ -179,11 +179,14 @@ def _daemon_pids() -> set[str]:
 
 
 def _host_state() -> dict:
-    """What a local cluster would leave on this machine: namespaces, our links, state, daemons."""
+    """What a local cluster would leave on this machine: namespaces, our links, state, daemons. The
+    state files are looked for where `fab` run now would write them (SLURM_GPU_LOCAL_STATE, as
+    cluster/targets/local.py reads it)."""
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    state = Path(os.environ.get("SLURM_GPU_LOCAL_STATE", layout.STATE))
     return {"netns": {line.split()[0] for line in netns.splitlines() if line.strip()},
             "bridge": Path(f"/sys/class/net/{layout.BRIDGE}").exists(),
-            "state": layout.STATE_FILE.exists(), "inventory": layout.INVENTORY.exists(),
+            "state": (state / layout.STATE_FILE.name).exists(), "inventory": (state / layout.INVENTORY.name).exists(),
             "daemons": _daemon_pids()}
 
 
@@ -198,10 +201,17 @@ def _made(before: dict, after: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def no_cluster():
-    """Hold the local-cluster lock: no cluster is made or removed by others while we look."""
-    with cluster_lock():
-        yield
+def no_cluster(tmp_path_factory):
+    """No local cluster, whatever this machine runs: `fab` (a subprocess, which inherits the
+    environment) gets an empty state folder of the test's own (SLURM_GPU_LOCAL_STATE), so a cluster
+    that is up here, or a stale one's files, is neither seen nor touched (a `fab local.down` here
+    must never reach a real cluster's processes). The local-cluster lock is held as well: no
+    namespace, bridge or daemon comes or goes by others' hands while we look."""
+    state = tmp_path_factory.mktemp("no-local-cluster")
+    with cluster_lock(), pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SLURM_GPU_LOCAL_STATE", str(state))
+        yield state
+    assert not any(state.iterdir()), sorted(p.name for p in state.iterdir())  # nothing was written
 
 
 @pytest.mark.parametrize("argv,expected", FAB_CLI, ids=[" ".join(a) for a, _ in FAB_CLI])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 
@@ -106,3 +107,36 @@ def test_a_half_made_cluster_is_not_healthy():
     assert health.problems(ClusterState(nodes=2, gpus=3, hosts=saved.hosts[:2])) == ["not every host was made"]
 
 
+
+
+@pytest.mark.root
+def test_a_state_file_that_outlived_its_cluster_names_no_other_process(monkeypatch):
+    """The kernel reuses namespace ids: a stale state's recorded ids may now be another process's (here
+    a stand-in for a container: its own network, UTS and mount namespaces). `fab local.down` kills only
+    namespaces still held by the cluster's named network namespaces; with none left, none of it."""
+    import subprocess
+    import time
+    from pathlib import Path
+
+    from localcluster import dismantle, hosts, netns
+
+    stranger = subprocess.Popen(["unshare", "--net", "--uts", "--mount", "sleep", "120"])
+    try:
+        own = hosts.ns_ids(os.getpid())
+        deadline = time.monotonic() + 10
+        while (ids := hosts.ns_ids(stranger.pid)).get("net") in (None, own["net"]) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert ids["net"] != own["net"] and ids["uts"] != own["uts"], ids
+        ctl = HostEntry.of(plan.host_specs(1)[0])
+        stale = ClusterState(nodes=1, gpus=1, hosts=(dataclasses.replace(ctl, pid=stranger.pid,
+                                                                          ns=tuple(sorted(ids.values()))),))
+        monkeypatch.setattr(netns, "our_netns", lambda: [])  # the cluster's namespaces are gone
+        assert dismantle.namespaces(stale) == set()
+        assert hosts.kill_all(dismantle.namespaces(stale)) == [] and stranger.poll() is None
+        # While the host's named network namespace is there with the recorded id, all its namespaces are the cluster's.
+        monkeypatch.setattr(netns, "our_netns", lambda: [ctl.netns])
+        monkeypatch.setattr(netns, "netns_path", lambda name: Path(f"/proc/{stranger.pid}/ns/net"))
+        assert dismantle.namespaces(stale) == set(ids.values())
+    finally:
+        stranger.kill()
+        stranger.wait()

@@ -1,7 +1,7 @@
 """`fab merge` (ops/finetune/ship.py, jobs/merge_adapters.py, ops/finetune/model_card.py) without a cluster:
 the merge program on the tiny model with real peft adapters, reloaded with plain transformers; the model card
 from a run's records; the data hash run.json keeps; and the refusals made before any host is touched.
-tests/cluster/test_merge_cluster.py runs the same merge as a Slurm job after a real `fab train`."""
+tests/cluster/test_run_after_training_cluster.py runs the same merge as a Slurm job after a real `fab train`."""
 
 from __future__ import annotations
 
@@ -198,7 +198,7 @@ def _fab_merge(runs: Path, *args: str) -> tuple[int, str]:
 
 
 @pytest.mark.parametrize("make, args, error", [
-    (lambda r: None, (), "fab merge: no runs under .* yet: `fab train` brings"),
+    (lambda r: None, (), "fab merge: no run with adapters under .* yet: `fab train` brings"),
     (lambda r: _run_dir(r), ("--run", "12"), r"fab merge: --run 12: no such run under .*`fab runs` lists"),
     (lambda r: _run_dir(r), ("--run", "../7"), r"fab merge: --run '../7' is not a run's name"),
     (lambda r: _run_dir(r, adapters=False), ("--run", "7"), r"fab merge: run 7 has no adapters in .*fab logs --job 7"),
@@ -216,8 +216,12 @@ def test_fab_merge_refuses_bad_input_before_touching_a_host(tmp_path, make, args
     assert len(out.strip().splitlines()) == 1, out
 
 
-def test_find_run_takes_the_newest_run_by_default(tmp_path):
+def test_find_run_takes_the_newest_run_with_adapters_by_default(tmp_path):
+    import os
+
     run = _run_dir(tmp_path)
+    newer = _run_dir(tmp_path, name="8", adapters=False)  # a newer run that did not finish
+    os.utime(newer / "metrics.json", (run.stat().st_mtime + 60,) * 2)
     assert ship.find_run(tmp_path, None) == run
 
 
