@@ -21,33 +21,29 @@ from localcluster.preflight import ClusterError
 from localcluster.state import ClusterState
 
 
-def namespaces(state: ClusterState | None) -> set[str]:
-    """The namespace ids ("net:[ino]", ...) of the cluster's hosts that are provably still its own: the
-    network namespaces found by name (sgpu-*, which `ip netns add` bind-mounts under /run/netns), and a
-    recorded host's other namespaces (mount, UTS) only while its named network namespace still has the
-    id the state recorded. A recorded id alone proves nothing: the kernel reuses namespace inode
-    numbers, so a state file that outlived its cluster (a reboot, a killed `fab`) can name namespaces
-    that other processes now have (containers, another tool's), and those must never be killed."""
-    named = {}
+def namespaces() -> set[str]:
+    """The network namespace ids ("net:[ino]") of the cluster's hosts: those of its named namespaces (sgpu-*,
+    which `ip netns add` bind-mounts under /run/netns). Every process of a host is in its named network
+    namespace (hosts.start_holder enters it, and every command there enters the holder's), so these ids find
+    them all. The ids a state file recorded are not used: the kernel reuses namespace inode numbers, and once
+    a host's holder is gone its mount and UTS ids may be another process's (a container's, another tool's),
+    which must never be killed."""
+    ns = set()
     for name in netns.our_netns():
         try:
-            named[name] = f"net:[{os.stat(netns.netns_path(name)).st_ino}]"
+            ns.add(f"net:[{os.stat(netns.netns_path(name)).st_ino}]")
         except OSError:
             pass
-    ns = set(named.values())
-    for e in state.hosts if state else ():
-        if named.get(e.netns) in e.ns:
-            ns.update(e.ns)
     return ns
 
 
-def leftovers(state: ClusterState | None) -> list[str]:
+def leftovers() -> list[str]:
     """What of a local cluster exists on this machine (empty when nothing)."""
     found = [f"namespace {n}" for n in netns.our_netns()]
     found += [f"link {v}" for v in netns.our_veths()]
     if netns.link_exists(layout.BRIDGE):
         found.append(f"bridge {layout.BRIDGE}")
-    ns = namespaces(state)
+    ns = namespaces()
     found += [f"process {p}" for p in hosts.processes_in(ns) if hosts.alive(p)] if ns else []
     return found
 
@@ -55,8 +51,8 @@ def leftovers(state: ClusterState | None) -> list[str]:
 def teardown(state: ClusterState | None, out: Callable[[str], None]) -> None:
     """Remove the cluster (see the module docstring); ClusterError naming what is left, if any."""
     t0 = time.monotonic()
-    was_up = state is not None or bool(leftovers(None))
-    survivors = hosts.kill_all(namespaces(state))
+    was_up = state is not None or bool(leftovers())
+    survivors = hosts.kill_all(namespaces())
     hosts.reap()
     indexes = {e.netns: e.index for e in (state.hosts if state else ())}
     for name in set(indexes) | set(netns.our_netns()):
@@ -74,7 +70,7 @@ def teardown(state: ClusterState | None, out: Callable[[str], None]) -> None:
         shutil.rmtree(path, ignore_errors=True)
     for path in (layout.INVENTORY, layout.STATE_FILE):
         path.unlink(missing_ok=True)
-    left = leftovers(None) + [f"process {p}" for p in survivors]
+    left = leftovers() + [f"process {p}" for p in survivors]
     if left:
         raise ClusterError(f"local.down could not remove: {', '.join(left)}")
     if not was_up:  # idempotent (`fab local.down && fab local.up`), but say that nothing was there

@@ -71,7 +71,7 @@ def up(nodes=layout.DEFAULT_NODES, gpus=layout.DEFAULT_GPUS, fresh_keys: bool = 
                 out(f"local cluster already up ({nodes} GPU hosts x {gpus} GPUs); nothing to do")
                 return LOCAL.load(None)
             out(f"local cluster is broken ({'; '.join(problems)}); recreating it")
-        if saved is not None or layout.STATE_FILE.exists() or leftovers(None):
+        if saved is not None or layout.STATE_FILE.exists() or leftovers():
             teardown(saved, out=_silent)
         try:
             return build(nodes, gpus, fresh_keys, out, idle_stop_s, cred_expire)

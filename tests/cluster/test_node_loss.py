@@ -161,21 +161,29 @@ def restarts(job_id: str) -> int:
 
 
 @contextmanager
-def frozen(job_id: str, nodes) -> Iterator[list[int]]:
-    """The job's training ranks on `nodes` stopped (SIGSTOP) while the test makes its fault, and continued
-    after: the fault lands mid-run whatever this machine's speed (the tiny model trains a step in a tenth
-    of a second on a fast machine, and `fab train` shows the log a poll late, so an unfrozen run can end
-    between the test seeing a step and its fault landing). Ranks killed meanwhile are skipped."""
+def frozen(job_id: str, nodes, per_node: int) -> Iterator[list[int]]:
+    """The job's training ranks on `nodes` (`per_node` on each) stopped (SIGSTOP) while the test makes its fault,
+    and continued after: the fault lands mid-run whatever this machine's speed (the tiny model trains a step in
+    a tenth of a second on a fast machine, and `fab train` shows the log a poll late, so an unfrozen run can end
+    between the test seeing a step and its fault landing). Ranks killed or ended meanwhile are skipped. The
+    freeze lasts seconds: the hang watchers' floor (training/args.py hang_timeout_floor_s, 600 s by default)
+    and gloo's 30-minute timeout are far off, and a signal sent to a stopped rank is delivered when it goes on."""
     from bootstrap.spot_watch import training_pids
 
-    pids = [p for n in nodes for p in training_pids(job_id, n)]
-    assert pids, f"no training rank of job {job_id} on {', '.join(nodes)}"
-    for p in pids:
-        os.kill(p, signal.SIGSTOP)
+    found = {n: training_pids(job_id, n) for n in nodes}
+    assert all(len(p) == per_node for p in found.values()), f"job {job_id}'s training ranks: {found}"
+    pids = [p for ps in found.values() for p in ps]
+    stopped = []
     try:
-        yield pids
-    finally:
         for p in pids:
+            try:
+                os.kill(p, signal.SIGSTOP)
+                stopped.append(p)
+            except ProcessLookupError:
+                pass
+        yield stopped
+    finally:
+        for p in stopped:
             try:
                 os.kill(p, signal.SIGCONT)
             except ProcessLookupError:
@@ -247,12 +255,14 @@ def test_node_loss_requeues_and_resumes_from_checkpoint(local_cluster, tmp_path)
     try:
         job_id, job_dir = submitted(out, proc)
         job_dirs.append(job_dir)
-        # The first checkpoint is complete (its trainer_state.json is written last): the ranks are frozen
-        # there, one node is crashed, the others go on and find their peers gone.
-        first = output_dir(job_dir) / f"checkpoint-{save_steps}" / "trainer_state.json"
-        wait_for("the first checkpoint", lambda: first.is_file() or proc.poll() is not None, 240, 0.02)
+        # A checkpoint is complete (its trainer_state.json is written last): the ranks are frozen there, one node
+        # is crashed, the others go on and find their peers gone.
+        # Any complete one: save_total_limit rotates the first away a few steps later.
+        output = output_dir(job_dir)
+        wait_for("the first checkpoint",
+                 lambda: any(output.glob("checkpoint-*/trainer_state.json")) or proc.poll() is not None, 240, 0.02)
         assert proc.poll() is None, out.text
-        with frozen(job_id, NODES):
+        with frozen(job_id, NODES, inv.gpus_per_node):
             killed = crash("gpu-node-02")
         assert "slurmd" in killed and "slurmstepd" in killed, killed
         step_at_fault = max(out.steps(), default=0)

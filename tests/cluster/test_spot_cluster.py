@@ -118,13 +118,13 @@ def test_spot_notice_checkpoints_drains_requeues_and_resumes(local_cluster, tmp_
         wait_for("the first checkpoint", lambda: first.is_file() or proc.poll() is not None, 240, 0.02)
         assert proc.poll() is None, out.text
         notice_time = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 120))
-        with frozen(job_id, NODES):
+        with frozen(job_id, NODES, inv.gpus_per_node):
             shown_before = max(out.steps(), default=0)
+            t0 = time.time()  # the notice appears: the watcher's poll, the drain and the signal count from here
             hosts["gpu-node-02"].state.write_text(json.dumps({"instance-action": {"action": "stop", "time": notice_time}}))
             wait_for("the watcher to signal gpu-node-02's ranks",
                      lambda: len(set(re.findall(r"SIGUSR1 to rank pid (\d+)", hosts["gpu-node-02"].log.read_text()))) >= 2,
                      30, 0.1)
-            t0 = time.time()
 
         said = wait_for("fab to report the interruption",
                         lambda: re.search(r"spot interruption on (\S+) \((.*?)\): checkpoint at step (\d+), requeued",
@@ -134,11 +134,11 @@ def test_spot_notice_checkpoints_drains_requeues_and_resumes(local_cluster, tmp_
         state_file = output / f"checkpoint-{step}" / "trainer_state.json"
         assert state_file.is_file(), out.text
         seconds = state_file.stat().st_mtime - t0
-        print(f"\nnotice -> checkpoint-{step} complete: {seconds:.2f} s")
-        (tmp_path.parent / "spot-seconds.txt").write_text(f"{seconds:.3f}\n")
+        print(f"\nnotice -> checkpoint-{step} complete: {seconds:.2f} s (the ranks frozen for part of it)")
         assert node == "gpu-node-02" and reason == f"stop at {notice_time}", out.text
         assert json.loads(state_file.read_text())["global_step"] == step
-        assert step >= shown_before, out.text  # the step in progress at the notice, or the next
+        # the step in progress at the notice, or the next: after the schedule's first checkpoint, which is not it
+        assert step >= shown_before and step > save_steps, out.text
 
         # The node is drained with the notice as its reason; the job is requeued and waits for nodes.
         assert on("controller", "sinfo", "-h", "-n", "gpu-node-02", "-o", "%E").stdout.strip() == \

@@ -202,11 +202,11 @@ def _made(before: dict, after: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def no_cluster(tmp_path_factory):
-    """No local cluster, whatever this machine runs: `fab` (a subprocess, which inherits the
-    environment) gets an empty state folder of the test's own (SLURM_GPU_LOCAL_STATE), so a cluster
-    that is up here, or a stale one's files, is neither seen nor touched (a `fab local.down` here
-    must never reach a real cluster's processes). The local-cluster lock is held as well: no
-    namespace, bridge or daemon comes or goes by others' hands while we look."""
+    """No local cluster's files: `fab` (a subprocess, which inherits the environment) gets an empty
+    state folder of the test's own (SLURM_GPU_LOCAL_STATE), so the state and inventory a cluster left on
+    this machine (a stale one after a reboot, say) play no part. Namespaces, the bridge and daemons are
+    machine-wide: the local-cluster lock is held so that none comes or goes by others' hands while we
+    look (scripts/test.sh never runs this tier beside the cluster tier)."""
     state = tmp_path_factory.mktemp("no-local-cluster")
     with cluster_lock(), pytest.MonkeyPatch.context() as mp:
         mp.setenv("SLURM_GPU_LOCAL_STATE", str(state))

@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import subprocess
+import time
 
 import pytest
 
@@ -110,12 +112,11 @@ def test_a_half_made_cluster_is_not_healthy():
 
 
 @pytest.mark.root
-def test_a_state_file_that_outlived_its_cluster_names_no_other_process(monkeypatch):
-    """The kernel reuses namespace ids: a stale state's recorded ids may now be another process's (here
-    a stand-in for a container: its own network, UTS and mount namespaces). `fab local.down` kills only
-    namespaces still held by the cluster's named network namespaces; with none left, none of it."""
-    import subprocess
-    import time
+def test_a_state_file_that_outlived_its_cluster_names_no_other_process(state_file, monkeypatch):
+    """The kernel reuses namespace ids: a stale state's recorded ids may now be another process's (here a
+    stand-in for a container: its own network, UTS and mount namespaces). `fab local.down` finds the cluster's
+    processes by its named network namespaces only, never by recorded ids: with none left, nothing is killed,
+    whatever the state file says; with one, only what is in it."""
     from pathlib import Path
 
     from localcluster import dismantle, hosts, netns
@@ -126,17 +127,21 @@ def test_a_state_file_that_outlived_its_cluster_names_no_other_process(monkeypat
         deadline = time.monotonic() + 10
         while (ids := hosts.ns_ids(stranger.pid)).get("net") in (None, own["net"]) and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert ids["net"] != own["net"] and ids["uts"] != own["uts"], ids
+        assert ids["net"] != own["net"] and ids["uts"] != own["uts"] and ids["mnt"] != own["mnt"], ids
         ctl = HostEntry.of(plan.host_specs(1)[0])
         stale = ClusterState(nodes=1, gpus=1, hosts=(dataclasses.replace(ctl, pid=stranger.pid,
                                                                           ns=tuple(sorted(ids.values()))),))
+        state.save(stale)  # what `local.down` reads: the stranger's ids, recorded
         monkeypatch.setattr(netns, "our_netns", lambda: [])  # the cluster's namespaces are gone
-        assert dismantle.namespaces(stale) == set()
-        assert hosts.kill_all(dismantle.namespaces(stale)) == [] and stranger.poll() is None
-        # While the host's named network namespace is there with the recorded id, all its namespaces are the cluster's.
+        assert state.load() == stale and dismantle.namespaces() == set()
+        # A named namespace of the cluster (here: one that is this test's own network namespace) counts, and
+        # only it: the stranger's recorded ids do not come with it.
         monkeypatch.setattr(netns, "our_netns", lambda: [ctl.netns])
+        monkeypatch.setattr(netns, "netns_path", lambda name: Path("/proc/self/ns/net"))
+        assert dismantle.namespaces() == {own["net"]}
         monkeypatch.setattr(netns, "netns_path", lambda name: Path(f"/proc/{stranger.pid}/ns/net"))
-        assert dismantle.namespaces(stale) == set(ids.values())
+        assert dismantle.namespaces() == {ids["net"]}  # its processes are the ones `local.down` would end
+        assert stranger.pid in hosts.processes_in(dismantle.namespaces())
     finally:
         stranger.kill()
         stranger.wait()
