@@ -86,7 +86,9 @@ def trained(tmp_path_factory):
             rows = [ln for ln in (SCRATCH / "tiny" / "data" / "train.jsonl").read_text().splitlines() if ln.strip()]
             data.write_text("\n".join(rows[:ROWS]) + "\n")
             sha = hashlib.sha256(data.read_bytes()).hexdigest()
-            assert not (UPLOADS / sha).exists()
+            # /scratch outlives clusters (`fab local.down` keeps it): an earlier, interrupted run of this module may
+            # have left this file's upload, and the first run below must make its own.
+            subprocess.run(["rm", "-rf", str(UPLOADS / sha)], check=True)
             out, job, job_dir = fab_train(runs, data, job_dirs)
             yield Trained(runs, out, job, job_dir, data, sha, job_dirs)
         finally:
